@@ -1,0 +1,34 @@
+"""Typed errors of kvrag. Each message says what was wrong and what to do about it.
+
+This module owns the exception hierarchy only; it never decides when to raise.
+"""
+
+from __future__ import annotations
+
+
+class KVRAGError(Exception):
+    """Base class of every error kvrag raises on purpose."""
+
+
+class UnsupportedModelError(KVRAGError):
+    """The model's position scheme cannot be re-positioned by a rotation, so reuse would be wrong."""
+
+
+class ModelNotFoundError(KVRAGError):
+    """The model id or folder could not be loaded (missing files, no network)."""
+
+
+class EmptyInputError(KVRAGError, ValueError):
+    """A text, chunk list or question was empty or whitespace only."""
+
+
+class ContextOverflowError(KVRAGError, ValueError):
+    """A chunk or a stitched prompt does not fit in the model's context window."""
+
+
+class InvalidRequestError(KVRAGError, ValueError):
+    """An argument is outside what kvrag accepts (unknown strategy, bad target, bad sampling value)."""
+
+
+class LayoutError(KVRAGError):
+    """The prompt template cannot be split into prefix, context and suffix."""

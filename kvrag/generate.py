@@ -1,0 +1,125 @@
+"""Decoding after a prefill: sampling, stop conditions and incremental detokenization.
+
+Generated tokens take logical positions N, N+1, ... after the stitched prompt; every cached position is
+lower, so decoding needs no mask. This module never builds a prompt or a cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from kvrag.errors import InvalidRequestError
+
+
+@dataclass(slots=True)
+class Sampling:
+    """How to pick tokens. temperature 0 is greedy."""
+
+    max_new_tokens: int = 256  # upper bound on generated tokens
+    temperature: float = 0.0  # 0: greedy; > 0: sample from softmax(logits / temperature)
+    top_p: float = 1.0  # nucleus: sample only from the smallest set whose probability reaches top_p
+    seed: int | None = None  # seeds a private generator: same seed, same tokens
+    stop: tuple[str, ...] = field(default_factory=tuple)  # generation ends before the first of these strings
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(s for s in self.stop if s)
+        if self.max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise InvalidRequestError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """One token id from [V] logits."""
+    if sampling.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1:
+        sorted_probs, sorted_ids = torch.sort(probs, descending=True)
+        # keep a token while the mass before it is under top_p (the first token is always kept)
+        drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= sampling.top_p
+        sorted_probs[drop] = 0
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(sorted_ids[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.inference_mode()
+def decode(
+    model: torch.nn.Module,
+    cache: DynamicCache,
+    first_logits: torch.Tensor,
+    position: int,
+    sampling: Sampling,
+    eos_ids: Sequence[int],
+) -> Iterator[int]:
+    """Yield token ids: the first from `first_logits`, the rest one forward each, until EOS or the limit.
+
+    An EOS id is yielded, then the iterator ends. The caller stops early (stop strings) by closing it.
+    """
+    generator = None
+    if sampling.seed is not None:
+        generator = torch.Generator(device=first_logits.device).manual_seed(sampling.seed)
+    device = next(model.parameters()).device
+    logits = first_logits
+    for step in range(sampling.max_new_tokens):
+        token = pick_token(logits, sampling, generator)
+        yield token
+        if token in eos_ids or step + 1 == sampling.max_new_tokens:
+            return
+        out = model(
+            input_ids=torch.tensor([[token]], device=device),
+            position_ids=torch.tensor([[position + step]], device=device),
+            cache=cache,
+            use_cache=True,
+        )
+        logits = out.logits[0, -1].float()
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into safe text pieces, holding back what a stop string may claim.
+
+    Text is emitted only when it is final: not an incomplete UTF-8 sequence, not a possible start of a
+    stop string. The pieces joined equal the final text.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the text already handed out
+        self.text = ""
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add a token; return the newly final text ('' if none). Sets `stopped` when a stop string appears."""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""  # a multi-byte character is not complete yet
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            text = text[: min(hits)]
+            self.text = text
+            return self._emit(len(text))
+        self.text = text
+        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return self._emit(len(text) - hold)
+
+    def finish(self) -> str:
+        """Whatever is still held back once generation ended without a stop string."""
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        piece = self.text[self.emitted : upto] if upto > self.emitted else ""
+        self.emitted = max(self.emitted, upto)
+        return piece

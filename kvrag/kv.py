@@ -1,0 +1,59 @@
+"""The chunk KV type and its identity.
+
+One place knows the layout of a chunk's stored attention state: per layer and per KV head (never after
+repeat_kv), keys post-RoPE at the position the chunk was encoded at. Nothing here runs the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import NewType, Sequence
+
+import torch
+
+# Bump when the stored layout or its meaning changes: every older entry then becomes a miss.
+KV_FORMAT_VERSION = 1
+
+ChunkKey = NewType("ChunkKey", str)
+
+
+@dataclass(slots=True)
+class ChunkKV:
+    """The attention state of one run of tokens (a chunk, or the prefix)."""
+
+    token_ids: torch.Tensor  # [T] int64, the chunk's ids exactly as they enter the stitched prompt
+    keys: torch.Tensor  # [L, H_kv, T, D], post-RoPE at positions start .. start+T-1
+    values: torch.Tensor  # [L, H_kv, T, D_v], position-free
+    start: int  # logical position of the first token when encoded (len(prefix) for a chunk)
+
+    def __post_init__(self) -> None:
+        if self.keys.shape[:3] != self.values.shape[:3] or self.keys.shape[2] != self.token_ids.shape[0]:
+            raise ValueError(
+                f"inconsistent chunk KV: keys {tuple(self.keys.shape)}, values {tuple(self.values.shape)}, "
+                f"{self.token_ids.shape[0]} token ids"
+            )
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by keys and values."""
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+def chunk_key(model_digest: str, prefix_ids: Sequence[int], chunk_ids: Sequence[int], *, salt: str = "") -> ChunkKey:
+    """The store key of a chunk's KV: format version, model fingerprint, prefix ids and chunk ids, chained.
+
+    A cache made by another model, dtype, template or format version hashes differently and is a miss.
+    `salt` separates namespaces (a tenant, an approximate-KV plan) that must never share entries.
+    """
+    h = hashlib.sha256()
+    for part in (f"kvrag-kv/{KV_FORMAT_VERSION}", model_digest, salt):
+        h.update(part.encode())
+        h.update(b"\x00")
+    for ids in (prefix_ids, chunk_ids):
+        h.update(len(ids).to_bytes(8, "little"))
+        h.update(b"".join(int(i).to_bytes(4, "little") for i in ids))
+    return ChunkKey(h.hexdigest())

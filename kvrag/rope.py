@@ -1,0 +1,66 @@
+"""Re-positioning cached keys: one RoPE rotation from the canonical position, with the model's own rotary module.
+
+A stored key is post-RoPE at the position it was encoded at. Moving it by d positions is a rotation by
+d * theta on the rotary dimensions (k' = k*cos + rotate_half(k)*sin). Angles come from the model's rotary
+module in float32, so its scaling type (linear, llama3, yarn) and partial rotary dimensions are honoured.
+This module never decides where a chunk goes; it only moves keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrag.errors import UnsupportedModelError
+
+
+def find_rotary(model: torch.nn.Module) -> torch.nn.Module:
+    """The model-level rotary embedding module (`rotary_emb`), shared by every layer."""
+    base = getattr(model, "base_model", model)
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no model-level rotary embedding (`rotary_emb`): its positions are not "
+            "rotary, so cached keys cannot be re-positioned."
+        )
+    return rotary
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Repositioner:
+    """Moves cached keys to new positions with the model's own rotary frequencies."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.rotary = find_rotary(model)
+        # yarn multiplies cos/sin by an attention factor; that factor is already inside the stored keys.
+        self.scaling = float(getattr(self.rotary, "attention_scaling", 1.0) or 1.0)
+        device = next(model.parameters()).device
+        cos, _ = self.angles(torch.zeros(1, dtype=torch.long, device=device))
+        self.rotary_dim = cos.shape[-1]  # D_rot <= head_dim: partial rotary rotates only the first D_rot dims
+
+    def angles(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of each shift, float32: [T, D_rot]."""
+        probe = torch.empty(1, dtype=torch.float32, device=deltas.device)
+        cos, sin = self.rotary(probe, position_ids=deltas.view(1, -1))
+        return cos[0] / self.scaling, sin[0] / self.scaling
+
+    def shift(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """Rotate keys by per-token position deltas, in float32, then cast back once.
+
+        Args:
+            keys: [L, H_kv, T, D] post-RoPE keys (any layer/head leading dims).
+            deltas: [T] int64, new position minus the position each key was encoded at.
+
+        Returns:
+            A new tensor of keys' shape and dtype; `keys` is not modified.
+        """
+        cos, sin = self.angles(deltas.to(keys.device))  # [T, D_rot]
+        rot = self.rotary_dim
+        k = keys[..., :rot].float()
+        moved = (k * cos + rotate_half(k) * sin).to(keys.dtype)
+        if rot == keys.shape[-1]:
+            return moved
+        return torch.cat((moved, keys[..., rot:]), dim=-1)

@@ -1,0 +1,51 @@
+"""Re-positioning: keys rotated to an offset equal keys encoded at that offset (fp32, relative error < 1e-5)."""
+
+import pytest
+import torch
+from tiny import ARCHS, VOCAB, tiny_model
+from transformers import DynamicCache
+
+from kvrag.encode import stacked_kv
+from kvrag.rope import Repositioner
+
+
+def keys_at(model, ids, offset):
+    cache = DynamicCache()
+    positions = torch.arange(offset, offset + ids.shape[1]).view(1, -1)
+    with torch.inference_mode():
+        model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+    return stacked_kv(cache, 0, 0, ids.shape[1])[0]  # [L, H_kv, T, D]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("offset", [1, 37, 300])
+def test_rotated_keys_equal_keys_encoded_at_offset(arch, offset):
+    model = tiny_model(arch)
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(1))
+    start = 5
+    stored = keys_at(model, ids, start)
+    expected = keys_at(model, ids, start + offset)
+    moved = Repositioner(model).shift(stored, torch.full((24,), offset))
+    err = ((moved - expected).norm() / expected.norm()).item()
+    assert err < 1e-5, f"{arch}: relative error {err:.2e}"
+    # The rotation must matter: unmoved keys are far from the keys at the offset.
+    assert ((stored - expected).norm() / expected.norm()).item() > 1e-3
+
+
+def test_partial_rotary_leaves_pass_through_dims_untouched():
+    model = tiny_model("gpt_neox")  # rotary on a quarter of each head
+    rep = Repositioner(model)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    assert rep.rotary_dim == head_dim // 4
+    keys = torch.randn(2, 4, 6, head_dim)
+    moved = rep.shift(keys, torch.full((6,), 9))
+    assert torch.equal(moved[..., rep.rotary_dim:], keys[..., rep.rotary_dim:])
+    assert not torch.allclose(moved[..., : rep.rotary_dim], keys[..., : rep.rotary_dim])
+
+
+def test_shift_does_not_modify_its_input_and_keeps_dtype():
+    model = tiny_model("llama")
+    keys = torch.randn(2, 2, 5, 16, dtype=torch.bfloat16)
+    before = keys.clone()
+    moved = Repositioner(model).shift(keys, torch.arange(5))
+    assert moved.dtype == torch.bfloat16 and torch.equal(keys, before)

@@ -1,0 +1,74 @@
+"""Tiny random models of every supported architecture, and a byte-level tokenizer; no weights, no network."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+VOCAB = 300
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, pad_token_id=0, bos_token_id=256,
+    eos_token_id=257, tie_word_embeddings=False,
+)
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+# name -> (model_type, config overrides)
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {"rope_parameters": ROPE}),
+    "qwen2": ("qwen2", {"rope_parameters": ROPE}),
+    "qwen3": ("qwen3", {"rope_parameters": ROPE, "head_dim": 16}),
+    "mistral": ("mistral", {"rope_parameters": ROPE, "sliding_window": None}),
+    "phi3": ("phi3", {"rope_parameters": {**ROPE, "partial_rotary_factor": 0.5}}),
+    "gpt_neox": ("gpt_neox", {"rope_parameters": {**ROPE, "partial_rotary_factor": 0.25}, "num_key_value_heads": 4,
+                              "use_parallel_residual": True}),
+    "gemma": ("gemma", {"rope_parameters": ROPE, "head_dim": 16}),
+    "llama_linear": ("llama", {"rope_parameters": {**ROPE, "rope_type": "linear", "factor": 2.0}}),
+    "llama_llama3": ("llama", {"rope_parameters": {**ROPE, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 128}}),
+    "llama_yarn": ("llama", {"rope_parameters": {**ROPE, "rope_type": "yarn", "factor": 4.0,
+                                                 "original_max_position_embeddings": 128}}),
+}
+
+
+def tiny_config(name: str, **overrides: Any) -> Any:
+    model_type, extra = ARCHS[name]
+    kwargs = {**COMMON, **extra, **overrides}
+    if model_type == "gpt_neox":
+        kwargs.pop("num_key_value_heads")
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+@lru_cache(maxsize=None)
+def tiny_model(name: str, seed: int = 0, attn: str = "sdpa") -> Any:
+    """A random model, built once per (name, seed, attention) and shared: tests only read it."""
+    torch.manual_seed(seed)
+    config = tiny_config(name)
+    config._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    return model.float().eval()
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: ids 0..255 are bytes (as GPT-2 byte characters), then the special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<bos>", "<eos>", "<|im_start|>", "<|im_end|>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<eos>")
+    if chat_template:
+        fast.chat_template = chat_template
+    return fast
