@@ -69,6 +69,7 @@ def encode_chunks(
     *,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     on_batch: Callable[[int], None] | None = None,
+    encoder: str = "",
 ) -> list[ChunkKV]:
     """Encode many chunks behind the prefix, batched; return their KV in the given order.
 
@@ -78,6 +79,7 @@ def encode_chunks(
         chunk_ids: each chunk's token ids.
         batch_tokens: rows x padded length per forward; 0 or less encodes one chunk a forward.
         on_batch: called with the number of chunks finished after each forward (progress).
+        encoder: recorded in each ChunkKV (see `kvrag.kv.encoder_id`).
     """
     device = prefix.keys.device
     start = len(prefix)
@@ -94,7 +96,8 @@ def encode_chunks(
         model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
         for row, i in enumerate(group):
             keys, values = stacked_kv(cache, row, start, start + lengths[i])
-            out[i] = ChunkKV(token_ids=ids[row, : lengths[i]].clone(), keys=keys, values=values, start=start)
+            out[i] = ChunkKV(token_ids=ids[row, : lengths[i]].clone(), keys=keys, values=values, start=start,
+                             encoder=encoder)
         if on_batch is not None:
             on_batch(len(group))
     return out  # type: ignore[return-value]

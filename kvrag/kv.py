@@ -26,6 +26,7 @@ class ChunkKV:
     keys: torch.Tensor  # [L, H_kv, T, D], post-RoPE at positions start .. start+T-1
     values: torch.Tensor  # [L, H_kv, T, D_v], position-free
     start: int  # logical position of the first token when encoded (len(prefix) for a chunk)
+    encoder: str = ""  # encoder_id of the model and prefix that produced it ("" when unknown)
 
     def __post_init__(self) -> None:
         if self.keys.shape[:3] != self.values.shape[:3] or self.keys.shape[2] != self.token_ids.shape[0]:
@@ -41,6 +42,14 @@ class ChunkKV:
     def nbytes(self) -> int:
         """Bytes held by keys and values."""
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+def encoder_id(model_digest: str, prefix_ids: Sequence[int]) -> str:
+    """What a chunk's KV depends on besides its own ids: the model fingerprint and the prefix it follows."""
+    h = hashlib.sha256(f"kvrag-kv/{KV_FORMAT_VERSION}".encode())
+    h.update(model_digest.encode())
+    h.update(b"".join(int(i).to_bytes(4, "little") for i in prefix_ids))
+    return h.hexdigest()
 
 
 def chunk_key(model_digest: str, prefix_ids: Sequence[int], chunk_ids: Sequence[int], *, salt: str = "") -> ChunkKey:

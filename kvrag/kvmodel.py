@@ -18,7 +18,7 @@ import torch
 from kvrag.encode import DEFAULT_BATCH_TOKENS, encode_chunks, encode_prefix
 from kvrag.errors import ContextOverflowError, EmptyInputError, InvalidRequestError
 from kvrag.generate import Detokenizer, Sampling, decode
-from kvrag.kv import ChunkKey, ChunkKV, chunk_key
+from kvrag.kv import ChunkKey, ChunkKV, chunk_key, encoder_id
 from kvrag.layout import PromptLayout
 from kvrag.model import (
     check_architecture,
@@ -113,6 +113,7 @@ class KVModel:
         self.batch_tokens = batch_tokens
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.prefix = encode_prefix(model, self.layout.prefix_ids)
+        self.encoder_id = encoder_id(self.fingerprint.digest, self.layout.prefix_ids)
         eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
         eos_list = eos if isinstance(eos, list) else [eos]
         self.eos_ids = sorted({int(e) for e in [*eos_list, tokenizer.eos_token_id] if e is not None})
@@ -148,7 +149,8 @@ class KVModel:
         """Encode chunk texts behind the prefix at the canonical start; one ChunkKV per text."""
         ids = [self._chunk_ids(i, t) for i, t in enumerate(texts)]
         with self._lock:
-            return encode_chunks(self.model, self.prefix, ids, batch_tokens=self.batch_tokens)
+            return encode_chunks(self.model, self.prefix, ids, batch_tokens=self.batch_tokens,
+                                 encoder=self.encoder_id)
 
     def chunk_key(self, chunk: ChunkKV | Sequence[int]) -> ChunkKey:
         """The store key of a chunk under this model, dtype and prefix."""
@@ -223,7 +225,8 @@ class KVModel:
                 return Prefilled(stitched, plan, picked, context, encoded=0, encode_s=0.0)
             t0 = time.perf_counter()
             texts = [i for i, c in enumerate(chunks) if isinstance(c, str)]
-            fresh = iter(encode_chunks(self.model, self.prefix, [ids[i] for i in texts], batch_tokens=self.batch_tokens))
+            fresh = iter(encode_chunks(self.model, self.prefix, [ids[i] for i in texts], batch_tokens=self.batch_tokens,
+                                       encoder=self.encoder_id))
             kv = [next(fresh) if isinstance(c, str) else c for c in chunks]
             encode_s = time.perf_counter() - t0 if texts else 0.0
             stitched = recompute(self.model, self.repositioner, self.prefix, kv, plan.order, plan.recompute, suffix,
@@ -321,10 +324,10 @@ class KVModel:
             return ids
         if not isinstance(chunk, ChunkKV):
             raise InvalidRequestError(f"chunk {i} is a {type(chunk).__name__}: give a str or a ChunkKV from encode()")
-        layers, heads, _, dim = self.prefix.keys.shape
-        if (chunk.keys.shape[0], chunk.keys.shape[1], chunk.keys.shape[3]) != (layers, heads, dim):
+        if chunk.encoder != self.encoder_id:
             raise InvalidRequestError(
-                f"chunk {i} was encoded by another model (KV shape {tuple(chunk.keys.shape)}): re-encode it with this one"
+                f"chunk {i} was encoded by another model, dtype or prompt prefix (encoder "
+                f"{chunk.encoder[:12] or 'unknown'}, this model {self.encoder_id[:12]}): re-encode it with this one"
             )
         if chunk.keys.dtype != self.prefix.keys.dtype or chunk.keys.device != self.prefix.keys.device:
             raise InvalidRequestError(

@@ -50,9 +50,10 @@ class PromptLayout:
         self.prefix_text = prefix_text
         self.prefix_ids: list[int] = self._ids(prefix_text)
         if not self.use_chat_template:
-            bos = getattr(tokenizer, "bos_token_id", None)
-            if bos is not None and getattr(tokenizer, "add_bos_token", True):
-                self.prefix_ids = [bos, *self.prefix_ids]
+            # A base model's prompt starts the way its tokenizer starts any text (BOS where it adds one).
+            ids = list(tokenizer(prefix_text, add_special_tokens=True)["input_ids"])
+            eos = getattr(tokenizer, "eos_token_id", None)
+            self.prefix_ids = ids[:-1] if eos is not None and ids and ids[-1] == eos and len(ids) > 1 else ids
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

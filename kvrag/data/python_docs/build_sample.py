@@ -18,11 +18,10 @@ from pathlib import Path
 # directive ("intro"), one ".. function::"-like directive (keyed by its
 # name, e.g. "wrap" or "TextWrapper.width") or a section (keyed by heading).
 CHUNKS = {
-    "textwrap-1": ("textwrap", ["wrap"]),
+    "textwrap-1": ("textwrap", ["wrap", "TextWrapper.width"]),
     "textwrap-2": ("textwrap", ["shorten"]),
     "textwrap-3": ("textwrap", ["dedent"]),
-    "textwrap-4": ("textwrap", ["TextWrapper.width", "TextWrapper.tabsize"]),
-    "textwrap-5": ("textwrap", ["TextWrapper.initial_indent",
+    "textwrap-4": ("textwrap", ["TextWrapper.initial_indent",
                                 "TextWrapper.subsequent_indent", "TextWrapper.max_lines"]),
     "fnmatch-1": ("fnmatch", ["intro"]),
     "fnmatch-2": ("fnmatch", ["fnmatch", "fnmatchcase", "filter", "translate"]),
@@ -36,14 +35,10 @@ CHUNKS = {
 
 # (question, accepted answers (case-insensitive substrings), target chunk)
 QUESTIONS = [
-    ("What does textwrap.dedent do?",
-     ["common leading whitespace"], "textwrap-3"),
-    ("Which fnmatch function performs a case-sensitive comparison?",
-     ["fnmatchcase"], "fnmatch-2"),
-    ("What does secrets.randbelow(n) return?",
-     ["random int in the range [0, n)", "random int"], "secrets-1"),
-    ("How many bytes of randomness are believed sufficient for tokens?",
-     ["32 bytes", "32"], "secrets-4"),
+    ("What is the default width of textwrap.wrap?", ["70"], "textwrap-1"),
+    ("What is the maxsize of the lru_cache used by fnmatch?", ["32768"], "fnmatch-1"),
+    ("Which secrets function returns a random URL-safe text string?",
+     ["token_urlsafe"], "secrets-3"),
     ("Which function returns True if s is a Python keyword?",
      ["iskeyword"], "keyword-1"),
 ]

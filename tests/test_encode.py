@@ -1,0 +1,29 @@
+"""Batched chunk encoding: padding never changes a chunk's KV; order is kept."""
+
+import pytest
+import torch
+from tiny import VOCAB, tiny_model
+
+from kvrag.encode import _batches, encode_chunks, encode_prefix
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "qwen3"])
+def test_batched_encoding_equals_one_chunk_at_a_time(arch):
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(0)
+    prefix = encode_prefix(model, torch.randint(0, VOCAB, (6,), generator=g).tolist())
+    chunk_ids = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 9, 17, 1, 12)]
+    batched = encode_chunks(model, prefix, chunk_ids, batch_tokens=10_000)
+    single = encode_chunks(model, prefix, chunk_ids, batch_tokens=0)
+    for b, s, ids in zip(batched, single, chunk_ids):
+        assert b.token_ids.tolist() == ids and b.start == 6
+        assert b.keys.shape == (2, model.config.num_key_value_heads if arch != "gpt_neox" else 4, len(ids), b.keys.shape[3])
+        assert torch.allclose(b.keys, s.keys, atol=1e-5) and torch.allclose(b.values, s.values, atol=1e-5)
+
+
+def test_batches_respect_the_token_bound_and_cover_every_chunk():
+    lengths = [5, 50, 7, 49, 3, 100]
+    groups = _batches(lengths, batch_tokens=100)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    for g in groups:
+        assert len(g) == 1 or max(lengths[i] for i in g) * len(g) <= 100

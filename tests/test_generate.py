@@ -1,0 +1,68 @@
+"""Decoding: sampling parameters, stop strings and incremental detokenization."""
+
+import pytest
+import torch
+from tiny import byte_tokenizer
+
+from kvrag.errors import InvalidRequestError
+from kvrag.generate import Detokenizer, Sampling, pick_token
+
+
+def feed(detok, text):
+    ids = detok.tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces = []
+    for i in ids:
+        pieces.append(detok.push(i))
+        if detok.stopped:
+            break
+    return pieces
+
+
+def test_pieces_join_to_the_text_and_multibyte_characters_are_never_split():
+    detok = Detokenizer(byte_tokenizer())
+    pieces = feed(detok, "naïve café ☕")
+    pieces.append(detok.finish())
+    assert "".join(pieces) == detok.text == "naïve café ☕"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_ends_text_before_it_and_nothing_of_it_leaks():
+    detok = Detokenizer(byte_tokenizer(), stop=["\nQuestion:"])
+    pieces = feed(detok, "Paris.\nQuestion: next")
+    assert detok.stopped
+    assert "".join(pieces) + detok.finish() == detok.text == "Paris."
+
+
+def test_partial_stop_prefix_is_released_when_it_does_not_complete():
+    detok = Detokenizer(byte_tokenizer(), stop=["###"])
+    pieces = feed(detok, "a ## b")
+    assert not detok.stopped
+    assert "".join(pieces) + detok.finish() == "a ## b"
+
+
+def test_greedy_and_seeded_sampling():
+    logits = torch.tensor([0.1, 3.0, 0.2, 2.9])
+    assert pick_token(logits, Sampling(), None) == 1
+    sampling = Sampling(temperature=1.0, seed=3)
+    a = [pick_token(logits, sampling, torch.Generator().manual_seed(3)) for _ in range(5)]
+    b = [pick_token(logits, sampling, torch.Generator().manual_seed(3)) for _ in range(5)]
+    assert a == b
+    draws = {pick_token(logits, Sampling(temperature=1.0), torch.Generator().manual_seed(s)) for s in range(50)}
+    assert draws >= {1, 3}
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.05, 0.05]))
+    g = torch.Generator().manual_seed(0)
+    draws = {pick_token(logits, Sampling(temperature=1.0, top_p=0.5), g) for _ in range(100)}
+    assert draws == {0}
+    draws = {pick_token(logits, Sampling(temperature=1.0, top_p=0.85), g) for _ in range(200)}
+    assert draws == {0, 1}
+
+
+@pytest.mark.parametrize("kwargs, match", [({"max_new_tokens": 0}, "max_new_tokens"),
+                                           ({"temperature": -1}, "temperature"),
+                                           ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p")])
+def test_bad_sampling_values_are_refused(kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        Sampling(**kwargs)
