@@ -42,8 +42,9 @@ def run_demo(
         kv: a loaded model; None loads one with `KVModel.from_pretrained(**load)` (the embedded default).
     """
     t0 = time.perf_counter()
+    loaded = kv is None
     kv = kv or KVModel.from_pretrained(**(load or {}))
-    load_s = time.perf_counter() - t0
+    ready = f"model loaded in {time.perf_counter() - t0:.1f} s" if loaded else "model given"
     chunks, items = sample_docs()
     texts = [c["text"] for c in chunks]
     t0 = time.perf_counter()
@@ -52,7 +53,7 @@ def run_demo(
     context = sum(len(c) for c in encoded)
     embedder = embedder or Embedder()
     print_fn(f"kvrag demo: {kv.fingerprint.architecture.split(':')[0]} model, {kv.fingerprint.dtype}, "
-             f"{kv.prefix.keys.device}, {torch.get_num_threads()} threads; model ready in {load_s:.1f} s")
+             f"{kv.prefix.keys.device}, {torch.get_num_threads()} threads; {ready}")
     print_fn(f"ingested {len(chunks)} chunks of the Python 3.11 docs ({context} tokens) in {encode_s:.1f} s; "
              f"KV held: {sum(c.nbytes for c in encoded) / 1e6:.1f} MB\n")
     records = []
