@@ -26,7 +26,7 @@ from kvrag.model import (
     fingerprint,
     load_pretrained,
     resolve_dtype,
-    state_dict_digest,
+    weights_id as default_weights_id,
 )
 from kvrag.recompute import Stitched, full_prefill, recompute
 from kvrag.rope import Repositioner
@@ -85,7 +85,8 @@ class KVModel:
     Args:
         model: a Hugging Face causal LM of a supported architecture (see `kvrag.model.SUPPORTED_MODEL_TYPES`).
         tokenizer: its tokenizer.
-        weights_id: what identifies the weights in the fingerprint; by default a digest of the state dict.
+        weights_id: what identifies the weights in the fingerprint; by default found from where the model was
+            loaded (see `kvrag.model.weights_id`).
         layout: how prompts are split; by default the tokenizer's chat template.
         batch_tokens: rows x padded length per encoding forward.
 
@@ -109,7 +110,7 @@ class KVModel:
         self.tokenizer = tokenizer
         self.layout = layout or PromptLayout(tokenizer)
         self.repositioner = Repositioner(model)
-        self.fingerprint = fingerprint(model, weights_id or state_dict_digest(model))
+        self.fingerprint = fingerprint(model, weights_id or default_weights_id(model))
         self.batch_tokens = batch_tokens
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.prefix = encode_prefix(model, self.layout.prefix_ids)

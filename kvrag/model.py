@@ -269,12 +269,24 @@ def load_pretrained(
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(source, **kwargs).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
-    folder = Path(source)
-    if folder.is_dir():
+    return model, tokenizer, weights_id(model, cache_dir)
+
+
+def weights_id(model: Any, cache_dir: Path | None = None) -> str:
+    """What identifies a loaded model's weights, cheapest first.
+
+    A folder written by kvrag's conversion carries its source digest; another local folder is hashed once
+    (memoized by file size and mtime); a hub model is its id and commit; a model built in memory is a
+    digest of its state dict.
+    """
+    source = str(getattr(model.config, "_name_or_path", "") or "")
+    folder = Path(source) if source else None
+    if folder is not None and folder.is_dir():
         meta = folder / "kvrag.json"
-        weights = json.loads(meta.read_text())["weights"] if meta.is_file() else _folder_digest(
-            folder, Path(cache_dir) if cache_dir is not None else default_cache_dir())
-    else:
-        revision = getattr(config, "_commit_hash", None) or "unknown-revision"
-        weights = f"hub:{source}@{revision}"
-    return model, tokenizer, weights
+        if meta.is_file():
+            return json.loads(meta.read_text())["weights"]
+        return _folder_digest(folder, Path(cache_dir) if cache_dir is not None else default_cache_dir())
+    revision = getattr(model.config, "_commit_hash", None)
+    if source and revision:
+        return f"hub:{source}@{revision}"
+    return state_dict_digest(model)
