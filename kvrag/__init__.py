@@ -18,6 +18,9 @@ from kvrag.kv import ChunkKV, chunk_key
 from kvrag.kvmodel import Answer, AnswerStats, KVModel, Prefilled
 from kvrag.layout import PromptLayout
 from kvrag.model import SUPPORTED_MODEL_TYPES, ModelFingerprint, check_architecture
+from kvrag.pickers import PICKERS
+from kvrag.planner import Decision
+from kvrag.probe import Probe
 from kvrag.strategies import STRATEGIES, Plan, PlanRequest, register_strategy
 
 __version__ = "0.1.0"
@@ -27,6 +30,7 @@ __all__ = [
     "AnswerStats",
     "ChunkKV",
     "ContextOverflowError",
+    "Decision",
     "EmptyInputError",
     "InvalidRequestError",
     "KVModel",
@@ -34,9 +38,11 @@ __all__ = [
     "LayoutError",
     "ModelFingerprint",
     "ModelNotFoundError",
+    "PICKERS",
     "Plan",
     "PlanRequest",
     "Prefilled",
+    "Probe",
     "PromptLayout",
     "STRATEGIES",
     "SUPPORTED_MODEL_TYPES",

@@ -30,7 +30,9 @@ from kvrag.model import (
 )
 from kvrag.recompute import Stitched, full_prefill, recompute
 from kvrag.rope import Repositioner
-from kvrag.strategies import Plan, PlanRequest, get_strategy
+from kvrag.planner import Decision, check_request, make_plan
+from kvrag.probe import Probe
+from kvrag.strategies import Plan, get_strategy
 
 
 @dataclass(slots=True)
@@ -38,10 +40,17 @@ class AnswerStats:
     """What one answer cost and what the strategy decided."""
 
     strategy: str  # registered strategy name
+    picker: str | None  # the picker that chose the target; None when the strategy needs no target
     order: list[int]  # indices into the given chunks, first to last in the stitched prompt
     target: int | None  # index of the picked target, when the strategy used one
+    target_given: int | None  # the known target passed by the caller, if any
     context_tokens: int  # chunk tokens in the prompt (prefix and suffix excluded)
     recomputed_tokens: int  # context tokens whose KV was computed fresh for this answer
+    budget: float  # the budget asked for, as a fraction of context tokens
+    budget_tokens: int  # floor(budget x context_tokens)
+    overspend_tokens: int  # recomputed tokens beyond budget_tokens (a long target recomputed whole)
+    extra_token_layers: int  # work outside the plan's prefill (check layer, attention pass, oracle), token x layer
+    extra_work: list[str]  # what that extra work was
     prompt_tokens: int  # prefix + context + suffix
     chunks_encoded: int  # chunks given as text and encoded inside this call
     encode_s: float  # seconds spent encoding those chunks (part of ttft_s)
@@ -53,8 +62,15 @@ class AnswerStats:
     def recomputed_fraction(self) -> float:
         return self.recomputed_tokens / self.context_tokens if self.context_tokens else 0.0
 
+    @property
+    def target_correct(self) -> bool | None:
+        """Whether the picked target is the known one (None when either is unknown)."""
+        if self.target is None or self.target_given is None:
+            return None
+        return self.target == self.target_given
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "recomputed_fraction": self.recomputed_fraction}
+        return {**asdict(self), "recomputed_fraction": self.recomputed_fraction, "target_correct": self.target_correct}
 
 
 @dataclass(slots=True)
@@ -72,8 +88,8 @@ class Prefilled:
     """A strategy's prefill, ready to decode."""
 
     stitched: Stitched  # logits and cache
-    plan: Plan  # the order and S that were run
-    target: int | None  # the picked target, when the strategy used one
+    decision: Decision  # the plan that was run, the picker and the picked target
+    probe: Probe  # what measuring cost (extra_token_layers, extra_work)
     context_tokens: int  # chunk tokens in the prompt
     encoded: int  # chunks given as text and encoded inside the call
     encode_s: float  # seconds spent on that encoding
@@ -167,48 +183,30 @@ class KVModel:
             ids.extend(chunk_ids[c])
         return ids + self.layout.suffix_ids(question)
 
-    def plan(self, lengths: Sequence[int], *, strategy: str, target: int | None = None,
-             scores: Sequence[float] | None = None, budget: float = 0.05) -> tuple[Plan, int | None]:
-        """The plan a strategy makes for chunks of these lengths, and the target it used."""
-        chosen = get_strategy(strategy)
-        n = len(lengths)
-        if scores is not None and len(scores) != n:
-            raise InvalidRequestError(f"scores has {len(scores)} entries for {n} chunks: give one score a chunk")
-        if target is not None and not (isinstance(target, int) and 0 <= target < n):
-            raise InvalidRequestError(f"target {target!r} is not a chunk index: use an int in 0..{n - 1}")
-        if not 0 < budget <= 1:
-            raise InvalidRequestError(f"budget must be a fraction of context tokens in (0, 1], got {budget}")
-        if chosen.needs_target and target is None:
-            # The retriever picker: the best score, or the first chunk of a list ranked best-first.
-            target = max(range(n), key=lambda i: scores[i]) if scores is not None else 0
-        request = PlanRequest(lengths=list(lengths), target=target if chosen.needs_target else None, budget=budget)
-        plan = chosen.build(request)
-        if sorted(plan.order) != list(range(n)):
-            raise InvalidRequestError(f"strategy '{strategy}' returned order {plan.order}, not a permutation of 0..{n - 1}")
-        return plan, request.target
-
     def prefill(
         self,
         question: str,
         chunks: Sequence[str | ChunkKV],
         *,
         strategy: str = "target_recompute",
+        picker: str | None = None,
         target: int | None = None,
         scores: Sequence[float] | None = None,
         budget: float = 0.05,
+        strict: bool = False,
         logits_to_keep: int = 1,
         max_new_tokens: int = 0,
     ) -> Prefilled:
         """Run a strategy's prefill only: what `stream` decodes on, and what the plan was.
 
-        Chunks given as text are tokenized; they are encoded only when the plan reuses their KV
-        (full prefill needs their ids alone). That encoding is timed in `encode_s`.
+        Chunks given as text are tokenized; they are encoded only when the plan or its picker reads their
+        KV (full prefill needs their ids alone). That encoding is timed in `encode_s`.
         """
         if not chunks:
             raise EmptyInputError("no chunks given: pass at least one chunk (text or ChunkKV)")
+        chosen = get_strategy(strategy)
         ids = [self._chunk_ids(i, c) for i, c in enumerate(chunks)]
-        plan, picked = self.plan([len(c) for c in ids], strategy=strategy, target=target, scores=scores,
-                                 budget=budget)
+        check_request(len(ids), target=target, scores=scores, budget=budget, picker=picker)
         suffix = self.layout.suffix_ids(question)
         context = sum(len(c) for c in ids)
         total = len(self.prefix) + context + len(suffix)
@@ -218,21 +216,32 @@ class KVModel:
                 f"{total + max_new_tokens} > the model's {self.max_positions}-token context. Pass fewer or "
                 "shorter chunks, or lower max_new_tokens."
             )
+        texts = [i for i, c in enumerate(chunks) if isinstance(c, str)]
+        timing = {"encode_s": 0.0, "encoded": 0}
+
+        def chunk_kv() -> list[ChunkKV]:
+            t0 = time.perf_counter()
+            fresh = iter(encode_chunks(self.model, self.prefix, [ids[i] for i in texts], batch_tokens=self.batch_tokens,
+                                       encoder=self.encoder_id))
+            kv = [next(fresh) if isinstance(c, str) else c for c in chunks]
+            timing["encode_s"], timing["encoded"] = (time.perf_counter() - t0, len(texts)) if texts else (0.0, 0)
+            return kv  # type: ignore[return-value]
+
         with self._lock:
+            probe = Probe(self.model, self.repositioner, self.prefix, chunk_kv, suffix)
+            decision = make_plan(chosen, [len(c) for c in ids], probe, picker=picker, target=target, scores=scores,
+                                 budget=budget, strict=strict)
+            plan = decision.plan
             if plan.full_prefill:
                 stitched = full_prefill(self.model, self.prompt_ids(question, ids, plan.order),
                                         logits_to_keep=logits_to_keep)
                 stitched.recomputed_tokens = context
-                return Prefilled(stitched, plan, picked, context, encoded=0, encode_s=0.0)
-            t0 = time.perf_counter()
-            texts = [i for i, c in enumerate(chunks) if isinstance(c, str)]
-            fresh = iter(encode_chunks(self.model, self.prefix, [ids[i] for i in texts], batch_tokens=self.batch_tokens,
-                                       encoder=self.encoder_id))
-            kv = [next(fresh) if isinstance(c, str) else c for c in chunks]
-            encode_s = time.perf_counter() - t0 if texts else 0.0
-            stitched = recompute(self.model, self.repositioner, self.prefix, kv, plan.order, plan.recompute, suffix,
-                                 logits_to_keep=logits_to_keep)
-        return Prefilled(stitched, plan, picked, context, encoded=len(texts), encode_s=encode_s)
+            else:
+                kv = probe.chunks
+                kv = [plan.replace.get(i, c) for i, c in enumerate(kv)]
+                stitched = recompute(self.model, self.repositioner, self.prefix, kv, plan.order, plan.recompute,
+                                     suffix, logits_to_keep=logits_to_keep)
+        return Prefilled(stitched, decision, probe, context, encoded=int(timing["encoded"]), encode_s=timing["encode_s"])
 
     def stream(
         self,
@@ -240,9 +249,11 @@ class KVModel:
         chunks: Sequence[str | ChunkKV],
         *,
         strategy: str = "target_recompute",
+        picker: str | None = None,
         target: int | None = None,
         scores: Sequence[float] | None = None,
         budget: float = 0.05,
+        strict: bool = False,
         max_new_tokens: int = 256,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -254,19 +265,24 @@ class KVModel:
         Args:
             question: the user's question.
             chunks: chunk texts (encoded here, counted in ttft) or ChunkKV from `encode`.
-            strategy: a registered strategy name: "full_prefill", "reuse", "target_recompute", ...
-            target: index of the chunk that holds the answer, when known.
-            scores: one retrieval score a chunk; the best is the target when `target` is None. With
-                neither, the chunks are taken as ranked best-first and chunk 0 is the target.
+            strategy: a registered strategy name (`kvrag.STRATEGIES`): "target_recompute" (default),
+                "full_prefill", "reuse", "reorder", "insert_full_kv", "spread", "spread_chunks",
+                "token_select", "attention_select", "hybrid", or your own.
+            picker: how a target strategy picks its target: "retriever" (best score; with no scores, chunk 0
+                of a list ranked best-first), "attention" or "oracle" (the given `target`). Default: the
+                oracle when `target` is given, else the retriever.
+            target: index of the chunk that holds the answer, when known (reported beside the pick).
+            scores: one retrieval score a chunk.
             budget: fraction of context tokens a budgeted strategy may recompute.
+            strict: never exceed the budget (a long target is recomputed in part; see kvrag.strategies).
             max_new_tokens, temperature, top_p, seed, stop: decoding (temperature 0 is greedy).
         """
         t0 = time.perf_counter()
         sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             stop=tuple([stop] if isinstance(stop, str) else stop))
         with self._lock:
-            run = self.prefill(question, chunks, strategy=strategy, target=target, scores=scores, budget=budget,
-                               max_new_tokens=max_new_tokens)
+            run = self.prefill(question, chunks, strategy=strategy, picker=picker, target=target, scores=scores,
+                               budget=budget, strict=strict, max_new_tokens=max_new_tokens)
             detok = Detokenizer(self.tokenizer, sampling.stop)
             tokens: list[int] = []
             ttft = 0.0
@@ -295,10 +311,15 @@ class KVModel:
             token_ids=tokens,
             finish_reason=finish,
             stats=AnswerStats(
-                strategy=strategy, order=list(run.plan.order), target=run.target, context_tokens=run.context_tokens,
-                recomputed_tokens=run.stitched.recomputed_tokens, prompt_tokens=run.stitched.next_position,
-                chunks_encoded=run.encoded, encode_s=run.encode_s, ttft_s=ttft, new_tokens=len(tokens),
-                total_s=time.perf_counter() - t0,
+                strategy=strategy, picker=run.decision.picker, order=list(run.decision.plan.order),
+                target=run.decision.target, target_given=target, context_tokens=run.context_tokens,
+                recomputed_tokens=run.stitched.recomputed_tokens, budget=budget,
+                budget_tokens=run.decision.budget_tokens,
+                overspend_tokens=max(0, run.stitched.recomputed_tokens - run.decision.budget_tokens)
+                if not run.decision.plan.full_prefill else 0,
+                extra_token_layers=run.probe.extra_token_layers, extra_work=list(run.probe.extra_work),
+                prompt_tokens=run.stitched.next_position, chunks_encoded=run.encoded, encode_s=run.encode_s,
+                ttft_s=ttft, new_tokens=len(tokens), total_s=time.perf_counter() - t0,
             ),
         )
 

@@ -10,7 +10,7 @@ function; it never decides what to recompute.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -27,6 +27,7 @@ class Stitched:
     cache: DynamicCache  # every token of the prompt once; physical order may differ from logical
     next_position: int  # logical position of the first generated token (= prompt length)
     recomputed_tokens: int  # context tokens in S
+    attentions: tuple[torch.Tensor, ...] | None = None  # per layer [1, heads, Q, K], when asked for
 
 
 def causal_mask(key_positions: torch.Tensor, query_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -34,6 +35,68 @@ def causal_mask(key_positions: torch.Tensor, query_positions: torch.Tensor, dtyp
     allowed = key_positions.view(1, -1) <= query_positions.view(-1, 1)  # [Q, K]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min).view(1, 1, *allowed.shape)
+
+
+@dataclass(slots=True)
+class StitchLayout:
+    """Where every token of a stitched prompt sits: pure bookkeeping, no tensors of the model."""
+
+    kept: torch.Tensor  # [T_keep] offsets into the stitched context of tokens whose KV is reused, ascending
+    selected: torch.Tensor  # [|S|] offsets of tokens recomputed, ascending
+    deltas: torch.Tensor  # [T_ctx] new position minus the position each context token was encoded at
+    key_positions: torch.Tensor  # [P + T_keep + Q] logical position of every key: prefix, reused, then new
+    query_positions: torch.Tensor  # [Q] logical positions of the new input: S, then the suffix
+    n_ctx: int  # context tokens
+
+
+def stitch_layout(
+    prefix_len: int,
+    lengths: Sequence[int],
+    encoded_at: Sequence[int],
+    order: Sequence[int],
+    recompute: Mapping[int, torch.Tensor],
+    suffix_len: int,
+    device: torch.device | str = "cpu",
+) -> StitchLayout:
+    """Positions of a plan: chunk c (length lengths[c], encoded from position encoded_at[c]) in `order`."""
+    P = prefix_len
+    ordered = torch.tensor([lengths[c] for c in order], dtype=torch.long)
+    starts = P + torch.cumsum(ordered, 0) - ordered  # logical start of each chunk in the stitched order
+    shifts = starts - torch.tensor([encoded_at[c] for c in order], dtype=torch.long)
+    deltas = torch.repeat_interleave(shifts, ordered).to(device)  # [T_ctx]
+    n_ctx = int(ordered.sum())
+    flat = [recompute[c].to(torch.long) + int(s) - P for c, s in zip(order, starts) if c in recompute]
+    selected = torch.cat(flat).to(device) if flat else torch.empty(0, dtype=torch.long, device=device)
+    keep = torch.ones(n_ctx, dtype=torch.bool, device=device)
+    keep[selected] = False
+    kept = keep.nonzero().squeeze(1)
+    query_positions = torch.cat((selected + P, torch.arange(P + n_ctx, P + n_ctx + suffix_len, device=device)))
+    key_positions = torch.cat((torch.arange(P, device=device), kept + P, query_positions))
+    return StitchLayout(kept, selected, deltas, key_positions, query_positions, n_ctx)
+
+
+def stitched_kv(
+    repositioner: Repositioner, prefix: ChunkKV, chunks: Sequence[ChunkKV], order: Sequence[int],
+    layout: StitchLayout,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reused KV (prefix, then kept context tokens re-positioned) and the context ids in stitched order.
+
+    Returns keys [L, H_kv, P+T_keep, D], values [L, H_kv, P+T_keep, D_v], context ids [T_ctx].
+    """
+    ctx_keys = torch.cat([chunks[c].keys for c in order], dim=2)  # [L, H_kv, T_ctx, D]
+    ctx_values = torch.cat([chunks[c].values for c in order], dim=2)
+    ctx_ids = torch.cat([chunks[c].token_ids for c in order]).to(prefix.keys.device)
+    deltas = layout.deltas
+    if layout.selected.numel():
+        ctx_keys, ctx_values, deltas = ctx_keys[:, :, layout.kept], ctx_values[:, :, layout.kept], deltas[layout.kept]
+    keys = torch.cat((prefix.keys, repositioner.shift(ctx_keys, deltas)), dim=2)
+    values = torch.cat((prefix.values, ctx_values), dim=2)
+    return keys, values, ctx_ids
+
+
+def as_cache(keys: torch.Tensor, values: torch.Tensor, cache_class: type[DynamicCache] = DynamicCache) -> DynamicCache:
+    """A DynamicCache over [L, H_kv, T, D] keys and values (batch of one; views, no copy)."""
+    return cache_class(ddp_cache_data=[(keys[i].unsqueeze(0), values[i].unsqueeze(0)) for i in range(keys.shape[0])])
 
 
 @torch.inference_mode()
@@ -47,6 +110,7 @@ def recompute(
     suffix_ids: Sequence[int] | torch.Tensor,
     *,
     logits_to_keep: int = 1,
+    **forward_kwargs: Any,
 ) -> Stitched:
     """Fresh KV for the tokens in S and the suffix, against the reused (re-positioned) KV of the rest.
 
@@ -55,54 +119,34 @@ def recompute(
         repositioner: moves stored keys to their stitched positions.
         prefix: the prefix KV, at positions 0..P-1.
         chunks: chunk KV, each at its own `start`.
-        order: indices into `chunks`, first to last in the stitched sequence.
+        order: indices into `chunks`, first to last in the stitched sequence (non-empty).
         recompute: S, as chunk index -> sorted int64 offsets within that chunk; absent chunks keep all KV.
         suffix_ids: the suffix's token ids, always computed.
         logits_to_keep: how many last positions' logits to return.
+        forward_kwargs: passed to the model's forward (e.g. output_attentions).
     """
     device = prefix.keys.device
-    dtype = prefix.keys.dtype
-    P = len(prefix)
-    lengths = torch.tensor([len(chunks[c]) for c in order], dtype=torch.long)
-    starts = P + torch.cumsum(lengths, 0) - lengths  # logical start of each chunk in the stitched order
-    shifts = starts - torch.tensor([chunks[c].start for c in order], dtype=torch.long)
-    deltas = torch.repeat_interleave(shifts, lengths).to(device)  # [T_ctx]
-    n_ctx = int(lengths.sum())
-
-    # S as flat offsets into the stitched context, ascending (= logical order).
-    flat = [recompute[c].to(torch.long) + int(s) - P for c, s in zip(order, starts) if c in recompute]
-    selected = torch.cat(flat).to(device) if flat else torch.empty(0, dtype=torch.long, device=device)
-    keep = torch.ones(n_ctx, dtype=torch.bool, device=device)
-    keep[selected] = False
-    kept = keep.nonzero().squeeze(1)  # [T_keep] offsets of reused tokens
-
-    ctx_keys = torch.cat([chunks[c].keys for c in order], dim=2) if order else prefix.keys[:, :, :0]  # [L, H, T_ctx, D]
-    ctx_values = torch.cat([chunks[c].values for c in order], dim=2) if order else prefix.values[:, :, :0]
-    ctx_ids = torch.cat([chunks[c].token_ids for c in order]).to(device) if order else prefix.token_ids[:0]
-    if selected.numel():
-        ctx_keys, ctx_values, deltas = ctx_keys[:, :, kept], ctx_values[:, :, kept], deltas[kept]
-    keys = torch.cat((prefix.keys, repositioner.shift(ctx_keys, deltas)), dim=2)  # [L, H_kv, P+T_keep, D]
-    values = torch.cat((prefix.values, ctx_values), dim=2)
-    cache = DynamicCache(ddp_cache_data=[(keys[i].unsqueeze(0), values[i].unsqueeze(0)) for i in range(keys.shape[0])])
-
     suffix = torch.as_tensor(suffix_ids, dtype=torch.long, device=device)
-    input_ids = torch.cat((ctx_ids[selected], suffix)).view(1, -1)  # [1, Q]
-    query_positions = torch.cat((selected + P, torch.arange(P + n_ctx, P + n_ctx + len(suffix), device=device)))
-    key_positions = torch.cat((torch.arange(P, device=device), kept + P, query_positions))
-    mask = causal_mask(key_positions, query_positions, dtype)
+    layout = stitch_layout(len(prefix), [len(c) for c in chunks], [c.start for c in chunks], order, recompute,
+                           len(suffix), device)
+    keys, values, ctx_ids = stitched_kv(repositioner, prefix, chunks, order, layout)
+    cache = as_cache(keys, values)
+    input_ids = torch.cat((ctx_ids[layout.selected], suffix)).view(1, -1)  # [1, Q]
     out = model(
         input_ids=input_ids,
-        position_ids=query_positions.view(1, -1),
-        attention_mask=mask,
+        position_ids=layout.query_positions.view(1, -1),
+        attention_mask=causal_mask(layout.key_positions, layout.query_positions, prefix.keys.dtype),
         cache=cache,
         use_cache=True,
         logits_to_keep=logits_to_keep,
+        **forward_kwargs,
     )
     return Stitched(
         logits=out.logits[0].float(),
         cache=cache,
-        next_position=P + n_ctx + len(suffix),
-        recomputed_tokens=int(selected.numel()),
+        next_position=len(prefix) + layout.n_ctx + len(suffix),
+        recomputed_tokens=int(layout.selected.numel()),
+        attentions=getattr(out, "attentions", None),
     )
 
 

@@ -1,17 +1,29 @@
 """Repair strategies as plans: where each chunk goes (the order) and which context tokens are recomputed (S).
 
-A strategy only decides; `kvrag.recompute` carries the plan out. Strategies live in a registry, so a
-user adds one with `@register_strategy("name")` without touching the engine.
+A strategy only decides; `kvrag.recompute` carries the plan out, and `kvrag.probe` measures what a
+strategy asks of the model. Strategies live in a registry, so a user adds one with
+`@register_strategy("name")` without touching the engine.
+
+Budget rule: a budget is a fraction of the context (chunk) tokens; a budgeted strategy recomputes at most
+floor(budget x context tokens). The target strategies recompute the whole target even when it is longer
+than the budget and the answer's stats report the overspend; with `strict=True` they recompute only the
+target's first budget tokens: a chunk encoded alone is most wrong at its start, where its first tokens
+acted as an attention sink that the stitched sequence does not have (EPIC), and every later target token
+then reads the repaired start.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from kvrag.errors import InvalidRequestError
+from kvrag.kv import ChunkKV
+
+if TYPE_CHECKING:
+    from kvrag.probe import Probe
 
 
 @dataclass(slots=True)
@@ -21,6 +33,13 @@ class PlanRequest:
     lengths: list[int]  # token count of each chunk, in the given order
     target: int | None  # index of the picked target (strategies that need one always get one)
     budget: float  # fraction of context tokens that may be recomputed
+    scores: list[float] | None = None  # retrieval scores, one a chunk, when known
+    strict: bool = False  # never exceed the budget, even to recompute a long target whole
+    probe: Probe | None = None  # model measurements (deviation, attention, full-prefill KV), costed
+
+    @property
+    def budget_tokens(self) -> int:
+        return int(self.budget * sum(self.lengths) + 1e-9)
 
 
 @dataclass(slots=True)
@@ -29,9 +48,10 @@ class Plan:
 
     order: list[int]  # chunk indices, first to last in the stitched sequence
     recompute: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk index -> sorted offsets in S
+    replace: dict[int, ChunkKV] = field(default_factory=dict)  # chunk index -> KV used instead of the stored one
     full_prefill: bool = False  # run one plain forward over the whole prompt instead (the reference)
 
-    def recomputed_tokens(self, lengths: list[int]) -> int:
+    def recomputed_tokens(self, lengths: Sequence[int]) -> int:
         if self.full_prefill:
             return sum(lengths)
         return sum(int(s.numel()) for s in self.recompute.values())
@@ -45,13 +65,14 @@ class Strategy:
     build: Callable[[PlanRequest], Plan]  # the plan for one request
     needs_target: bool  # whether a picker must choose a target first
     description: str  # one line, shown in errors and the CLI
+    picker: str | None = None  # a picker this strategy always uses (attention_select), else the caller's
 
 
 STRATEGIES: dict[str, Strategy] = {}
 
 
 def register_strategy(
-    name: str, *, needs_target: bool = False, description: str = ""
+    name: str, *, needs_target: bool = False, description: str = "", picker: str | None = None
 ) -> Callable[[Callable[[PlanRequest], Plan]], Callable[[PlanRequest], Plan]]:
     """Register a plan builder under `name` (replacing any earlier one of that name).
 
@@ -63,7 +84,7 @@ def register_strategy(
     """
 
     def add(build: Callable[[PlanRequest], Plan]) -> Callable[[PlanRequest], Plan]:
-        STRATEGIES[name] = Strategy(name, build, needs_target, description or (build.__doc__ or "").strip())
+        STRATEGIES[name] = Strategy(name, build, needs_target, description or (build.__doc__ or "").strip(), picker)
         return build
 
     return add
@@ -77,14 +98,122 @@ def get_strategy(name: str) -> Strategy:
         raise InvalidRequestError(f"unknown strategy '{name}': use one of {', '.join(sorted(STRATEGIES))}") from None
 
 
+# -- helpers ----------------------------------------------------------------------------------------------
+
+
+def given_order(request: PlanRequest) -> list[int]:
+    return list(range(len(request.lengths)))
+
+
+def target_last(request: PlanRequest) -> list[int]:
+    target = _target(request)
+    return [i for i in range(len(request.lengths)) if i != target] + [target]
+
+
+def _target(request: PlanRequest) -> int:
+    if request.target is None:
+        raise InvalidRequestError("this strategy needs a target: register it with needs_target=True")
+    return request.target
+
+
+def _probe(request: PlanRequest) -> Probe:
+    if request.probe is None:
+        raise InvalidRequestError("this strategy measures the model: run it through KVModel, which passes a probe")
+    return request.probe
+
+
+def offsets_to_chunks(order: Sequence[int], lengths: Sequence[int], flat: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Offsets into the stitched context (chunks in `order`) as chunk index -> sorted local offsets."""
+    plan: dict[int, torch.Tensor] = {}
+    flat = torch.sort(flat.to("cpu", torch.long)).values
+    at = 0
+    for c in order:
+        inside = flat[(flat >= at) & (flat < at + lengths[c])] - at
+        if inside.numel():
+            plan[c] = inside
+        at += lengths[c]
+    return plan
+
+
+def top_deviation(request: PlanRequest, order: list[int], count: int, exclude: Sequence[int] = ()) -> dict[int, torch.Tensor]:
+    """The `count` context tokens whose reused values deviate most at the check layer, outside `exclude` chunks."""
+    if count <= 0:
+        return {}
+    deviation = _probe(request).value_deviation(order)
+    excluded = torch.cat([torch.full((request.lengths[c],), c in exclude) for c in order]).to(deviation.device)
+    deviation = torch.where(excluded, -1.0, deviation)  # below every real deviation (they are >= 0)
+    count = min(count, int((deviation >= 0).sum()))
+    return offsets_to_chunks(order, request.lengths, torch.topk(deviation, count).indices)
+
+
+def _target_tokens(request: PlanRequest) -> torch.Tensor:
+    target = _target(request)
+    length = request.lengths[target]
+    return torch.arange(min(length, request.budget_tokens) if request.strict else length)
+
+
+# -- the strategies of the study --------------------------------------------------------------------------
+
+
 @register_strategy("full_prefill", description="the reference: every token computed, nothing reused")
 def _full_prefill(request: PlanRequest) -> Plan:
-    return Plan(order=list(range(len(request.lengths))), full_prefill=True)
+    return Plan(order=given_order(request), full_prefill=True)
 
 
 @register_strategy("reuse", description="stitch the stored KV in the given order, recompute nothing")
 def _reuse(request: PlanRequest) -> Plan:
-    return Plan(order=list(range(len(request.lengths))))
+    return Plan(order=given_order(request))
+
+
+@register_strategy("reorder", description="InfoFlow-style: chunks by score, best next to the question; nothing recomputed")
+def _reorder(request: PlanRequest) -> Plan:
+    n = len(request.lengths)
+    if request.scores is None:  # a list ranked best-first: reverse it
+        return Plan(order=list(reversed(range(n))))
+    return Plan(order=sorted(range(n), key=lambda i: (request.scores[i], -i)))  # type: ignore[index]
+
+
+@register_strategy(
+    "insert_full_kv", needs_target=True,
+    description="study oracle: target moved last, its KV replaced by its slice of a full prefill of that order",
+)
+def _insert_full_kv(request: PlanRequest) -> Plan:
+    order = target_last(request)
+    target = _target(request)
+    return Plan(order=order, replace={target: _probe(request).full_prefill_kv(order, target)})
+
+
+@register_strategy("spread", needs_target=True,
+                   description="the budget split evenly over the first tokens of every non-target chunk")
+def _spread(request: PlanRequest) -> Plan:
+    target = _target(request)
+    distractors = [i for i in range(len(request.lengths)) if i != target]
+    if not distractors:
+        return Plan(order=given_order(request))
+    share, extra = divmod(request.budget_tokens, len(distractors))
+    recompute = {}
+    for rank, c in enumerate(distractors):
+        count = min(request.lengths[c], share + (rank < extra))
+        if count:
+            recompute[c] = torch.arange(count)
+    return Plan(order=given_order(request), recompute=recompute)
+
+
+@register_strategy("spread_chunks", needs_target=True,
+                   description="whole distractor chunks within the budget, best-scored (or nearest the question) first")
+def _spread_chunks(request: PlanRequest) -> Plan:
+    target = _target(request)
+    distractors = [i for i in range(len(request.lengths)) if i != target]
+    if request.scores is not None:
+        distractors.sort(key=lambda i: -request.scores[i])  # type: ignore[index]
+    else:
+        distractors.reverse()  # nearest the question first
+    left, recompute = request.budget_tokens, {}
+    for c in distractors:
+        if request.lengths[c] <= left:
+            recompute[c] = torch.arange(request.lengths[c])
+            left -= request.lengths[c]
+    return Plan(order=given_order(request), recompute=recompute)
 
 
 @register_strategy(
@@ -92,7 +221,35 @@ def _reuse(request: PlanRequest) -> Plan:
     description="move the picked target next to the question and recompute it against the reused cache",
 )
 def _target_recompute(request: PlanRequest) -> Plan:
-    target = request.target
-    assert target is not None
-    order = [i for i in range(len(request.lengths)) if i != target] + [target]
-    return Plan(order=order, recompute={target: torch.arange(request.lengths[target])})
+    return Plan(order=target_last(request), recompute={_target(request): _target_tokens(request)})
+
+
+@register_strategy(
+    "attention_select", needs_target=True, picker="attention",
+    description="the question's attention over the reused cache picks the target, which is moved and recomputed",
+)
+def _attention_select(request: PlanRequest) -> Plan:
+    return _target_recompute(request)
+
+
+@register_strategy(
+    "token_select",
+    description="CacheBlend-style: the budget's tokens with the highest value deviation at check layer 1",
+)
+def _token_select(request: PlanRequest) -> Plan:
+    order = given_order(request)
+    return Plan(order=order, recompute=top_deviation(request, order, request.budget_tokens))
+
+
+@register_strategy(
+    "hybrid", needs_target=True,
+    description="target_recompute, with any budget left over spent by token_select on the other chunks",
+)
+def _hybrid(request: PlanRequest) -> Plan:
+    order = target_last(request)
+    target = _target(request)
+    target_tokens = _target_tokens(request)
+    left = request.budget_tokens - int(target_tokens.numel())
+    recompute = top_deviation(request, order, left, exclude=[target])
+    recompute[target] = target_tokens
+    return Plan(order=order, recompute=recompute)

@@ -91,7 +91,7 @@ def test_target_recompute_is_closer_to_full_prefill_than_reuse(kv, docs):
             reuse = kv.prefill(q, enc, strategy="reuse").stitched.logits[-1]
             run = kv.prefill(q, enc, strategy="target_recompute", target=at)
             given = kv.prefill(q, texts, strategy="full_prefill").stitched.logits[-1]
-            moved = full_prefill(kv.model, kv.prompt_ids(q, [c.token_ids.tolist() for c in enc], run.plan.order))
+            moved = full_prefill(kv.model, kv.prompt_ids(q, [c.token_ids.tolist() for c in enc], run.decision.plan.order))
             tr = run.stitched.logits[-1]
             reuse_kl, tr_kl, tr_given = first_token_kl(given, reuse), first_token_kl(moved.logits[-1], tr), \
                 first_token_kl(given, tr)

@@ -1,0 +1,89 @@
+"""From a request to a checked plan: validate the arguments, run the picker, run the strategy, check its plan.
+
+The planner owns the rules every plan must keep (the order is a permutation, S holds real offsets once
+each); it never runs a forward itself (measurements go through the probe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvrag.errors import InvalidRequestError
+from kvrag.pickers import get_picker
+from kvrag.probe import Probe
+from kvrag.strategies import Plan, PlanRequest, Strategy
+
+
+@dataclass(slots=True)
+class Decision:
+    """A checked plan and how the target was chosen."""
+
+    plan: Plan
+    picker: str | None  # the picker that chose the target; None when the strategy needs no target
+    target: int | None  # the picked target
+    budget_tokens: int  # floor(budget x context tokens)
+
+
+def check_request(n: int, *, target: int | None, scores: Sequence[float] | None, budget: float,
+                  picker: str | None = None) -> None:
+    """Refuse arguments that cannot describe these n chunks, saying what is accepted."""
+    if picker is not None:
+        get_picker(picker)
+    if scores is not None and len(scores) != n:
+        raise InvalidRequestError(f"scores has {len(scores)} entries for {n} chunks: give one score a chunk")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < n):
+        raise InvalidRequestError(f"target {target!r} is not a chunk index: use an int in 0..{n - 1}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+        raise InvalidRequestError(f"budget must be a fraction of context tokens in (0, 1], got {budget!r}")
+
+
+def default_picker(strategy: Strategy, picker: str | None, target: int | None) -> str:
+    """The strategy's own picker, else the caller's, else the oracle when the target is known, else the retriever."""
+    return strategy.picker or picker or ("oracle" if target is not None else "retriever")
+
+
+def make_plan(
+    strategy: Strategy,
+    lengths: Sequence[int],
+    probe: Probe,
+    *,
+    picker: str | None = None,
+    target: int | None = None,
+    scores: Sequence[float] | None = None,
+    budget: float = 0.05,
+    strict: bool = False,
+) -> Decision:
+    """Pick the target (when the strategy needs one), build the plan and check it."""
+    n = len(lengths)
+    check_request(n, target=target, scores=scores, budget=budget, picker=picker)
+    picker_name = default_picker(strategy, picker, target)
+    pick = get_picker(picker_name)
+    picked = pick(n, scores, target, probe) if strategy.needs_target else None
+    request = PlanRequest(lengths=list(lengths), target=picked, budget=budget,
+                          scores=list(scores) if scores is not None else None, strict=strict, probe=probe)
+    plan = check_plan(strategy.build(request), lengths, strategy.name)
+    return Decision(plan, picker_name if strategy.needs_target else None, picked, request.budget_tokens)
+
+
+def check_plan(plan: Plan, lengths: Sequence[int], name: str) -> Plan:
+    """A plan whose order is a permutation and whose S holds each in-range offset once, sorted."""
+    n = len(lengths)
+    if sorted(plan.order) != list(range(n)):
+        raise InvalidRequestError(f"strategy '{name}' returned order {plan.order}, not a permutation of 0..{n - 1}")
+    for c, offsets in list(plan.recompute.items()):
+        if not 0 <= c < n:
+            raise InvalidRequestError(f"strategy '{name}' recomputes chunk {c}, not in 0..{n - 1}")
+        offsets = torch.unique(torch.as_tensor(offsets, dtype=torch.long))  # sorted, once each
+        if offsets.numel() and (offsets[0] < 0 or offsets[-1] >= lengths[c]):
+            raise InvalidRequestError(f"strategy '{name}' recomputes offsets outside chunk {c} (length {lengths[c]})")
+        if offsets.numel():
+            plan.recompute[c] = offsets
+        else:
+            del plan.recompute[c]
+    for c, kv in plan.replace.items():
+        if not 0 <= c < n or len(kv) != lengths[c]:
+            raise InvalidRequestError(f"strategy '{name}' replaces chunk {c} with KV of the wrong length")
+    return plan

@@ -1,0 +1,130 @@
+"""Measurements a plan or a picker may ask of the model, each costed in token-layers.
+
+A probe belongs to one request: the prefix, the chunks' KV and the suffix. It answers three questions:
+how far each context token's reused KV is from fresh KV at a check layer (token_select), how much of the
+question's attention each chunk receives over the reused cache (the attention picker), and what a chunk's
+KV is in a full prefill of a given order (the insert_full_kv oracle). It never decides anything.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from kvrag.encode import stacked_kv
+from kvrag.kv import ChunkKV
+from kvrag.recompute import as_cache, recompute
+from kvrag.rope import Repositioner
+
+
+class _CheckLayerReached(Exception):
+    pass
+
+
+class _StopAfterLayerCache(DynamicCache):
+    """A cache that ends the forward once layer `stop_layer` has written its fresh keys and values."""
+
+    stop_layer = 1
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == self.stop_layer:
+            raise _CheckLayerReached
+        return out
+
+
+class Probe:
+    """Model measurements for one request, with their cost.
+
+    Attributes:
+        extra_token_layers: work spent outside the plan's own prefill, in token-layer units
+            (one token through one decoder layer).
+        extra_work: what that work was, one line each.
+    """
+
+    def __init__(self, model: torch.nn.Module, repositioner: Repositioner, prefix: ChunkKV,
+                 chunks: Sequence[ChunkKV] | Callable[[], Sequence[ChunkKV]], suffix_ids: Sequence[int]) -> None:
+        self.model = model
+        self.repositioner = repositioner
+        self.prefix = prefix
+        self._chunks = chunks  # or how to get them: a request's texts are encoded only if a probe needs them
+        self.suffix_ids = list(suffix_ids)
+        self.num_layers = int(model.config.num_hidden_layers)
+        self.extra_token_layers = 0
+        self.extra_work: list[str] = []
+
+    @property
+    def chunks(self) -> list[ChunkKV]:
+        if callable(self._chunks):
+            self._chunks = list(self._chunks())
+        return list(self._chunks)
+
+    @torch.inference_mode()
+    def value_deviation(self, order: Sequence[int], *, check_layer: int = 1) -> torch.Tensor:
+        """Per context token (stitched order), the squared distance between fresh and reused values at `check_layer`.
+
+        Fresh values come from running layers 0..check_layer-1 over every context token behind the prefix
+        and stopping once layer `check_layer` has projected its keys and values; layer 0's values never
+        deviate (they see no other token), so the check layer is at least 1. Cost: check_layer layers
+        over all context tokens (the check layer's own projections are a fraction of a layer more).
+        """
+        if not 1 <= check_layer < self.num_layers:
+            raise ValueError(f"check_layer must be in 1..{self.num_layers - 1}, got {check_layer}")
+        P = len(self.prefix)
+        device = self.prefix.keys.device
+        ids = torch.cat([self.chunks[c].token_ids for c in order]).to(device)
+        cache = as_cache(self.prefix.keys, self.prefix.values, _StopAfterLayerCache)
+        cache.stop_layer = check_layer
+        try:
+            self.model(input_ids=ids.view(1, -1), position_ids=torch.arange(P, P + len(ids), device=device).view(1, -1),
+                       cache=cache, use_cache=True, logits_to_keep=1)
+        except _CheckLayerReached:
+            pass
+        fresh = cache.layers[check_layer].values[0, :, P:].float()  # [H_kv, T_ctx, D_v]
+        reused = torch.cat([self.chunks[c].values[check_layer] for c in order], dim=1).float()  # [H_kv, T_ctx, D_v]
+        self.extra_token_layers += len(ids) * check_layer
+        self.extra_work.append(f"check layer {check_layer}: {check_layer} layer(s) over {len(ids)} context tokens")
+        return ((fresh - reused) ** 2).sum(dim=(0, 2))  # [T_ctx]
+
+    @torch.inference_mode()
+    def chunk_attention(self, order: Sequence[int]) -> torch.Tensor:
+        """Attention mass the suffix's queries put on each chunk over the reused cache, indexed by chunk.
+
+        Averaged over layers, heads and suffix tokens. Runs one reuse prefill with eager attention (the
+        only implementation that returns attention weights). Cost: the suffix through every layer.
+        """
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation("eager")
+        try:
+            run = recompute(self.model, self.repositioner, self.prefix, self.chunks, order, {}, self.suffix_ids,
+                            output_attentions=True)
+        finally:
+            self.model.set_attn_implementation(previous)
+        assert run.attentions is not None
+        mass = torch.stack([a[0].float().mean(dim=(0, 1)) for a in run.attentions]).mean(0)  # [K]
+        P = len(self.prefix)
+        per_chunk = torch.zeros(len(self.chunks))
+        at = P
+        for c in order:
+            per_chunk[c] = mass[at : at + len(self.chunks[c])].sum()
+            at += len(self.chunks[c])
+        self.extra_token_layers += len(self.suffix_ids) * self.num_layers
+        self.extra_work.append(f"question attention: {len(self.suffix_ids)} suffix tokens through {self.num_layers} layers")
+        return per_chunk
+
+    @torch.inference_mode()
+    def full_prefill_kv(self, order: Sequence[int], chunk: int) -> ChunkKV:
+        """`chunk`'s KV sliced from a full prefill of prefix + chunks in `order` up to and including it."""
+        upto = list(order)[: list(order).index(chunk) + 1]
+        device = self.prefix.keys.device
+        ids = torch.cat([self.prefix.token_ids.to(device)] + [self.chunks[c].token_ids.to(device) for c in upto])
+        cache = DynamicCache()
+        self.model(input_ids=ids.view(1, -1), cache=cache, use_cache=True, logits_to_keep=1)
+        begin = len(ids) - len(self.chunks[chunk])
+        keys, values = stacked_kv(cache, 0, begin, len(ids))
+        self.extra_token_layers += len(ids) * self.num_layers
+        self.extra_work.append(f"oracle full prefill: {len(ids)} tokens through {self.num_layers} layers")
+        original = self.chunks[chunk]
+        return ChunkKV(original.token_ids, keys, values, start=begin, encoder=original.encoder)

@@ -1,0 +1,288 @@
+"""Every strategy of the study as a plan: invariants on tiny models, budget accounting, pickers."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny import byte_tokenizer, tiny_model
+
+from kvrag import STRATEGIES, InvalidRequestError, KVModel
+from kvrag.encode import stacked_kv
+from kvrag.kv import ChunkKV
+from kvrag.planner import check_plan, make_plan
+from kvrag.probe import Probe
+from kvrag.recompute import causal_mask, full_prefill, stitch_layout
+from kvrag.strategies import PlanRequest, get_strategy
+
+CHUNKS = [
+    "Alpha station logs the weather every hour.",
+    "The harbour master keeps ships' names in a ledger.",
+    "Cats sleep most of the day and hunt at night, mostly mice.",
+    "Zed is a short one.",
+    "The archive opens at nine and closes at five on weekdays.",
+]
+Q = "When does the archive open?"
+STUDY = ["full_prefill", "reuse", "reorder", "insert_full_kv", "spread", "spread_chunks", "target_recompute",
+         "token_select", "attention_select", "hybrid"]
+
+
+@pytest.fixture(scope="module")
+def kv():
+    return KVModel(tiny_model("llama"), byte_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def enc(kv):
+    return kv.encode(CHUNKS)
+
+
+def lengths_of(kv):
+    return [len(kv.layout.chunk_ids(c)) for c in CHUNKS]
+
+
+def test_every_study_strategy_is_registered_and_runs(kv, enc):
+    assert set(STUDY) <= set(STRATEGIES)
+    for name in STUDY:
+        a = kv.answer(Q, enc, strategy=name, target=4, budget=0.2, max_new_tokens=2)
+        assert a.stats.strategy == name and sorted(a.stats.order) == list(range(5))
+
+
+def test_reuse_recomputes_nothing(kv, enc):
+    run = kv.prefill(Q, enc, strategy="reuse")
+    assert run.stitched.recomputed_tokens == 0 and run.decision.plan.recompute == {}
+    assert run.decision.plan.order == [0, 1, 2, 3, 4] and run.decision.target is None
+
+
+def test_full_prefill_equals_a_plain_forward_exactly(kv, enc):
+    run = kv.prefill(Q, enc, strategy="full_prefill")
+    ids = kv.prompt_ids(Q, [c.token_ids.tolist() for c in enc], range(5))
+    with torch.inference_mode():
+        ref = kv.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
+    assert torch.equal(run.stitched.logits[-1], ref.float())
+
+
+def test_reorder_puts_the_best_score_last(kv, enc):
+    run = kv.prefill(Q, enc, strategy="reorder", scores=[0.3, 0.1, 0.9, 0.2, 0.5])
+    assert run.decision.plan.order == [1, 3, 0, 4, 2] and run.stitched.recomputed_tokens == 0
+    assert kv.prefill(Q, enc, strategy="reorder").decision.plan.order == [4, 3, 2, 1, 0]  # ranked best-first
+
+
+@pytest.mark.parametrize("target", [0, 2, 4])
+def test_target_recompute_puts_the_target_last_and_recomputes_it(kv, enc, target):
+    run = kv.prefill(Q, enc, strategy="target_recompute", target=target)
+    plan = run.decision.plan
+    assert plan.order[-1] == target and list(plan.recompute) == [target]
+    assert plan.recompute[target].tolist() == list(range(len(enc[target])))
+
+
+@pytest.mark.parametrize("target", [0, 2, 4])
+@pytest.mark.parametrize("name", ["spread", "spread_chunks"])
+def test_spread_never_touches_the_target_and_keeps_the_budget(kv, enc, target, name):
+    for budget in (0.05, 0.2, 0.5, 1.0):
+        run = kv.prefill(Q, enc, strategy=name, target=target, budget=budget)
+        assert target not in run.decision.plan.recompute
+        assert run.stitched.recomputed_tokens <= run.decision.budget_tokens
+        assert run.decision.plan.order == [0, 1, 2, 3, 4]
+    spread = kv.prefill(Q, enc, strategy="spread", target=target, budget=0.2).decision.plan
+    assert all(s.tolist() == list(range(len(s))) for s in spread.recompute.values())  # each chunk's first tokens
+
+
+def test_a_long_target_is_recomputed_whole_and_the_overspend_reported(kv, enc):
+    lengths = lengths_of(kv)
+    a = kv.answer(Q, enc, target=4, budget=0.05, max_new_tokens=1)
+    assert a.stats.recomputed_tokens == lengths[4] > a.stats.budget_tokens == int(0.05 * sum(lengths))
+    assert a.stats.overspend_tokens == lengths[4] - a.stats.budget_tokens
+    strict = kv.answer(Q, enc, target=4, budget=0.05, strict=True, max_new_tokens=1)
+    assert strict.stats.recomputed_tokens == strict.stats.budget_tokens and strict.stats.overspend_tokens == 0
+    run = kv.prefill(Q, enc, target=4, budget=0.05, strict=True)
+    assert run.decision.plan.recompute[4].tolist() == list(range(strict.stats.budget_tokens))  # the target's start
+
+
+def test_insert_full_kv_uses_the_full_prefill_slice_of_the_target(kv, enc):
+    run = kv.prefill(Q, enc, strategy="insert_full_kv", target=1)
+    order = run.decision.plan.order
+    assert order[-1] == 1 and run.stitched.recomputed_tokens == 0
+    ref = full_prefill(kv.model, kv.prompt_ids(Q, [c.token_ids.tolist() for c in enc], order))
+    P = len(kv.prefix)
+    begin = P + sum(len(enc[c]) for c in order[:-1])
+    want_k, want_v = stacked_kv(ref.cache, 0, begin, begin + len(enc[1]))
+    got_k, got_v = stacked_kv(run.stitched.cache, 0, begin, begin + len(enc[1]))
+    assert (got_k - want_k).abs().max() < 1e-5 and (got_v - want_v).abs().max() < 1e-5
+    assert run.probe.extra_token_layers == (P + sum(len(c) for c in enc)) * kv.model.config.num_hidden_layers
+
+
+def test_token_select_picks_the_highest_deviation_tokens(kv):
+    """Chunks carry their exact full-prefill KV except a few tokens whose layer-1 values are corrupted."""
+    chunks = kv.encode(CHUNKS)
+    ref = full_prefill(kv.model, kv.prompt_ids(Q, [c.token_ids.tolist() for c in chunks], range(5)))
+    pos, exact = len(kv.prefix), []
+    for c in chunks:
+        k, v = stacked_kv(ref.cache, 0, pos, pos + len(c))
+        exact.append(ChunkKV(c.token_ids, k, v, start=pos, encoder=c.encoder))
+        pos += len(c)
+    planted = {1: [3, 7], 3: [0], 4: [10, 11, 12]}
+    for c, offsets in planted.items():
+        exact[c].values[1, :, offsets] += 3.0 * torch.arange(1, len(offsets) + 1).view(1, -1, 1)
+    probe = Probe(kv.model, kv.repositioner, kv.prefix, exact, kv.layout.suffix_ids(Q))
+    deviation = probe.value_deviation(range(5))
+    assert deviation.max() > 1.0 and sorted(deviation.topk(6).indices.tolist()) == sorted(
+        sum(len(exact[i]) for i in range(c)) + o for c, offs in planted.items() for o in offs)
+    total = sum(len(c) for c in exact)
+    run = kv.prefill(Q, exact, strategy="token_select", budget=6 / total + 1e-6)
+    assert {c: s.tolist() for c, s in run.decision.plan.recompute.items()} == planted
+    assert run.probe.extra_token_layers == total  # one layer over every context token
+    # deviation of exact KV is zero up to float error; of separately encoded chunks it is not
+    clean = Probe(kv.model, kv.repositioner, kv.prefix, [ChunkKV(c.token_ids, c.keys, c.values.clone(), c.start)
+                                                         for c in ref_chunks(kv, ref, chunks)], []).value_deviation(range(5))
+    assert clean.max() < 1e-8
+    stale = Probe(kv.model, kv.repositioner, kv.prefix, chunks, []).value_deviation(range(5))
+    assert stale[len(chunks[0]):].max() > 1e-4 and stale[: len(chunks[0])].max() < 1e-8
+
+
+def ref_chunks(kv, ref, chunks):
+    pos, out = len(kv.prefix), []
+    for c in chunks:
+        k, v = stacked_kv(ref.cache, 0, pos, pos + len(c))
+        out.append(ChunkKV(c.token_ids, k, v, start=pos))
+        pos += len(c)
+    return out
+
+
+@pytest.mark.parametrize("loud", [0, 3])
+def test_attention_select_picks_the_chunk_the_question_attends_to(kv, loud):
+    """One chunk's keys are scaled up, so the question's attention concentrates on it."""
+    chunks = kv.encode(CHUNKS)
+    chunks[loud] = ChunkKV(chunks[loud].token_ids, chunks[loud].keys * 25, chunks[loud].values, chunks[loud].start,
+                           chunks[loud].encoder)
+    probe = Probe(kv.model, kv.repositioner, kv.prefix, chunks, kv.layout.suffix_ids(Q))
+    mass = probe.chunk_attention(range(5))
+    assert int(mass.argmax()) == loud
+    a = kv.answer(Q, chunks, strategy="attention_select", target=4, max_new_tokens=1)
+    assert a.stats.picker == "attention" and a.stats.target == loud and a.stats.order[-1] == loud
+    assert a.stats.target_correct == (loud == 4)
+    suffix = len(kv.layout.suffix_ids(Q))
+    assert a.stats.extra_token_layers == suffix * kv.model.config.num_hidden_layers
+    assert kv.model.config._attn_implementation == "sdpa"  # restored after the eager pass
+
+
+def test_hybrid_spends_the_leftover_outside_the_target(kv, enc):
+    lengths = lengths_of(kv)
+    run = kv.prefill(Q, enc, strategy="hybrid", target=3, budget=0.5)
+    plan = run.decision.plan
+    assert plan.order[-1] == 3 and plan.recompute[3].numel() == lengths[3]
+    assert run.stitched.recomputed_tokens == run.decision.budget_tokens
+    short = kv.prefill(Q, enc, strategy="hybrid", target=4, budget=0.05)
+    assert list(short.decision.plan.recompute) == [4] and short.probe.extra_token_layers == 0  # nothing left over
+
+
+def test_pickers_and_their_errors(kv, enc):
+    assert kv.answer(Q, enc, scores=[0, 0, 0, 0, 1.0], max_new_tokens=1).stats.picker == "retriever"
+    a = kv.answer(Q, enc, picker="retriever", scores=[0, 1.0, 0, 0, 0], target=4, max_new_tokens=1)
+    assert a.stats.target == 1 and a.stats.target_given == 4 and a.stats.target_correct is False
+    assert kv.answer(Q, enc, target=2, max_new_tokens=1).stats.picker == "oracle"
+    with pytest.raises(InvalidRequestError, match="unknown picker 'best': use one of attention, oracle, retriever"):
+        kv.answer(Q, enc, picker="best", max_new_tokens=1)
+    with pytest.raises(InvalidRequestError, match="oracle picker needs the known target"):
+        kv.answer(Q, enc, picker="oracle", max_new_tokens=1)
+    with pytest.raises(InvalidRequestError, match="target 9 is not a chunk index"):
+        kv.answer(Q, enc, strategy="spread", target=9, max_new_tokens=1)
+    for budget in (0, -0.1, 1.01, float("nan")):
+        with pytest.raises(InvalidRequestError, match=r"budget must be a fraction of context tokens in \(0, 1\]"):
+            kv.answer(Q, enc, strategy="token_select", budget=budget, max_new_tokens=1)
+
+
+def test_a_plan_with_bad_offsets_is_refused():
+    with pytest.raises(InvalidRequestError, match="outside chunk 0"):
+        check_plan(get_strategy("reuse").build(PlanRequest([3], None, 0.5)).__class__(order=[0], recompute={0: torch.tensor([3])}),
+                   [3], "x")
+    with pytest.raises(InvalidRequestError, match="not a permutation"):
+        check_plan(get_strategy("reuse").build(PlanRequest([3, 2], None, 0.5)).__class__(order=[0, 0]), [3, 2], "x")
+
+
+# -- property tests ---------------------------------------------------------------------------------------
+
+PROBE_FREE = ["reuse", "reorder", "spread", "spread_chunks", "target_recompute"]
+
+
+@st.composite
+def requests(draw):
+    lengths = draw(st.lists(st.integers(1, 40), min_size=1, max_size=8))
+    n = len(lengths)
+    return dict(
+        lengths=lengths,
+        target=draw(st.integers(0, n - 1)),
+        scores=draw(st.none() | st.lists(st.floats(-1, 1), min_size=n, max_size=n)),
+        budget=draw(st.floats(0.001, 1.0)),
+        strict=draw(st.booleans()),
+        name=draw(st.sampled_from(PROBE_FREE)),
+    )
+
+
+@given(requests())
+@settings(max_examples=300, deadline=None)
+def test_plans_are_valid_and_keep_their_budget(req):
+    decision = make_plan(get_strategy(req["name"]), req["lengths"], probe=None, target=req["target"],
+                         scores=req["scores"], budget=req["budget"], strict=req["strict"])
+    plan = decision.plan
+    assert sorted(plan.order) == list(range(len(req["lengths"])))
+    recomputed = plan.recomputed_tokens(req["lengths"])
+    if req["name"] in ("spread", "spread_chunks"):
+        assert recomputed <= decision.budget_tokens and decision.target not in plan.recompute
+    if req["name"] == "target_recompute":
+        assert plan.order[-1] == decision.target
+        assert recomputed == (min(req["lengths"][decision.target], decision.budget_tokens) if req["strict"]
+                              else req["lengths"][decision.target])
+    if req["name"] in ("reuse", "reorder"):
+        assert recomputed == 0
+
+
+@given(st.data())
+@settings(max_examples=300, deadline=None)
+def test_stitched_positions_are_a_permutation_and_the_mask_is_causal(data):
+    lengths = data.draw(st.lists(st.integers(1, 12), min_size=1, max_size=6))
+    n = len(lengths)
+    order = data.draw(st.permutations(range(n)))
+    recompute = {}
+    for c in range(n):
+        picked = data.draw(st.lists(st.integers(0, lengths[c] - 1), unique=True, max_size=lengths[c]))
+        if picked:
+            recompute[c] = torch.tensor(sorted(picked))
+    P, suffix = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 4))
+    layout = stitch_layout(P, lengths, [P] * n, order, recompute, suffix)
+    N = P + sum(lengths) + suffix
+    assert sorted(layout.key_positions.tolist()) == list(range(N))  # every position once: cache then new input
+    assert layout.query_positions.tolist() == layout.key_positions[-len(layout.query_positions):].tolist()
+    mask = causal_mask(layout.key_positions, layout.query_positions, torch.float32)[0, 0]
+    allowed = mask == 0
+    for i, qp in enumerate(layout.query_positions.tolist()):
+        assert allowed[i].tolist() == [kp <= qp for kp in layout.key_positions.tolist()]
+    assert layout.selected.numel() == sum(len(s) for s in recompute.values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "gemma"])
+def test_probes_work_on_every_architecture(arch):
+    from tiny import VOCAB
+
+    from kvrag.encode import encode_chunks, encode_prefix
+    from kvrag.rope import Repositioner
+
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(0)
+    prefix = encode_prefix(model, torch.randint(0, VOCAB, (5,), generator=g).tolist())
+    ids = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 9, 7)]
+    chunks = encode_chunks(model, prefix, ids)
+    full = prefix.token_ids.tolist() + sum(ids, [])
+    ref = full_prefill(model, full)
+    rep = Repositioner(model)
+    exact = []
+    pos = len(prefix)
+    for c in chunks:
+        k, v = stacked_kv(ref.cache, 0, pos, pos + len(c))
+        exact.append(ChunkKV(c.token_ids, k, v, start=pos))
+        pos += len(c)
+    assert Probe(model, rep, prefix, exact, [1, 2]).value_deviation([0, 1, 2]).max() < 1e-8
+    stale = Probe(model, rep, prefix, chunks, [1, 2]).value_deviation([0, 1, 2])
+    assert stale[:6].max() < 1e-8 < stale[6:].max()  # the first chunk is exact, the others are not
+    mass = Probe(model, rep, prefix, chunks, [1, 2, 3]).chunk_attention([2, 0, 1])
+    assert mass.shape == (3,) and (mass > 0).all() and mass.sum() < 1
+    assert model.config._attn_implementation == "sdpa"
