@@ -117,3 +117,52 @@ def test_demo_runs_and_retrieves_the_targets(kv, capsys):
     tr = [r for r in records if r["strategy"] == "target_recompute"]
     assert all(r["recomputed_tokens"] > 0 and r["order"][-1] == r["target"] for r in tr)
     assert sum(r["right"] for r in tr) >= 2
+
+
+STUDY = ["full_prefill", "reuse", "reorder", "insert_full_kv", "spread", "spread_chunks", "target_recompute",
+         "token_select", "attention_select", "hybrid"]
+
+
+def test_strategy_table_on_the_real_model(kv, docs):
+    """Every strategy on a handful of examples: first-token KL against full prefill, recomputed share, prefill time."""
+    import time
+
+    chunks, items = docs
+    rng = random.Random(1)
+    rows = {name: [] for name in STUDY}
+    for item in items[:3]:
+        target = next(i for i, c in enumerate(chunks) if c["id"] == item["target"])
+        others = rng.sample([i for i in range(len(chunks)) if i != target], 5)
+        at = rng.randrange(0, 5)
+        picked = others[:at] + [target] + others[at:]
+        enc = kv.encode([chunks[i]["text"] for i in picked])
+        q = item["question"]
+        scores = [1.0 if i == at else 0.5 for i in range(len(picked))]
+        given = kv.prefill(q, enc, strategy="full_prefill").stitched.logits[-1]
+        references = {}  # full prefill in each order a strategy used
+        for name in STUDY:
+            t0 = time.perf_counter()
+            run = kv.prefill(q, enc, strategy=name, scores=scores, target=at, budget=0.05,
+                             picker="retriever" if name != "attention_select" else None)
+            seconds = time.perf_counter() - t0
+            order = tuple(run.decision.plan.order)
+            if order not in references:
+                ids = kv.prompt_ids(q, [c.token_ids.tolist() for c in enc], order)
+                references[order] = full_prefill(kv.model, ids).logits[-1]
+            logits = run.stitched.logits[-1]
+            rows[name].append(dict(kl=first_token_kl(given, logits), kl_own=first_token_kl(references[order], logits),
+                                   frac=run.stitched.recomputed_tokens / run.context_tokens, s=seconds,
+                                   budget=run.decision.budget_tokens, rec=run.stitched.recomputed_tokens,
+                                   extra=run.probe.extra_token_layers, picked=run.decision.target))
+    mean = lambda name, key: sum(r[key] for r in rows[name]) / len(rows[name])  # noqa: E731
+    print("\nmeans over 3 examples of 6 chunks, budget 0.05; KL of the first-token distribution against full prefill")
+    print("strategy          KL(given)  KL(own order)  recomputed  prefill s  extra token-layers  picked")
+    for name in STUDY:
+        picks = [r["picked"] for r in rows[name]]
+        print(f"{name:<17}{mean(name, 'kl'):>10.4f}{mean(name, 'kl_own'):>15.4f}{mean(name, 'frac'):>12.1%}"
+              f"{mean(name, 's'):>11.3f}{mean(name, 'extra'):>20.0f}  {picks}")
+    assert mean("full_prefill", "kl") < 1e-9 and mean("reuse", "frac") == 0 and mean("reorder", "frac") == 0
+    for name in ("spread", "spread_chunks", "token_select"):
+        assert all(r["rec"] <= r["budget"] for r in rows[name])
+    assert mean("full_prefill", "kl_own") < 1e-9 and mean("target_recompute", "frac") > 0
+    assert mean("token_select", "extra") > 0 and mean("insert_full_kv", "extra") > 0
