@@ -38,6 +38,7 @@ class Embedder:
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu") -> None:
         from sentence_transformers import SentenceTransformer
 
+        self.name = str(model) if model is not None else None  # None: the embedded default
         self.source = str(model if model is not None else default_embedder_path())
         self.model: Any = SentenceTransformer(self.source, device=device)
 

@@ -32,3 +32,15 @@ class InvalidRequestError(KVRAGError, ValueError):
 
 class LayoutError(KVRAGError):
     """The prompt template cannot be split into prefix, context and suffix."""
+
+
+class StoreError(KVRAGError):
+    """A KV store could not be read or written (disk full, permissions, Redis unreachable)."""
+
+
+class DocumentError(KVRAGError, ValueError):
+    """A document could not be read (missing, unreadable, not UTF-8, unsupported type)."""
+
+
+class IndexLoadError(KVRAGError):
+    """An index folder is missing, damaged, or was built with another model or embedder."""

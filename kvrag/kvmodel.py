@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -57,6 +57,8 @@ class AnswerStats:
     ttft_s: float  # seconds from the call to the first generated token
     new_tokens: int  # generated tokens, EOS excluded
     total_s: float  # seconds from the call to the end of generation
+    store_hits: int = 0  # chunks whose KV came from a store (retrieval engine)
+    retrieve_s: float = 0.0  # seconds spent retrieving and loading chunk KV (retrieval engine; part of ttft_s)
 
     @property
     def recomputed_fraction(self) -> float:
@@ -74,6 +76,16 @@ class AnswerStats:
 
 
 @dataclass(slots=True)
+class Source:
+    """A chunk an answer was given, as the retrieval engine found it."""
+
+    id: str  # chunk id, "<doc_id>#<n>"
+    text: str
+    score: float  # retrieval score (cosine similarity; fused rank score with hybrid retrieval)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class Answer:
     """Generated text with its stats."""
 
@@ -81,6 +93,12 @@ class Answer:
     token_ids: list[int]
     finish_reason: str  # "eos", "stop" (a stop string) or "length" (max_new_tokens)
     stats: AnswerStats
+    sources: list[Source] = field(default_factory=list)  # retrieved chunks, in the order they were given
+
+    def to_dict(self) -> dict[str, Any]:
+        """The documented JSON form: text, finish_reason, sources, stats."""
+        return {"text": self.text, "finish_reason": self.finish_reason,
+                "sources": [asdict(s) for s in self.sources], "stats": self.stats.to_dict()}
 
 
 @dataclass(slots=True)
@@ -134,7 +152,7 @@ class KVModel:
         eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
         eos_list = eos if isinstance(eos, list) else [eos]
         self.eos_ids = sorted({int(e) for e in [*eos_list, tokenizer.eos_token_id] if e is not None})
-        self._lock = threading.RLock()  # one forward at a time on the one model
+        self.lock = threading.RLock()  # one forward at a time on the one model
 
     @classmethod
     def from_pretrained(
@@ -164,8 +182,8 @@ class KVModel:
 
     def encode(self, texts: Sequence[str]) -> list[ChunkKV]:
         """Encode chunk texts behind the prefix at the canonical start; one ChunkKV per text."""
-        ids = [self._chunk_ids(i, t) for i, t in enumerate(texts)]
-        with self._lock:
+        ids = [self.chunk_ids(i, t) for i, t in enumerate(texts)]
+        with self.lock:
             return encode_chunks(self.model, self.prefix, ids, batch_tokens=self.batch_tokens,
                                  encoder=self.encoder_id)
 
@@ -205,7 +223,7 @@ class KVModel:
         if not chunks:
             raise EmptyInputError("no chunks given: pass at least one chunk (text or ChunkKV)")
         chosen = get_strategy(strategy)
-        ids = [self._chunk_ids(i, c) for i, c in enumerate(chunks)]
+        ids = [self.chunk_ids(i, c) for i, c in enumerate(chunks)]
         check_request(len(ids), target=target, scores=scores, budget=budget, picker=picker)
         suffix = self.layout.suffix_ids(question)
         context = sum(len(c) for c in ids)
@@ -227,7 +245,7 @@ class KVModel:
             timing["encode_s"], timing["encoded"] = (time.perf_counter() - t0, len(texts)) if texts else (0.0, 0)
             return kv  # type: ignore[return-value]
 
-        with self._lock:
+        with self.lock:
             probe = Probe(self.model, self.repositioner, self.prefix, chunk_kv, suffix)
             decision = make_plan(chosen, [len(c) for c in ids], probe, picker=picker, target=target, scores=scores,
                                  budget=budget, strict=strict)
@@ -259,6 +277,7 @@ class KVModel:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: Sequence[str] | str = (),
+        started_at: float | None = None,
     ) -> Iterator[str | Answer]:
         """Yield the answer's text pieces as they are decoded, then the final `Answer`.
 
@@ -276,11 +295,12 @@ class KVModel:
             budget: fraction of context tokens a budgeted strategy may recompute.
             strict: never exceed the budget (a long target is recomputed in part; see kvrag.strategies).
             max_new_tokens, temperature, top_p, seed, stop: decoding (temperature 0 is greedy).
+            started_at: `time.perf_counter()` when the caller's request began; ttft_s counts from there.
         """
-        t0 = time.perf_counter()
+        t0 = started_at if started_at is not None else time.perf_counter()
         sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             stop=tuple([stop] if isinstance(stop, str) else stop))
-        with self._lock:
+        with self.lock:
             run = self.prefill(question, chunks, strategy=strategy, picker=picker, target=target, scores=scores,
                                budget=budget, strict=strict, max_new_tokens=max_new_tokens)
             detok = Detokenizer(self.tokenizer, sampling.stop)
@@ -333,8 +353,8 @@ class KVModel:
 
     # -- checks -----------------------------------------------------------------------------------------
 
-    def _chunk_ids(self, i: int, chunk: str | ChunkKV) -> list[int]:
-        """A chunk's ids, after checking that its text fits or that its KV came from a model like this one."""
+    def chunk_ids(self, i: int, chunk: str | ChunkKV) -> list[int]:
+        """Chunk `i`'s token ids, after checking that its text fits or that its KV came from this model and prefix."""
         if isinstance(chunk, str):
             ids = self.layout.chunk_ids(chunk)
             limit = self.max_positions - len(self.prefix)

@@ -1,0 +1,104 @@
+"""The stored form of a chunk's KV: safetensors bytes with a checksum, in a chosen storage dtype.
+
+Only safetensors (tensors plus a JSON header) is ever written or read back: never pickle. An entry whose
+bytes are damaged, whose checksum does not match, or that was written for another model, prefix or
+format version decodes to None: a miss, never a crash and never a wrong answer. This module knows
+nothing of where bytes are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from kvrag.errors import InvalidRequestError
+from kvrag.kv import KV_FORMAT_VERSION, ChunkKV
+
+STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
+
+
+def check_storage_dtype(name: str) -> str:
+    if name not in STORAGE_DTYPES:
+        raise InvalidRequestError(f"unknown storage dtype '{name}': use one of {', '.join(STORAGE_DTYPES)}")
+    return name
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 with one scale per channel (per layer, head and head dimension), over the chunk's tokens."""
+    x = x.float()
+    scale = x.abs().amax(dim=2, keepdim=True).clamp_min(1e-8) / 127.0  # [L, H, 1, D]
+    return torch.round(x / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def encode_entry(chunk: ChunkKV, *, key: str, dtype: str = "float16") -> bytes:
+    """Serialize a chunk's KV for a store; keys and values in `dtype` (int8: with per-channel scales)."""
+    check_storage_dtype(dtype)
+    keys, values = chunk.keys.detach().cpu(), chunk.values.detach().cpu()
+    if dtype == "int8":
+        kq, ks = _quantize(keys)
+        vq, vs = _quantize(values)
+        tensors = {"keys": kq, "keys_scale": ks, "values": vq, "values_scale": vs}
+    else:
+        tensors = {"keys": keys.to(STORAGE_DTYPES[dtype]).contiguous(), "values": values.to(STORAGE_DTYPES[dtype]).contiguous()}
+    tensors["token_ids"] = chunk.token_ids.detach().cpu().to(torch.int64).contiguous()
+    metadata = {"format": str(KV_FORMAT_VERSION), "key": key, "encoder": chunk.encoder, "start": str(chunk.start),
+                "dtype": dtype, "sha256": _digest(tensors)}
+    return st_save(tensors, metadata=metadata)
+
+
+def entry_metadata(blob: bytes) -> dict[str, str] | None:
+    """The JSON header's metadata of a safetensors blob, or None if the header is not readable."""
+    try:
+        (length,) = struct.unpack("<Q", blob[:8])
+        header = json.loads(blob[8 : 8 + length])
+        meta = header.get("__metadata__")
+        return meta if isinstance(meta, dict) else None
+    except (struct.error, ValueError, UnicodeDecodeError):
+        return None
+
+
+def decode_entry(blob: bytes, *, key: str, encoder: str, dtype: torch.dtype, device: torch.device | str) -> ChunkKV | None:
+    """The ChunkKV in `blob`, in the model's dtype on its device, or None when it must not be used.
+
+    None means: unreadable or truncated bytes, a checksum mismatch (flipped bytes), or an entry written
+    under another key, model/prefix (`encoder`) or format version.
+    """
+    meta = entry_metadata(blob)
+    if meta is None or meta.get("format") != str(KV_FORMAT_VERSION) or meta.get("key") != key:
+        return None
+    if meta.get("encoder") != encoder or meta.get("dtype") not in STORAGE_DTYPES:
+        return None
+    try:
+        tensors = st_load(blob)
+    except Exception:  # safetensors raises its own error types on damaged bytes
+        return None
+    if _digest(tensors) != meta.get("sha256"):
+        return None
+    try:
+        if meta["dtype"] == "int8":
+            keys = tensors["keys"].float() * tensors["keys_scale"]
+            values = tensors["values"].float() * tensors["values_scale"]
+        else:
+            keys, values = tensors["keys"], tensors["values"]
+        return ChunkKV(
+            token_ids=tensors["token_ids"].to(device),
+            keys=keys.to(device=device, dtype=dtype),
+            values=values.to(device=device, dtype=dtype),
+            start=int(meta["start"]),
+            encoder=encoder,
+        )
+    except (KeyError, ValueError, RuntimeError):
+        return None

@@ -1,0 +1,341 @@
+"""KVRAG: the KV-aware retrieval engine. Documents in, answers out; every chunk's KV computed once and kept.
+
+It owns the index (records, vectors), the KV store and one KVModel, and wires them: ingestion splits,
+embeds, encodes and stores; a query retrieves, loads each chunk's KV from the store (encoding only the
+misses), and answers with a strategy. Strategy and model logic stay in KVModel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+
+from kvrag.documents import Item, split_text, to_documents
+from kvrag.embed import Embedder
+from kvrag.encode import encode_chunks
+from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError
+from kvrag.index import ChunkIndex, ChunkRecord, Filters
+from kvrag.kv import ChunkKV
+from kvrag.kvmodel import Answer, KVModel, Source
+from kvrag.store import DiskStore, KVStore, MemoryStore, TieredStore
+
+INDEX_FORMAT = 1
+MANIFEST = "kvrag-index.json"
+
+
+@dataclass(slots=True)
+class IngestStats:
+    """What one ingest did."""
+
+    documents: int  # documents read
+    chunks: int  # chunks indexed
+    tokens: int  # LM tokens in those chunks
+    encoded: int  # chunks whose KV was computed now
+    store_hits: int  # chunks whose KV was already stored (nothing encoded)
+    seconds: float  # wall time of the whole ingest
+    encode_s: float  # of which encoding KV
+
+
+class KVRAG:
+    """Retrieval-augmented generation over stored per-chunk KV.
+
+    Args:
+        kv: the LM wrapper.
+        embedder: scores chunks against questions.
+        store: where chunk KV is kept (bound to `kv`'s model and prefix).
+        path: the index folder; None keeps everything in memory.
+        chunk_tokens, overlap: the splitter's window and overlap, in LM tokens.
+    """
+
+    def __init__(self, kv: KVModel, *, embedder: Embedder, store: KVStore, path: str | Path | None = None,
+                 index: ChunkIndex | None = None, chunk_tokens: int = 200, overlap: int = 20,
+                 model_source: str | None = None) -> None:
+        self.kv = kv
+        self.embedder = embedder
+        self.store = store
+        self.store.bind(encoder=kv.encoder_id, dtype=kv.prefix.keys.dtype, device=kv.prefix.keys.device)
+        self.path = Path(path) if path is not None else None
+        dim = int(embedder.embed(["dimension probe"]).shape[1])
+        self.index = index or ChunkIndex(dim)
+        self.chunk_tokens, self.overlap = chunk_tokens, overlap
+        self.model_source = model_source
+        self._lock: threading.RLock = kv.lock  # one lock: the model, the index and the store change together
+
+    # -- construction -----------------------------------------------------------------------------------
+
+    @classmethod
+    def from_defaults(
+        cls,
+        path: str | Path | None = None,
+        *,
+        model: str | None = None,
+        embedder: str | None = None,
+        store: KVStore | None = None,
+        storage_dtype: str = "float16",
+        memory_bytes: int = 1 << 30,
+        device: str = "cpu",
+        dtype: str = "auto",
+        chunk_tokens: int = 200,
+        overlap: int = 20,
+        cache_dir: str | Path | None = None,
+    ) -> KVRAG:
+        """An engine on the embedded defaults (or the given model and embedder), loading `path` if it holds an index.
+
+        The KV store defaults to memory in front of a disk store in `path/kv` (memory only without a path).
+        """
+        if path is not None and (Path(path) / MANIFEST).is_file():
+            return cls.load(path, store=store, memory_bytes=memory_bytes, device=device, cache_dir=cache_dir)
+        kv = KVModel.from_pretrained(model, dtype=dtype, device=device, cache_dir=cache_dir)
+        if store is None:
+            store = MemoryStore(memory_bytes)
+            if path is not None:
+                store = TieredStore(store, DiskStore(Path(path) / "kv", storage_dtype))
+        return cls(kv, embedder=Embedder(embedder, device=device), store=store, path=path, chunk_tokens=chunk_tokens,
+                   overlap=overlap, model_source=model)
+
+    @classmethod
+    def load(cls, path: str | Path, *, store: KVStore | None = None, memory_bytes: int = 1 << 30, device: str = "cpu",
+             cache_dir: str | Path | None = None) -> KVRAG:
+        """Open an index folder written by an engine with a path; the model and embedder are those it was built with."""
+        folder = Path(path)
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise IndexLoadError(f"no kvrag index at {folder}: create one with `kvrag ingest PATH --index {folder}`") from None
+        except (OSError, ValueError) as err:
+            raise IndexLoadError(f"the index manifest {folder / MANIFEST} is unreadable ({err}): re-ingest") from err
+        if manifest.get("format") != INDEX_FORMAT:
+            raise IndexLoadError(f"{folder} holds index format {manifest.get('format')}, this kvrag reads {INDEX_FORMAT}")
+        kv = KVModel.from_pretrained(manifest["model"], dtype=manifest["dtype"], device=device, cache_dir=cache_dir)
+        if kv.fingerprint.digest != manifest["fingerprint"]:
+            raise IndexLoadError(f"the index at {folder} was built with another model ({manifest['architecture']}, "
+                              f"{manifest['weights']}): open it with that model or re-ingest")
+        embedder = Embedder(manifest["embedder"], device=device)
+        try:
+            index = ChunkIndex.load(folder / "index", manifest["dim"])
+        except (OSError, RuntimeError, ValueError, TypeError) as err:
+            raise IndexLoadError(f"the index at {folder} is damaged ({err}): re-ingest into a new folder") from err
+        if store is None:
+            store = TieredStore(MemoryStore(memory_bytes), DiskStore(folder / "kv", manifest["storage_dtype"]))
+        return cls(kv, embedder=embedder, store=store, path=folder, index=index, chunk_tokens=manifest["chunk_tokens"],
+                   overlap=manifest["overlap"], model_source=manifest["model"])
+
+    def persist(self, path: str | Path | None = None) -> Path:
+        """Write the index and manifest to `path` (default: the engine's path). KV in a disk store is already there."""
+        folder = Path(path) if path is not None else self.path
+        if folder is None:
+            raise InvalidRequestError("this engine has no path: pass persist(path)")
+        with self._lock:
+            self.index.save(folder / "index")
+            fp = self.kv.fingerprint
+            storage = getattr(getattr(self.store, "back", self.store), "storage_dtype", "float16")
+            manifest = {"format": INDEX_FORMAT, "model": self.model_source, "dtype": fp.dtype, "fingerprint": fp.digest,
+                        "architecture": fp.architecture, "weights": fp.weights, "embedder": self.embedder.name,
+                        "dim": self.index.dim, "chunk_tokens": self.chunk_tokens, "overlap": self.overlap,
+                        "storage_dtype": storage}
+            tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(manifest, indent=1))
+            os.replace(tmp, folder / MANIFEST)
+        return folder
+
+    # -- ingestion --------------------------------------------------------------------------------------
+
+    def ingest(self, items: Item | Iterable[Item], *, metadata: Mapping[str, Any] | None = None, split: bool = True,
+               progress: bool = True, on_progress: Callable[[int, int], None] | None = None) -> IngestStats:
+        """Split, embed and index documents; encode and store each chunk's KV unless it is stored already.
+
+        Args:
+            items: texts (str), files or folders (pathlib.Path), (text, metadata) pairs or Documents.
+            metadata: merged into every document's metadata.
+            split: False keeps each document as one chunk (caller-given chunks).
+            progress: show a tqdm progress bar over chunk encoding.
+            on_progress: called with (chunks done, chunks total) after each encoding batch.
+        """
+        t0 = time.perf_counter()
+        docs = to_documents(items, metadata)
+        with self._lock:
+            records: list[ChunkRecord] = []
+            chunk_ids: list[list[int]] = []
+            for doc in docs:
+                texts = split_text(doc.text, self.kv.tokenizer, chunk_tokens=self.chunk_tokens, overlap=self.overlap) \
+                    if split else [doc.text.strip()]
+                for n, text in enumerate(texts):
+                    ids = self.kv.chunk_ids(n, text)
+                    records.append(ChunkRecord(id=f"{doc.id}#{n}", doc_id=doc.id, text=text, metadata=dict(doc.metadata),
+                                               key=self.kv.chunk_key(ids), n_tokens=len(ids)))
+                    chunk_ids.append(ids)
+            missing = [i for i, r in enumerate(records) if r.key not in self.store]
+            encode_s = self._encode_and_store([records[i] for i in missing], [chunk_ids[i] for i in missing],
+                                              progress=progress, on_progress=on_progress)
+            vectors = self.embedder.embed([r.text for r in records])
+            for doc in docs:  # re-ingesting a document replaces its chunks (their KV stays stored)
+                self.index.remove_doc(doc.id)
+            self.index.add(records, vectors)
+            if self.path is not None:
+                self.persist()
+        return IngestStats(documents=len(docs), chunks=len(records), tokens=sum(r.n_tokens for r in records),
+                           encoded=len(missing), store_hits=len(records) - len(missing),
+                           seconds=time.perf_counter() - t0, encode_s=encode_s)
+
+    def _encode_and_store(self, records: Sequence[ChunkRecord], ids: Sequence[list[int]], *, progress: bool,
+                          on_progress: Callable[[int, int], None] | None) -> float:
+        if not records:
+            return 0.0
+        from tqdm.auto import tqdm
+
+        t0 = time.perf_counter()
+        bar = tqdm(total=len(records), desc="encoding chunk KV", unit="chunk", disable=not progress)
+        done = 0
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            bar.update(n)
+            if on_progress is not None:
+                on_progress(done, len(records))
+
+        try:
+            kvs = encode_chunks(self.kv.model, self.kv.prefix, ids, batch_tokens=self.kv.batch_tokens,
+                                on_batch=advance, encoder=self.kv.encoder_id)
+        finally:
+            bar.close()
+        for record, kv in zip(records, kvs):
+            self.store.put(record.key, kv)
+        return time.perf_counter() - t0
+
+    def delete(self, doc_id: str) -> int:
+        """Remove a document: its chunks, vectors and stored KV (unless another chunk shares the KV). Returns chunks removed."""
+        with self._lock:
+            gone = self.index.remove_doc(doc_id)
+            live = {r.key for r in self.index.records.values()}
+            for record in gone:
+                if record.key not in live:
+                    self.store.delete(record.key)
+            if gone and self.path is not None:
+                self.persist()
+        return len(gone)
+
+    # -- retrieval and answers --------------------------------------------------------------------------
+
+    def retrieve(self, question: str, *, top_k: int = 5, filters: Filters | None = None,
+                 hybrid: bool = False) -> list[Source]:
+        """Top-k chunks for a question, best first, among those that pass `filters` (applied before top-k)."""
+        if not question or not question.strip():
+            raise EmptyInputError("the question is empty or whitespace only: ask something")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 10_000:
+            raise InvalidRequestError(f"top_k must be an int in 1..10000, got {top_k!r}")
+        vector = self.embedder.embed([question])[0]
+        with self._lock:
+            if not len(self.index):
+                raise EmptyInputError("the index holds no chunks: ingest documents first")
+            hits = self.index.search(vector, question, top_k=top_k, filters=filters, hybrid=hybrid)
+        return [Source(id=r.id, text=r.text, score=s, metadata=dict(r.metadata)) for r, s in hits]
+
+    def _chunk_kv(self, sources: Sequence[Source]) -> tuple[list[ChunkKV], int, int]:
+        """Each source's KV: from the store, or encoded now (and stored). Returns (kv, store hits, encoded)."""
+        keys = [self.index.records[s.id].key if s.id in self.index.records else "" for s in sources]
+        kvs: list[ChunkKV | None] = [self.store.get(k) if k else None for k in keys]
+        misses = [i for i, kv in enumerate(kvs) if kv is None]
+        if misses:
+            ids = [self.kv.chunk_ids(i, sources[i].text) for i in misses]
+            fresh = encode_chunks(self.kv.model, self.kv.prefix, ids, batch_tokens=self.kv.batch_tokens,
+                                  encoder=self.kv.encoder_id)
+            for i, kv, chunk in zip(misses, fresh, ids):
+                kvs[i] = kv
+                self.store.put(keys[i] or self.kv.chunk_key(chunk), kv)
+        return kvs, len(sources) - len(misses), len(misses)  # type: ignore[return-value]
+
+    def stream(self, question: str, *, strategy: str = "target_recompute", budget: float = 0.05, top_k: int = 5,
+               filters: Filters | None = None, picker: str | None = None, hybrid: bool = False,
+               **generation: Any) -> Iterator[str | Answer]:
+        """Retrieve, then yield the answer's text pieces as decoded, then the final Answer (with sources)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            sources = self.retrieve(question, top_k=top_k, filters=filters, hybrid=hybrid)
+            if not sources:
+                raise EmptyInputError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
+            yield from self._answer(question, sources, t0, strategy=strategy, budget=budget, picker=picker,
+                                    scores=[s.score for s in sources], **generation)
+
+    def _answer(self, question: str, sources: list[Source], t0: float, **kwargs: Any) -> Iterator[str | Answer]:
+        kvs, hits, encoded = self._chunk_kv(sources)
+        retrieve_s = time.perf_counter() - t0
+        for item in self.kv.stream(question, kvs, started_at=t0, **kwargs):
+            if isinstance(item, Answer):
+                item.sources = sources
+                item.stats.store_hits, item.stats.chunks_encoded = hits, item.stats.chunks_encoded + encoded
+                item.stats.retrieve_s = retrieve_s
+            yield item
+
+    def query(self, question: str, **kwargs: Any) -> Answer:
+        """Retrieve and answer; the arguments are those of `stream` (and KVModel.stream's decoding ones)."""
+        return _last(self.stream(question, **kwargs))
+
+    def answer(self, question: str, chunks: Sequence[str], *, scores: Sequence[float] | None = None,
+               **kwargs: Any) -> Answer:
+        """Answer over caller-given chunk texts (no retrieval); their KV comes from the store when stored."""
+        if not chunks:
+            raise EmptyInputError("no chunks given: pass at least one chunk text")
+        t0 = time.perf_counter()
+        with self._lock:
+            sources = []
+            for i, text in enumerate(chunks):
+                key = self.kv.chunk_key(self.kv.chunk_ids(i, text))
+                record = next((r for r in self.index.records.values() if r.key == key), None)
+                sources.append(Source(id=record.id if record else f"given#{i}", text=text,
+                                      score=float(scores[i]) if scores is not None and i < len(scores) else 0.0,
+                                      metadata=dict(record.metadata) if record else {}))
+            return _last(self._answer(question, sources, t0, scores=scores, **kwargs))
+
+    async def aquery(self, question: str, **kwargs: Any) -> Answer:
+        """`query` in a worker thread, so the event loop keeps running."""
+        return await asyncio.to_thread(self.query, question, **kwargs)
+
+    async def astream(self, question: str, **kwargs: Any) -> AsyncIterator[str | Answer]:
+        """`stream` in a worker thread; pieces arrive as they are decoded, then the Answer."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        done = object()
+
+        def run() -> None:
+            try:
+                for item in self.stream(question, **kwargs):
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+            except BaseException as err:  # handed to the awaiting side
+                loop.call_soon_threadsafe(queue.put_nowait, err)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, done)
+
+        worker = loop.run_in_executor(None, run)
+        while True:
+            item = await queue.get()
+            if item is done:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        await worker
+
+    def info(self) -> dict[str, Any]:
+        """Counts, bytes and the model fingerprint."""
+        with self._lock:
+            return {"path": str(self.path) if self.path else None, "documents": len(self.index.docs()),
+                    "chunks": len(self.index), "tokens": sum(r.n_tokens for r in self.index.records.values()),
+                    "kv_entries": len(self.store), "kv_bytes": self.store.nbytes,
+                    "model": asdict(self.kv.fingerprint), "fingerprint": self.kv.fingerprint.digest,
+                    "embedder": self.embedder.source, "chunk_tokens": self.chunk_tokens, "overlap": self.overlap}
+
+
+def _last(items: Iterator[str | Answer]) -> Answer:
+    result = None
+    for result in items:
+        pass
+    if not isinstance(result, Answer):
+        raise RuntimeError("the answer stream ended without an Answer")
+    return result

@@ -1,0 +1,167 @@
+"""The chunk index: chunk records, a FAISS inner-product index on normalized embeddings, optional BM25.
+
+Filters on metadata are applied before top-k (FAISS searches only the chunks that match). Saved as
+`faiss.write_index` plus JSON. This module never touches the LM or the KV store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from kvrag.errors import InvalidRequestError
+
+Filters = Mapping[str, Any]  # metadata key -> required value, or a list/tuple/set of accepted values
+
+
+@dataclass(slots=True)
+class ChunkRecord:
+    """One indexed chunk."""
+
+    id: str  # "<doc_id>#<n>"
+    doc_id: str  # the document it was cut from
+    text: str  # the chunk text, exactly as encoded
+    metadata: dict[str, Any] = field(default_factory=dict)  # the document's metadata
+    key: str = ""  # the KV store key (kvrag.kv.chunk_key)
+    n_tokens: int = 0  # LM tokens of the chunk
+    row: int = -1  # FAISS id
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def _matches(metadata: Mapping[str, Any], filters: Filters) -> bool:
+    for name, wanted in filters.items():
+        value = metadata.get(name)
+        if isinstance(wanted, (list, tuple, set, frozenset)):
+            if value not in wanted:
+                return False
+        elif value != wanted:
+            return False
+    return True
+
+
+class ChunkIndex:
+    """Records and vectors of the ingested chunks."""
+
+    def __init__(self, dim: int) -> None:
+        import faiss
+
+        self.dim = dim
+        self.vectors = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+        self.records: dict[str, ChunkRecord] = {}
+        self.by_row: dict[int, str] = {}
+        self.next_row = 0
+        self._bm25: Any = None
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def add(self, records: Sequence[ChunkRecord], vectors: np.ndarray) -> None:
+        """Add records with their [N, dim] unit vectors."""
+        rows = np.arange(self.next_row, self.next_row + len(records), dtype=np.int64)
+        self.vectors.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), rows)
+        for record, row in zip(records, rows):
+            record.row = int(row)
+            self.records[record.id] = record
+            self.by_row[int(row)] = record.id
+        self.next_row += len(records)
+        self._bm25 = None
+
+    def remove_doc(self, doc_id: str) -> list[ChunkRecord]:
+        """Remove a document's chunks; return them (their KV keys are the caller's to delete)."""
+        gone = [r for r in self.records.values() if r.doc_id == doc_id]
+        if gone:
+            self.vectors.remove_ids(np.array([r.row for r in gone], dtype=np.int64))
+            for r in gone:
+                del self.records[r.id]
+                del self.by_row[r.row]
+            self._bm25 = None
+        return gone
+
+    def docs(self) -> set[str]:
+        return {r.doc_id for r in self.records.values()}
+
+    def search(self, vector: np.ndarray, question: str, *, top_k: int, filters: Filters | None = None,
+               hybrid: bool = False) -> list[tuple[ChunkRecord, float]]:
+        """Top-k (record, score), best first, among the chunks that pass `filters`.
+
+        Dense scores are cosine similarities. With `hybrid`, the dense and BM25 rankings are fused by
+        reciprocal rank (score = sum of 1 / (60 + rank)).
+        """
+        if top_k < 1:
+            raise InvalidRequestError(f"top_k must be at least 1, got {top_k}")
+        import faiss
+
+        allowed = [r.row for r in self.records.values() if not filters or _matches(r.metadata, filters)]
+        if not allowed:
+            return []
+        k = min(top_k, len(allowed))
+        params = None
+        if filters:
+            params = faiss.SearchParameters(sel=faiss.IDSelectorBatch(np.array(allowed, dtype=np.int64)))
+        depth = len(allowed) if hybrid else k
+        scores, rows = self.vectors.search(np.ascontiguousarray(vector.reshape(1, -1), dtype=np.float32), depth,
+                                           params=params)
+        dense = [(self.records[self.by_row[int(r)]], float(s)) for r, s in zip(rows[0], scores[0]) if r >= 0]
+        if not hybrid:
+            return dense[:k]
+        lexical = self._bm25_rank(question, allowed)
+        fused: dict[str, float] = {}
+        for ranking in (dense, lexical):
+            for rank, (record, _) in enumerate(ranking):
+                fused[record.id] = fused.get(record.id, 0.0) + 1.0 / (60 + rank + 1)
+        best = sorted(fused.items(), key=lambda item: -item[1])[:k]
+        return [(self.records[rid], score) for rid, score in best]
+
+    def _bm25_rank(self, question: str, allowed_rows: Iterable[int]) -> list[tuple[ChunkRecord, float]]:
+        from rank_bm25 import BM25Okapi
+
+        ordered = sorted(self.records.values(), key=lambda r: r.row)
+        if self._bm25 is None:
+            self._bm25 = (BM25Okapi([_words(r.text) or ["<empty>"] for r in ordered]), ordered)
+        bm25, records = self._bm25
+        scores = bm25.get_scores(_words(question))
+        allowed = set(allowed_rows)
+        ranked = sorted((i for i, r in enumerate(records) if r.row in allowed), key=lambda i: -scores[i])
+        return [(records[i], float(scores[i])) for i in ranked]
+
+    # -- persistence ------------------------------------------------------------------------------------
+
+    def save(self, folder: Path) -> None:
+        """Write `vectors.faiss` and `chunks.jsonl` under `folder`, each renamed into place."""
+        import faiss
+
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".vectors.{os.getpid()}.tmp"
+        faiss.write_index(self.vectors, str(tmp))
+        os.replace(tmp, folder / "vectors.faiss")
+        tmp = folder / f".chunks.{os.getpid()}.tmp"
+        with tmp.open("w", encoding="utf-8") as f:
+            for r in sorted(self.records.values(), key=lambda r: r.row):
+                f.write(json.dumps(asdict(r), ensure_ascii=False) + "\n")
+        os.replace(tmp, folder / "chunks.jsonl")
+
+    @classmethod
+    def load(cls, folder: Path, dim: int) -> ChunkIndex:
+        import faiss
+
+        index = cls(dim)
+        index.vectors = faiss.read_index(str(folder / "vectors.faiss"))
+        with (folder / "chunks.jsonl").open(encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    record = ChunkRecord(**json.loads(line))
+                    index.records[record.id] = record
+                    index.by_row[record.row] = record.id
+        index.next_row = max(index.by_row, default=-1) + 1
+        if index.vectors.ntotal != len(index.records):
+            raise ValueError(f"index at {folder} holds {index.vectors.ntotal} vectors for {len(index.records)} chunks")
+        return index
