@@ -1,8 +1,9 @@
 """The demo: the embedded default model answers questions over a bundled excerpt of the Python docs.
 
-Every chunk is encoded once (ingestion); each question is then answered three ways over the same
-stitched context — full prefill (the reference), plain reuse, and target recompute (the retriever's top
-chunk moved next to the question and recomputed) — with each one's time to first token.
+Every chunk is ingested once (embedded, KV encoded and stored); each question retrieves its top chunks
+and is answered three ways over them — target recompute (the retriever's top chunk moved next to the
+question and recomputed), plain reuse, and full prefill (the reference) — with each one's time to first
+token.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from typing import Any, Callable
 
 import torch
 
+from kvrag.documents import Document
 from kvrag.embed import Embedder
+from kvrag.engine import KVRAG
 from kvrag.kvmodel import KVModel
+from kvrag.store import MemoryStore
 
 STRATEGIES = ("target_recompute", "reuse", "full_prefill")
 
@@ -32,6 +36,7 @@ def run_demo(
     *,
     load: dict[str, Any] | None = None,
     questions: int = 3,
+    top_k: int = 6,
     max_new_tokens: int = 48,
     embedder: Embedder | None = None,
     print_fn: Callable[[str], None] = print,
@@ -40,39 +45,37 @@ def run_demo(
 
     Args:
         kv: a loaded model; None loads one with `KVModel.from_pretrained(**load)` (the embedded default).
+        top_k: chunks retrieved for each question.
     """
     t0 = time.perf_counter()
     loaded = kv is None
     kv = kv or KVModel.from_pretrained(**(load or {}))
     ready = f"model loaded in {time.perf_counter() - t0:.1f} s" if loaded else "model given"
     chunks, items = sample_docs()
-    texts = [c["text"] for c in chunks]
-    t0 = time.perf_counter()
-    encoded = kv.encode(texts)
-    encode_s = time.perf_counter() - t0
-    context = sum(len(c) for c in encoded)
-    embedder = embedder or Embedder()
+    rag = KVRAG(kv, embedder=embedder or Embedder(), store=MemoryStore())
+    ingested = rag.ingest([Document(c["text"], {"source": c["source"]}, id=c["id"]) for c in chunks], split=False,
+                          progress=False)
     print_fn(f"kvrag demo: {kv.fingerprint.architecture.split(':')[0]} model, {kv.fingerprint.dtype}, "
              f"{kv.prefix.keys.device}, {torch.get_num_threads()} threads; {ready}")
-    print_fn(f"ingested {len(chunks)} chunks of the Python 3.11 docs ({context} tokens) in {encode_s:.1f} s; "
-             f"KV held: {sum(c.nbytes for c in encoded) / 1e6:.1f} MB\n")
+    print_fn(f"ingested {ingested.chunks} chunks of the Python 3.11 docs ({ingested.tokens} tokens): KV encoded in "
+             f"{ingested.encode_s:.1f} s, {rag.store.nbytes / 1e6:.1f} MB held; each question retrieves {top_k}\n")
     records = []
     for n, item in enumerate(items[:questions], 1):
-        scores = embedder.scores(item["question"], texts)
-        picked = max(range(len(chunks)), key=lambda i: scores[i])
         print_fn(f"Q{n}: {item['question']}")
-        print_fn(f"    retriever's top chunk: {chunks[picked]['id']} (holds the answer: {chunks[picked]['id'] == item['target']})")
-        ttft = {}
+        ttft, recomputed, context = {}, 0, 0
         for strategy in STRATEGIES:
-            answer = kv.answer(item["question"], encoded, strategy=strategy, scores=scores,
-                               max_new_tokens=max_new_tokens, stop=["\n\n"])
+            answer = rag.query(item["question"], strategy=strategy, top_k=top_k, max_new_tokens=max_new_tokens,
+                               stop=["\n\n"])
+            if strategy == STRATEGIES[0]:
+                top = answer.sources[0].id.split("#")[0]
+                print_fn(f"    retriever's top chunk: {top} (holds the answer: {top == item['target']})")
+                recomputed, context = answer.stats.recomputed_tokens, answer.stats.context_tokens
             ttft[strategy] = answer.stats.ttft_s
             text = " ".join(answer.text.split())
             right = any(a.lower() in text.lower() for a in item["answers"])
             print_fn(f"    {strategy:<17} ttft {answer.stats.ttft_s:6.3f} s  {'right' if right else 'wrong'}  | {text}")
             records.append({"question": item["question"], "strategy": strategy, "text": answer.text, "right": right,
-                            **answer.stats.to_dict()})
-        recomputed = records[-3]["recomputed_tokens"]
+                            "top_chunk": answer.sources[0].id.split("#")[0], **answer.stats.to_dict()})
         print_fn(f"    target_recompute: {ttft['full_prefill'] / ttft['target_recompute']:.1f}x faster to the first "
                  f"token than full prefill, {recomputed} of {context} context tokens recomputed\n")
     return records

@@ -256,15 +256,15 @@ class KVRAG:
                **generation: Any) -> Iterator[str | Answer]:
         """Retrieve, then yield the answer's text pieces as decoded, then the final Answer (with sources)."""
         t0 = time.perf_counter()
-        with self._lock:
-            sources = self.retrieve(question, top_k=top_k, filters=filters, hybrid=hybrid)
-            if not sources:
-                raise EmptyInputError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
-            yield from self._answer(question, sources, t0, strategy=strategy, budget=budget, picker=picker,
-                                    scores=[s.score for s in sources], **generation)
+        sources = self.retrieve(question, top_k=top_k, filters=filters, hybrid=hybrid)
+        if not sources:
+            raise EmptyInputError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
+        yield from self._answer(question, sources, t0, strategy=strategy, budget=budget, picker=picker,
+                                scores=[s.score for s in sources], **generation)
 
     def _answer(self, question: str, sources: list[Source], t0: float, **kwargs: Any) -> Iterator[str | Answer]:
-        kvs, hits, encoded = self._chunk_kv(sources)
+        with self._lock:  # never held across a yield: the model's own lock guards each forward
+            kvs, hits, encoded = self._chunk_kv(sources)
         retrieve_s = time.perf_counter() - t0
         for item in self.kv.stream(question, kvs, started_at=t0, **kwargs):
             if isinstance(item, Answer):
@@ -284,14 +284,14 @@ class KVRAG:
             raise EmptyInputError("no chunks given: pass at least one chunk text")
         t0 = time.perf_counter()
         with self._lock:
-            sources = []
-            for i, text in enumerate(chunks):
-                key = self.kv.chunk_key(self.kv.chunk_ids(i, text))
-                record = next((r for r in self.index.records.values() if r.key == key), None)
-                sources.append(Source(id=record.id if record else f"given#{i}", text=text,
-                                      score=float(scores[i]) if scores is not None and i < len(scores) else 0.0,
-                                      metadata=dict(record.metadata) if record else {}))
-            return _last(self._answer(question, sources, t0, scores=scores, **kwargs))
+            by_key = {r.key: r for r in self.index.records.values()}
+        sources = []
+        for i, text in enumerate(chunks):
+            record = by_key.get(self.kv.chunk_key(self.kv.chunk_ids(i, text)))
+            sources.append(Source(id=record.id if record else f"given#{i}", text=text,
+                                  score=float(scores[i]) if scores is not None and i < len(scores) else 0.0,
+                                  metadata=dict(record.metadata) if record else {}))
+        return _last(self._answer(question, sources, t0, scores=scores, **kwargs))
 
     async def aquery(self, question: str, **kwargs: Any) -> Answer:
         """`query` in a worker thread, so the event loop keeps running."""

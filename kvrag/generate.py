@@ -6,8 +6,9 @@ lower, so decoding needs no mask. This module never builds a prompt or a cache.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, ContextManager, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -60,10 +61,13 @@ def decode(
     position: int,
     sampling: Sampling,
     eos_ids: Sequence[int],
+    lock: ContextManager[Any] | None = None,
 ) -> Iterator[int]:
     """Yield token ids: the first from `first_logits`, the rest one forward each, until EOS or the limit.
 
     An EOS id is yielded, then the iterator ends. The caller stops early (stop strings) by closing it.
+    `lock` is held around each forward and never across a yield, so a paused or abandoned iterator
+    blocks nobody and may be resumed from any thread.
     """
     generator = None
     if sampling.seed is not None:
@@ -75,12 +79,13 @@ def decode(
         yield token
         if token in eos_ids or step + 1 == sampling.max_new_tokens:
             return
-        out = model(
-            input_ids=torch.tensor([[token]], device=device),
-            position_ids=torch.tensor([[position + step]], device=device),
-            cache=cache,
-            use_cache=True,
-        )
+        with lock or contextlib.nullcontext():
+            out = model(
+                input_ids=torch.tensor([[token]], device=device),
+                position_ids=torch.tensor([[position + step]], device=device),
+                cache=cache,
+                use_cache=True,
+            )
         logits = out.logits[0, -1].float()
 
 

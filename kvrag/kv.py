@@ -38,6 +38,12 @@ class ChunkKV:
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
 
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ChunkKV:
+        """A copy on `device` with keys and values in `dtype` (token ids stay int64)."""
+        return ChunkKV(self.token_ids.to(device) if device is not None else self.token_ids,
+                       self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype),
+                       self.start, self.encoder)
+
     @property
     def nbytes(self) -> int:
         """Bytes held by keys and values."""

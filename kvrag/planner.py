@@ -6,8 +6,11 @@ each); it never runs a forward itself (measurements go through the probe).
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -27,17 +30,35 @@ class Decision:
     budget_tokens: int  # floor(budget x context tokens)
 
 
-def check_request(n: int, *, target: int | None, scores: Sequence[float] | None, budget: float,
-                  picker: str | None = None) -> None:
-    """Refuse arguments that cannot describe these n chunks, saying what is accepted."""
+def as_index(target: Any, n: int) -> int | None:
+    """A target as a plain int in 0..n-1 (numpy and 0-d torch integers accepted), or None."""
+    if target is None:
+        return None
+    try:
+        if isinstance(target, bool):
+            raise TypeError
+        index = operator.index(target)
+    except TypeError:
+        index = -1
+    if not 0 <= index < n:
+        raise InvalidRequestError(f"target {target!r} is not a chunk index: use an int in 0..{n - 1}")
+    return index
+
+
+def check_request(n: int, *, target: Any, scores: Sequence[float] | None, budget: Any,
+                  picker: str | None = None) -> tuple[int | None, list[float] | None, float]:
+    """Refuse arguments that cannot describe these n chunks, saying what is accepted; return them normalized."""
     if picker is not None:
         get_picker(picker)
-    if scores is not None and len(scores) != n:
-        raise InvalidRequestError(f"scores has {len(scores)} entries for {n} chunks: give one score a chunk")
-    if target is not None and (isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < n):
-        raise InvalidRequestError(f"target {target!r} is not a chunk index: use an int in 0..{n - 1}")
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+    if scores is not None:
+        if len(scores) != n:
+            raise InvalidRequestError(f"scores has {len(scores)} entries for {n} chunks: give one score a chunk")
+        scores = [float(s) for s in scores]
+        if not all(math.isfinite(s) for s in scores):
+            raise InvalidRequestError(f"scores must be finite numbers, got {scores}")
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not 0 < float(budget) <= 1:
         raise InvalidRequestError(f"budget must be a fraction of context tokens in (0, 1], got {budget!r}")
+    return as_index(target, n), scores, float(budget)
 
 
 def default_picker(strategy: Strategy, picker: str | None, target: int | None) -> str:
@@ -58,7 +79,7 @@ def make_plan(
 ) -> Decision:
     """Pick the target (when the strategy needs one), build the plan and check it."""
     n = len(lengths)
-    check_request(n, target=target, scores=scores, budget=budget, picker=picker)
+    target, scores, budget = check_request(n, target=target, scores=scores, budget=budget, picker=picker)
     picker_name = default_picker(strategy, picker, target)
     pick = get_picker(picker_name)
     picked = pick(n, scores, target, probe) if strategy.needs_target else None

@@ -65,7 +65,7 @@ def stitch_layout(
     shifts = starts - torch.tensor([encoded_at[c] for c in order], dtype=torch.long)
     deltas = torch.repeat_interleave(shifts, ordered).to(device)  # [T_ctx]
     n_ctx = int(ordered.sum())
-    flat = [recompute[c].to(torch.long) + int(s) - P for c, s in zip(order, starts) if c in recompute]
+    flat = [recompute[c].cpu().to(torch.long) + int(s) - P for c, s in zip(order, starts) if c in recompute]
     selected = torch.cat(flat).to(device) if flat else torch.empty(0, dtype=torch.long, device=device)
     keep = torch.ones(n_ctx, dtype=torch.bool, device=device)
     keep[selected] = False
@@ -127,6 +127,8 @@ def recompute(
     """
     device = prefix.keys.device
     suffix = torch.as_tensor(suffix_ids, dtype=torch.long, device=device)
+    if suffix.numel() == 0:
+        raise ValueError("the suffix is empty: the question's tokens are what the logits are read from")
     layout = stitch_layout(len(prefix), [len(c) for c in chunks], [c.start for c in chunks], order, recompute,
                            len(suffix), device)
     keys, values, ctx_ids = stitched_kv(repositioner, prefix, chunks, order, layout)

@@ -73,7 +73,10 @@ class KVStore(ABC):
 
 
 class MemoryStore(KVStore):
-    """In-process LRU of ready-to-use ChunkKV, bounded in bytes (the least recently used go first)."""
+    """In-process LRU of ready-to-use ChunkKV, bounded in bytes (the least recently used go first).
+
+    Entries are kept in the model's dtype on its device, so a hit costs no decoding.
+    """
 
     def __init__(self, max_bytes: int = 2 << 30) -> None:
         super().__init__()
@@ -85,8 +88,9 @@ class MemoryStore(KVStore):
     def _get(self, key: str) -> ChunkKV | None:
         with self._lock:
             kv = self._items.get(key)
-            if kv is not None:
-                self._items.move_to_end(key)
+            if kv is None or kv.encoder != self.encoder:
+                return None
+            self._items.move_to_end(key)
             return kv
 
     def put(self, key: str, kv: ChunkKV) -> None:

@@ -8,8 +8,9 @@ Budget rule: a budget is a fraction of the context (chunk) tokens; a budgeted st
 floor(budget x context tokens). The target strategies recompute the whole target even when it is longer
 than the budget and the answer's stats report the overspend; with `strict=True` they recompute only the
 target's first budget tokens: a chunk encoded alone is most wrong at its start, where its first tokens
-acted as an attention sink that the stitched sequence does not have (EPIC), and every later target token
-then reads the repaired start.
+acted as an attention sink that the stitched sequence does not have (EPIC); the question then reads a
+target whose start is repaired (the target's later tokens keep their stored KV). A budget under one token
+makes strict target_recompute a pure move of the target (0 recomputed, shown in the stats).
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ def top_deviation(request: PlanRequest, order: list[int], count: int, exclude: S
         return {}
     deviation = _probe(request).value_deviation(order)
     excluded = torch.cat([torch.full((request.lengths[c],), c in exclude) for c in order]).to(deviation.device)
-    deviation = torch.where(excluded, -1.0, deviation)  # below every real deviation (they are >= 0)
+    # below every real deviation (they are >= 0); a NaN (broken KV) is never preferred
+    deviation = torch.where(excluded | deviation.isnan(), -1.0, deviation)
     count = min(count, int((deviation >= 0).sum()))
     return offsets_to_chunks(order, request.lengths, torch.topk(deviation, count).indices)
 

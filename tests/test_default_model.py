@@ -115,7 +115,8 @@ def test_demo_runs_and_retrieves_the_targets(kv, capsys):
     assert len(records) == 9 and out.count("retriever's top chunk") == 3
     assert out.count("holds the answer: True") == 3
     tr = [r for r in records if r["strategy"] == "target_recompute"]
-    assert all(r["recomputed_tokens"] > 0 and r["order"][-1] == r["target"] for r in tr)
+    assert all(r["recomputed_tokens"] > 0 and r["order"][-1] == r["target"] == 0 for r in tr)
+    assert all(r["store_hits"] == 6 and r["chunks_encoded"] == 0 for r in records)
     assert sum(r["right"] for r in tr) >= 2
 
 

@@ -1,0 +1,67 @@
+"""The kvrag command line, in-process, on a tiny model folder: answers, JSON, and one-line errors with exit 2."""
+
+import json
+
+import pytest
+from tiny import byte_tokenizer, tiny_model
+
+from kvrag.cli import main
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    model = root / "model"
+    tiny_model("llama").save_pretrained(model)
+    byte_tokenizer().save_pretrained(model)
+    docs = root / "docs"
+    docs.mkdir()
+    (docs / "ships.txt").write_text("The harbour of Velloria holds forty ships.")
+    (docs / "mill.md").write_text("The mill of Brenn grinds barley.")
+    return root, model, docs
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_ingest_ask_info(setup, capsys):
+    root, model, docs = setup
+    index = root / "index"
+    code, out, _ = run(capsys, "ingest", docs, "--index", index, "--model", model, "--cache-dir", root / "c", "--quiet")
+    assert code == 0 and "2 documents, 2 chunks" in out and "KV encoded for 2" in out
+    code, out, _ = run(capsys, "ingest", docs, "--index", index, "--quiet")
+    assert code == 0 and "already stored for 2" in out
+    code, out, _ = run(capsys, "ask", "How many ships?", "--index", index, "--json", "--top-k", "2",
+                       "--max-new-tokens", "4")
+    answer = json.loads(out)
+    assert code == 0 and set(answer) == {"text", "finish_reason", "sources", "stats"}
+    assert answer["stats"]["chunks_encoded"] == 0 and answer["stats"]["store_hits"] == 2
+    assert answer["sources"][0]["text"].startswith("The harbour")
+    code, out, _ = run(capsys, "ask", "How many ships?", "--index", index, "--stream", "--max-new-tokens", "4")
+    assert code == 0 and out.endswith("\n")
+    code, out, _ = run(capsys, "info", "--index", index)
+    info = json.loads(out)
+    assert code == 0 and info["chunks"] == 2 and info["kv_entries"] == 2 and info["model"]["architecture"].startswith("llama")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ask", "q?", "--index", "{root}/missing"], "no kvrag index at"),
+    (["info", "--index", "{root}/missing"], "no kvrag index at"),
+    (["ingest", "{root}/nope.txt", "--index", "{root}/i2", "--model", "{model}"], "does not exist"),
+    (["ingest", "{root}/empty", "--index", "{root}/i3", "--model", "{model}"], "holds no file kvrag can read"),
+    (["ask", "q?", "--index", "{root}/index", "--strategy", "magic"], "unknown strategy 'magic'"),
+    (["ask", "q?", "--index", "{root}/index", "--budget", "2"], "budget must be"),
+    (["ask", "q?", "--index", "{root}/index", "--top-k", "0"], "top_k must be"),
+    (["ask", "  ", "--index", "{root}/index"], "question is empty"),
+    (["ask", "q?", "--index", "{root}/index", "--device", "tpu9"], "unknown device 'tpu9'"),
+])
+def test_user_mistakes_are_one_line_and_exit_2(setup, capsys, argv, message):
+    root, model, _ = setup
+    (root / "empty").mkdir(exist_ok=True)
+    if not (root / "index").exists():
+        run(capsys, "ingest", setup[2], "--index", root / "index", "--model", model, "--quiet")
+    code, out, err = run(capsys, *[a.format(root=root, model=model) for a in argv])
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err

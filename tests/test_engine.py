@@ -1,0 +1,214 @@
+"""The retrieval engine on a tiny model saved to a folder and the real default embedder."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from tiny import byte_tokenizer, tiny_model
+
+from kvrag.documents import DocumentError, split_text
+from kvrag.embed import Embedder
+from kvrag.engine import KVRAG
+from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError
+from kvrag.kvmodel import Answer
+
+FACTS = [
+    ("The lighthouse of Karsa was built in 1872 by the engineer Mira Holt.", {"topic": "buildings", "lang": "en"}),
+    ("Velloria's harbour holds forty ships and is run by Orin Dask.", {"topic": "ports", "lang": "en"}),
+    ("The river Tam floods every spring, covering the lower fields.", {"topic": "rivers", "lang": "en"}),
+    ("Le pont de Sarnac a été construit en 1901.", {"topic": "buildings", "lang": "fr"}),
+    ("The old mill of Brenn grinds barley and rye for three villages.", {"topic": "buildings", "lang": "en"}),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return Embedder()
+
+
+@pytest.fixture
+def rag(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("kvrag.engine.Embedder", lambda name=None, device="cpu": _shared_embedder(name))
+    engine = KVRAG.from_defaults(tmp_path / "index", model=str(model_dir), chunk_tokens=120, overlap=8,
+                                 cache_dir=tmp_path / "cache")
+    engine.ingest(FACTS, progress=False)
+    return engine
+
+
+_EMBEDDERS = {}
+
+
+def _shared_embedder(name):
+    if name not in _EMBEDDERS:
+        _EMBEDDERS[name] = Embedder(name)
+    return _EMBEDDERS[name]
+
+
+def test_reingesting_encodes_nothing_and_deleting_removes_everything(rag):
+    again = rag.ingest(FACTS, progress=False)
+    assert again.encoded == 0 and again.store_hits == again.chunks == 5
+    assert rag.info()["chunks"] == 5 and rag.info()["kv_entries"] == 5
+    doc = rag.retrieve("lighthouse Karsa", top_k=1)[0].id.split("#")[0]
+    assert rag.delete(doc) == 1
+    info = rag.info()
+    assert info["chunks"] == 4 and info["kv_entries"] == 4 and info["documents"] == 4
+    assert all(not s.id.startswith(doc) for s in rag.retrieve("lighthouse Karsa", top_k=5))
+
+
+def test_retrieval_filters_apply_before_top_k(rag):
+    hits = rag.retrieve("Who built it?", top_k=3, filters={"topic": "buildings", "lang": "en"})
+    assert len(hits) == 2 and all(h.metadata["topic"] == "buildings" for h in hits)
+    assert len(rag.retrieve("anything", top_k=10, filters={"topic": ["ports", "rivers"]})) == 2
+    assert rag.retrieve("anything", top_k=3, filters={"topic": "none"}) == []
+    dense = rag.retrieve("When does the river Tam flood?", top_k=2)
+    hybrid = rag.retrieve("When does the river Tam flood?", top_k=2, hybrid=True)
+    assert dense[0].text.startswith("The river Tam") and hybrid[0].text.startswith("The river Tam")
+    assert dense[0].score > dense[1].score
+
+
+def test_query_returns_sources_and_stats(rag):
+    a = rag.query("Who runs Velloria's harbour?", top_k=3, max_new_tokens=6)
+    assert [s.id for s in a.sources] and a.sources[0].text.startswith("Velloria")
+    assert a.stats.store_hits == 3 and a.stats.chunks_encoded == 0 and a.stats.target == 0
+    assert 0 < a.stats.retrieve_s < a.stats.ttft_s
+    d = a.to_dict()
+    assert set(d) == {"text", "finish_reason", "sources", "stats"} and json.dumps(d)
+    *pieces, final = list(rag.stream("Who runs Velloria's harbour?", top_k=3, max_new_tokens=6))
+    assert isinstance(final, Answer) and "".join(pieces) == final.text == a.text
+
+
+def test_answer_over_given_chunks_uses_the_store(rag):
+    a = rag.answer("Who built the lighthouse?", [FACTS[0][0], "An unseen text about nothing."], max_new_tokens=4)
+    assert a.stats.store_hits == 1 and a.stats.chunks_encoded == 1
+    assert a.sources[0].metadata["topic"] == "buildings" and a.sources[1].id == "given#1"
+
+
+def test_four_threads_answer_as_one_thread_does(rag):
+    questions = ["Who runs the harbour?", "When was the lighthouse built?", "What floods?", "What does the mill grind?"]
+    serial = [rag.query(q, top_k=3, max_new_tokens=6).token_ids for q in questions]
+    results = [None] * 4
+
+    def run(i):
+        results[i] = rag.query(questions[i], top_k=3, max_new_tokens=6).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == serial
+
+
+def test_async_query_and_stream_do_not_block_the_loop(rag):
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        answer = await rag.aquery("Who runs the harbour?", top_k=3, max_new_tokens=8)
+        items = [item async for item in rag.astream("Who runs the harbour?", top_k=3, max_new_tokens=8)]
+        task.cancel()
+        return answer, items, ticks
+
+    answer, items, ticks = asyncio.run(main())
+    assert isinstance(items[-1], Answer) and items[-1].text == answer.text and ticks > 0
+
+
+def test_a_damaged_entry_is_re_encoded_and_the_answer_is_unchanged(rag):
+    q = "Who runs Velloria's harbour?"
+    before = rag.query(q, top_k=2, max_new_tokens=6)
+    key = rag.index.records[before.sources[0].id].key
+    path = next(Path(rag.path, "kv").rglob(f"{key}*.safetensors"))
+    blob = bytearray(path.read_bytes())
+    blob[-10] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    rag.store.front.delete(key)  # drop the in-memory copy so the disk entry is read
+    after = rag.query(q, top_k=2, max_new_tokens=6)
+    assert after.stats.chunks_encoded == 1 and after.stats.store_hits == 1
+    assert after.token_ids == before.token_ids
+
+
+def test_a_second_process_answers_with_zero_encodings(rag, model_dir):
+    first = rag.query("Who built the lighthouse?", top_k=3, max_new_tokens=6)
+    script = (
+        "import json, sys\n"
+        "from kvrag.engine import KVRAG\n"
+        f"rag = KVRAG.load({str(rag.path)!r}, cache_dir={str(rag.path.parent / 'cache')!r})\n"
+        "a = rag.query('Who built the lighthouse?', top_k=3, max_new_tokens=6)\n"
+        "print(json.dumps({'encoded': a.stats.chunks_encoded, 'hits': a.stats.store_hits, 'tokens': a.token_ids}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"encoded": 0, "hits": 3, "tokens": first.token_ids}
+
+
+def test_an_index_of_another_model_is_refused(rag, tmp_path):
+    manifest = rag.path / "kvrag-index.json"
+    data = json.loads(manifest.read_text())
+    data["fingerprint"] = "0" * 64
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(IndexLoadError, match="built with another model"):
+        KVRAG.load(rag.path, cache_dir=tmp_path / "cache")
+    with pytest.raises(IndexLoadError, match="no kvrag index"):
+        KVRAG.load(tmp_path / "nowhere")
+
+
+def test_files_and_bad_documents(rag, tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.md").write_text("# Notes\n\nThe bell of Orrin rings at dawn.")
+    (folder / "b.rst").write_text("Orrin\n=====\n\nThe square of Orrin has a fountain.")
+    (folder / "skip.bin").write_bytes(b"\x00\x01")
+    stats = rag.ingest(folder, progress=False)
+    assert stats.documents == 2 and rag.retrieve("bell of Orrin", top_k=1)[0].metadata["source"].endswith("a.md")
+    (folder / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DocumentError, match="not UTF-8"):
+        rag.ingest(folder / "latin1.txt")
+    with pytest.raises(DocumentError, match="supported types"):
+        rag.ingest(folder / "skip.bin")
+    with pytest.raises(EmptyInputError, match="empty"):
+        rag.ingest(["   "])
+    with pytest.raises(InvalidRequestError, match="cannot ingest a int"):
+        rag.ingest([3])
+    with pytest.raises(InvalidRequestError, match="top_k"):
+        rag.retrieve("q", top_k=0)
+
+
+def test_progress_is_reported(rag):
+    seen = []
+    rag.ingest([("A brand new fact about the tower of Quell.", {})], progress=False,
+               on_progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 1)]
+
+
+def test_splitter_windows_overlap_and_keep_the_text(embedder):
+    tok = byte_tokenizer()
+    text = " ".join(f"Sentence number {i} says something." for i in range(60))
+    chunks = split_text(text, tok, chunk_tokens=120, overlap=20)
+    assert len(chunks) > 5 and all(len(tok(c, add_special_tokens=False)["input_ids"]) <= 120 for c in chunks)
+    assert all(c in text for c in chunks)
+    assert all(a[-10:] in text[text.index(a):text.index(a) + len(a) + 200] for a in chunks)
+    for a, b in zip(chunks, chunks[1:]):
+        assert text.index(b) < text.index(a) + len(a)  # consecutive windows overlap
+    with pytest.raises(InvalidRequestError, match="overlap"):
+        split_text(text, tok, chunk_tokens=40, overlap=30)
