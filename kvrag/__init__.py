@@ -5,22 +5,28 @@ by one RoPE rotation, repairs what matters most (by default: the target chunk, m
 and recomputed against the reused cache) and generates.
 """
 
+from kvrag.documents import Document, register_loader
+from kvrag.engine import KVRAG, IngestStats
 from kvrag.errors import (
     ContextOverflowError,
+    DocumentError,
     EmptyInputError,
+    IndexLoadError,
     InvalidRequestError,
     KVRAGError,
     LayoutError,
     ModelNotFoundError,
+    StoreError,
     UnsupportedModelError,
 )
 from kvrag.kv import ChunkKV, chunk_key
-from kvrag.kvmodel import Answer, AnswerStats, KVModel, Prefilled
+from kvrag.kvmodel import Answer, AnswerStats, KVModel, Prefilled, Source
 from kvrag.layout import PromptLayout
 from kvrag.model import SUPPORTED_MODEL_TYPES, ModelFingerprint, check_architecture
 from kvrag.pickers import PICKERS
 from kvrag.planner import Decision
 from kvrag.probe import Probe
+from kvrag.store import DiskStore, KVStore, MemoryStore, RedisStore, TieredStore
 from kvrag.strategies import STRATEGIES, Plan, PlanRequest, register_strategy
 
 __version__ = "0.1.0"
@@ -28,14 +34,24 @@ __version__ = "0.1.0"
 __all__ = [
     "Answer",
     "AnswerStats",
+    "check_architecture",
+    "chunk_key",
     "ChunkKV",
     "ContextOverflowError",
     "Decision",
+    "DiskStore",
+    "Document",
+    "DocumentError",
     "EmptyInputError",
+    "IndexLoadError",
+    "IngestStats",
     "InvalidRequestError",
     "KVModel",
+    "KVRAG",
     "KVRAGError",
+    "KVStore",
     "LayoutError",
+    "MemoryStore",
     "ModelFingerprint",
     "ModelNotFoundError",
     "PICKERS",
@@ -44,10 +60,13 @@ __all__ = [
     "Prefilled",
     "Probe",
     "PromptLayout",
+    "RedisStore",
+    "register_loader",
+    "register_strategy",
+    "Source",
+    "StoreError",
     "STRATEGIES",
     "SUPPORTED_MODEL_TYPES",
+    "TieredStore",
     "UnsupportedModelError",
-    "check_architecture",
-    "chunk_key",
-    "register_strategy",
 ]

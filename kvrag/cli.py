@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--threads", type=int, default=None)
 
+    bench = sub.add_parser("bench-ingest", help="ingest throughput beside the model's raw batched forward")
+    _model_args(bench)
+    bench.add_argument("--copies", type=int, default=3, help="copies of the bundled docs to ingest (default 3)")
+    bench.add_argument("--runs", type=int, default=3)
+
     info = sub.add_parser("info", help="counts, bytes and the model fingerprint of an index folder")
     info.add_argument("--index", required=True, type=Path)
     info.add_argument("--device", default="cpu")
@@ -72,6 +77,14 @@ def _run(args: argparse.Namespace) -> None:
 
         load = dict(name_or_path=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
         run_demo(load=load, questions=args.questions, max_new_tokens=args.max_new_tokens)
+        return
+
+    if args.command == "bench-ingest":
+        from kvrag.bench import ingest_benchmark
+        from kvrag.kvmodel import KVModel
+
+        kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+        ingest_benchmark(kv, copies=args.copies, runs=args.runs)
         return
 
     from kvrag.engine import MANIFEST, KVRAG
