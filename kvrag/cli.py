@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--overlap", type=int, default=20)
     ingest.add_argument("--storage-dtype", default="float16", help="float16 (default), bfloat16, float32 or int8")
     ingest.add_argument("--quiet", action="store_true", help="no progress bar")
+    ingest.add_argument("--redis", default=None, metavar="URL", help="keep chunk KV in Redis (redis:// or rediss://)")
     _model_args(ingest)
 
     ask = sub.add_parser("ask", help="answer a question from an index folder")
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--max-new-tokens", type=int, default=256)
     ask.add_argument("--stream", action="store_true", help="print the answer as it is decoded")
     ask.add_argument("--json", action="store_true", help="print one JSON object: text, finish_reason, sources, stats")
+    ask.add_argument("--redis", default=None, metavar="URL", help="read chunk KV from Redis (as given to ingest)")
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--threads", type=int, default=None)
 
@@ -89,12 +91,17 @@ def _run(args: argparse.Namespace) -> None:
 
     from kvrag.engine import MANIFEST, KVRAG
     from kvrag.errors import IndexLoadError
+    from kvrag.store import MemoryStore, RedisStore, TieredStore
+
+    redis_url = getattr(args, "redis", None)
+    store = TieredStore(MemoryStore(), RedisStore(redis_url, storage_dtype=getattr(args, "storage_dtype", "float16"))) \
+        if redis_url else None
 
     if args.command == "ingest":
         fresh = not (args.index / MANIFEST).is_file()
         rag = KVRAG.from_defaults(args.index, model=args.model, dtype=args.dtype, device=args.device,
                                   cache_dir=args.cache_dir, chunk_tokens=args.chunk_tokens, overlap=args.overlap,
-                                  storage_dtype=args.storage_dtype)
+                                  storage_dtype=args.storage_dtype, store=store)
         stats = rag.ingest(list(args.paths), progress=not args.quiet)
         print(f"{'created' if fresh else 'updated'} {args.index}: {stats.documents} documents, {stats.chunks} chunks "
               f"({stats.tokens} tokens); KV encoded for {stats.encoded}, already stored for {stats.store_hits}; "
@@ -102,7 +109,7 @@ def _run(args: argparse.Namespace) -> None:
         return
     if not (args.index / MANIFEST).is_file():
         raise IndexLoadError(f"no kvrag index at {args.index}: create one with `kvrag ingest PATH --index {args.index}`")
-    rag = KVRAG.load(args.index, device=args.device)
+    rag = KVRAG.load(args.index, device=args.device, store=store)
     if args.command == "info":
         print(json.dumps(rag.info(), indent=1))
         return

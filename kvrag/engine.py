@@ -59,6 +59,7 @@ class KVRAG:
         self.kv = kv
         self.embedder = embedder
         self.store = store
+        self.store.check()
         self.store.bind(encoder=kv.encoder_id, dtype=kv.prefix.keys.dtype, device=kv.prefix.keys.device)
         self.path = Path(path) if path is not None else None
         dim = int(embedder.embed(["dimension probe"]).shape[1])

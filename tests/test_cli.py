@@ -65,3 +65,22 @@ def test_user_mistakes_are_one_line_and_exit_2(setup, capsys, argv, message):
         run(capsys, "ingest", setup[2], "--index", root / "index", "--model", model, "--quiet")
     code, out, err = run(capsys, *[a.format(root=root, model=model) for a in argv])
     assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_redis_store_from_the_command_line(setup, capsys):
+    from redis_server import RedisServer
+
+    root, model, docs = setup
+    server = RedisServer()
+    try:
+        code, out, _ = run(capsys, "ingest", docs, "--index", root / "redis-index", "--model", model, "--quiet",
+                           "--redis", server.url)
+        assert code == 0 and "KV encoded for 2" in out
+        code, out, _ = run(capsys, "ask", "How many ships?", "--index", root / "redis-index", "--redis", server.url,
+                           "--json", "--max-new-tokens", "2")
+        stats = json.loads(out)["stats"]
+        assert code == 0 and stats["store_hits"] == 2 and stats["chunks_encoded"] == 0
+    finally:
+        server.stop()
+    code, _, err = run(capsys, "ask", "How many ships?", "--index", root / "redis-index", "--redis", server.url)
+    assert code == 2 and "Start the server" in err and err.count("\n") == 1

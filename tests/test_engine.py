@@ -5,11 +5,10 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
-from tiny import byte_tokenizer, tiny_model
+from tiny import byte_tokenizer, in_threads, tiny_model
 
 from kvrag.documents import DocumentError, split_text
 from kvrag.embed import Embedder
@@ -99,17 +98,7 @@ def test_answer_over_given_chunks_uses_the_store(rag):
 def test_four_threads_answer_as_one_thread_does(rag):
     questions = ["Who runs the harbour?", "When was the lighthouse built?", "What floods?", "What does the mill grind?"]
     serial = [rag.query(q, top_k=3, max_new_tokens=6).token_ids for q in questions]
-    results = [None] * 4
-
-    def run(i):
-        results[i] = rag.query(questions[i], top_k=3, max_new_tokens=6).token_ids
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results == serial
+    assert in_threads(lambda i: rag.query(questions[i], top_k=3, max_new_tokens=6).token_ids, 4) == serial
 
 
 def test_async_query_and_stream_do_not_block_the_loop(rag):

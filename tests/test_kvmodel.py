@@ -1,10 +1,8 @@
 """KVModel, the public surface: strategies, stats, streaming, errors, the strategy registry."""
 
-import threading
-
 import pytest
 import torch
-from tiny import byte_tokenizer, tiny_model
+from tiny import byte_tokenizer, in_threads, tiny_model
 
 from kvrag import (
     STRATEGIES,
@@ -89,17 +87,7 @@ def test_seeded_sampling_is_reproducible(kv):
 def test_threads_share_one_model_safely(kv):
     chunks = kv.encode(CHUNKS)
     serial = [kv.answer(f"Question {i}?", chunks, target=i % 3, max_new_tokens=6).token_ids for i in range(4)]
-    results = [None] * 4
-
-    def run(i):
-        results[i] = kv.answer(f"Question {i}?", chunks, target=i % 3, max_new_tokens=6).token_ids
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results == serial
+    assert in_threads(lambda i: kv.answer(f"Question {i}?", chunks, target=i % 3, max_new_tokens=6).token_ids, 4) == serial
 
 
 def test_a_user_strategy_runs_through_the_engine(kv):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -72,3 +73,18 @@ def byte_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedToken
     if chat_template:
         fast.chat_template = chat_template
     return fast
+
+
+def in_threads(fn: Callable[[int], Any], n: int) -> list[Any]:
+    """fn(0..n-1) run at once on n threads; the results in order."""
+    results: list[Any] = [None] * n
+
+    def run(i: int) -> None:
+        results[i] = fn(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
