@@ -210,6 +210,23 @@ class KVRAG:
             self.store.put(record.key, kv)
         return time.perf_counter() - t0
 
+    def store_kv(self, texts: Sequence[str], *, progress: bool = False) -> IngestStats:
+        """Encode and store the KV of chunk texts that are not stored yet, without indexing them.
+
+        For chunks that another framework retrieves (a LlamaIndex node, a LangChain document): a later
+        `answer(question, chunks=texts)` then loads their KV instead of encoding it.
+        """
+        t0 = time.perf_counter()
+        with self._lock:
+            ids = [self.kv.chunk_ids(i, t) for i, t in enumerate(texts)]
+            keys = [self.kv.chunk_key(c) for c in ids]
+            seen: set[str] = set()
+            missing = [i for i, k in enumerate(keys) if k not in self.store and not (k in seen or seen.add(k))]
+            records = [ChunkRecord(id=f"given#{i}", doc_id="", text=texts[i], key=keys[i]) for i in missing]
+            encode_s = self._encode_and_store(records, [ids[i] for i in missing], progress=progress, on_progress=None)
+        return IngestStats(documents=0, chunks=len(texts), tokens=sum(map(len, ids)), encoded=len(missing),
+                           store_hits=len(texts) - len(missing), seconds=time.perf_counter() - t0, encode_s=encode_s)
+
     def delete(self, doc_id: str) -> int:
         """Remove a document: its chunks, vectors and stored KV (unless another chunk shares the KV). Returns chunks removed."""
         with self._lock:
@@ -278,9 +295,9 @@ class KVRAG:
         """Retrieve and answer; the arguments are those of `stream` (and KVModel.stream's decoding ones)."""
         return _last(self.stream(question, **kwargs))
 
-    def answer(self, question: str, chunks: Sequence[str], *, scores: Sequence[float] | None = None,
-               **kwargs: Any) -> Answer:
-        """Answer over caller-given chunk texts (no retrieval); their KV comes from the store when stored."""
+    def stream_over(self, question: str, chunks: Sequence[str], *, scores: Sequence[float] | None = None,
+                    **kwargs: Any) -> Iterator[str | Answer]:
+        """`stream` over caller-given chunk texts (no retrieval); their KV comes from the store when stored."""
         if not chunks:
             raise EmptyInputError("no chunks given: pass at least one chunk text")
         t0 = time.perf_counter()
@@ -292,7 +309,11 @@ class KVRAG:
             sources.append(Source(id=record.id if record else f"given#{i}", text=text,
                                   score=float(scores[i]) if scores is not None and i < len(scores) else 0.0,
                                   metadata=dict(record.metadata) if record else {}))
-        return _last(self._answer(question, sources, t0, scores=scores, **kwargs))
+        yield from self._answer(question, sources, t0, scores=scores, **kwargs)
+
+    def answer(self, question: str, chunks: Sequence[str], **kwargs: Any) -> Answer:
+        """Answer over caller-given chunk texts; the arguments are those of `stream_over`."""
+        return _last(self.stream_over(question, chunks, **kwargs))
 
     async def aquery(self, question: str, **kwargs: Any) -> Answer:
         """`query` in a worker thread, so the event loop keeps running."""
@@ -300,28 +321,17 @@ class KVRAG:
 
     async def astream(self, question: str, **kwargs: Any) -> AsyncIterator[str | Answer]:
         """`stream` in a worker thread; pieces arrive as they are decoded, then the Answer."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        done = object()
-
-        def run() -> None:
-            try:
-                for item in self.stream(question, **kwargs):
-                    loop.call_soon_threadsafe(queue.put_nowait, item)
-            except BaseException as err:  # handed to the awaiting side
-                loop.call_soon_threadsafe(queue.put_nowait, err)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, done)
-
-        worker = loop.run_in_executor(None, run)
-        while True:
-            item = await queue.get()
-            if item is done:
-                break
-            if isinstance(item, BaseException):
-                raise item
+        async for item in in_thread(lambda: self.stream(question, **kwargs)):
             yield item
-        await worker
+
+    async def astream_over(self, question: str, chunks: Sequence[str], **kwargs: Any) -> AsyncIterator[str | Answer]:
+        """`stream_over` in a worker thread."""
+        async for item in in_thread(lambda: self.stream_over(question, chunks, **kwargs)):
+            yield item
+
+    async def aanswer(self, question: str, chunks: Sequence[str], **kwargs: Any) -> Answer:
+        """`answer` in a worker thread."""
+        return await asyncio.to_thread(self.answer, question, chunks, **kwargs)
 
     def info(self) -> dict[str, Any]:
         """Counts, bytes and the model fingerprint."""
@@ -331,6 +341,32 @@ class KVRAG:
                     "kv_entries": len(self.store), "kv_bytes": self.store.nbytes,
                     "model": asdict(self.kv.fingerprint), "fingerprint": self.kv.fingerprint.digest,
                     "embedder": self.embedder.source, "chunk_tokens": self.chunk_tokens, "overlap": self.overlap}
+
+
+async def in_thread(make: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
+    """Run a blocking iterator in a worker thread; its items arrive on the event loop as they come."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    done = object()
+
+    def run() -> None:
+        try:
+            for item in make():
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+        except BaseException as err:  # handed to the awaiting side
+            loop.call_soon_threadsafe(queue.put_nowait, err)
+        finally:
+            loop.call_soon_threadsafe(queue.put_nowait, done)
+
+    worker = loop.run_in_executor(None, run)
+    while True:
+        item = await queue.get()
+        if item is done:
+            break
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+    await worker
 
 
 def _last(items: Iterator[str | Answer]) -> Answer:

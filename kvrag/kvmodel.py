@@ -14,7 +14,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -327,12 +327,27 @@ class KVModel:
         with self.lock:
             run = self.prefill(question, chunks, strategy=strategy, picker=picker, target=target, scores=scores,
                                budget=budget, strict=strict, max_new_tokens=max_new_tokens)
+        yield from self._decode(run.stitched, sampling, t0, lambda tokens, ttft, total: AnswerStats(
+            strategy=strategy, picker=run.decision.picker, order=list(run.decision.plan.order),
+            target=run.decision.target, target_given=as_index(target, len(chunks)),
+            context_tokens=run.context_tokens, recomputed_tokens=run.stitched.recomputed_tokens, budget=float(budget),
+            budget_tokens=run.decision.budget_tokens,
+            overspend_tokens=max(0, run.stitched.recomputed_tokens - run.decision.budget_tokens)
+            if not run.decision.plan.full_prefill else 0,
+            extra_token_layers=run.probe.extra_token_layers, extra_work=list(run.probe.extra_work),
+            prompt_tokens=run.stitched.next_position, chunks_encoded=run.encoded, encode_s=run.encode_s,
+            ttft_s=ttft, new_tokens=len(tokens), total_s=total,
+        ))
+
+    def _decode(self, stitched: Stitched, sampling: Sampling, t0: float,
+                make_stats: Callable[[list[int], float, float], AnswerStats]) -> Iterator[str | Answer]:
+        """Decode after a prefill: text pieces as they become final, then the Answer."""
         detok = Detokenizer(self.tokenizer, sampling.stop)
         tokens: list[int] = []
         ttft = 0.0
         finish = "length"
-        steps = decode(self.model, run.stitched.cache, run.stitched.logits[-1], run.stitched.next_position,
-                       sampling, self.eos_ids, lock=self.lock)
+        steps = decode(self.model, stitched.cache, stitched.logits[-1], stitched.next_position, sampling, self.eos_ids,
+                       lock=self.lock)
         try:
             for token in steps:
                 if not ttft:
@@ -352,22 +367,27 @@ class KVModel:
         tail = detok.finish()
         if tail:
             yield tail
-        yield Answer(
-            text=detok.text,
-            token_ids=tokens,
-            finish_reason=finish,
-            stats=AnswerStats(
-                strategy=strategy, picker=run.decision.picker, order=list(run.decision.plan.order),
-                target=run.decision.target, target_given=as_index(target, len(chunks)),
-                context_tokens=run.context_tokens, recomputed_tokens=run.stitched.recomputed_tokens, budget=float(budget),
-                budget_tokens=run.decision.budget_tokens,
-                overspend_tokens=max(0, run.stitched.recomputed_tokens - run.decision.budget_tokens)
-                if not run.decision.plan.full_prefill else 0,
-                extra_token_layers=run.probe.extra_token_layers, extra_work=list(run.probe.extra_work),
-                prompt_tokens=run.stitched.next_position, chunks_encoded=run.encoded, encode_s=run.encode_s,
-                ttft_s=ttft, new_tokens=len(tokens), total_s=time.perf_counter() - t0,
-            ),
-        )
+        yield Answer(text=detok.text, token_ids=tokens, finish_reason=finish,
+                     stats=make_stats(tokens, ttft, time.perf_counter() - t0))
+
+    def stream_prompt(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0,
+                      top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = ()) -> Iterator[str | Answer]:
+        """Plain generation from a whole prompt (text, tokenized as is, or ids): full prefill, no chunks."""
+        t0 = time.perf_counter()
+        sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                            stop=tuple([stop] if isinstance(stop, str) else stop))
+        ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise EmptyInputError("the prompt is empty: give it text")
+        if len(ids) + max_new_tokens > self.max_positions:
+            raise ContextOverflowError(f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new_tokens}: "
+                                       f"{len(ids) + max_new_tokens} > the model's {self.max_positions}-token context")
+        with self.lock:
+            stitched = full_prefill(self.model, ids)
+        yield from self._decode(stitched, sampling, t0, lambda tokens, ttft, total: AnswerStats(
+            strategy="full_prefill", picker=None, order=[], target=None, target_given=None, context_tokens=0,
+            recomputed_tokens=0, budget=1.0, budget_tokens=0, overspend_tokens=0, extra_token_layers=0, extra_work=[],
+            prompt_tokens=len(ids), chunks_encoded=0, encode_s=0.0, ttft_s=ttft, new_tokens=len(tokens), total_s=total))
 
     def answer(self, question: str, chunks: Sequence[str | ChunkKV], **kwargs: Any) -> Answer:
         """Generate the whole answer; the arguments are those of `stream`."""
