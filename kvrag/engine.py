@@ -257,16 +257,20 @@ class KVRAG:
 
     def _chunk_kv(self, sources: Sequence[Source]) -> tuple[list[ChunkKV], int, int]:
         """Each source's KV: from the store, or encoded now (and stored). Returns (kv, store hits, encoded)."""
-        keys = [self.index.records[s.id].key if s.id in self.index.records else "" for s in sources]
-        kvs: list[ChunkKV | None] = [self.store.get(k) if k else None for k in keys]
+        keys = []
+        for i, s in enumerate(sources):
+            record = self.index.records.get(s.id)
+            keys.append(record.key if record is not None and record.text == s.text
+                        else self.kv.chunk_key(self.kv.chunk_ids(i, s.text)))
+        kvs: list[ChunkKV | None] = [self.store.get(k) for k in keys]
         misses = [i for i, kv in enumerate(kvs) if kv is None]
         if misses:
             ids = [self.kv.chunk_ids(i, sources[i].text) for i in misses]
             fresh = encode_chunks(self.kv.model, self.kv.prefix, ids, batch_tokens=self.kv.batch_tokens,
                                   encoder=self.kv.encoder_id)
-            for i, kv, chunk in zip(misses, fresh, ids):
+            for i, kv in zip(misses, fresh):
                 kvs[i] = kv
-                self.store.put(keys[i] or self.kv.chunk_key(chunk), kv)
+                self.store.put(keys[i], kv)
         return kvs, len(sources) - len(misses), len(misses)  # type: ignore[return-value]
 
     def stream(self, question: str, *, strategy: str = "target_recompute", budget: float = 0.05, top_k: int = 5,

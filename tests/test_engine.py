@@ -92,6 +92,10 @@ def test_query_returns_sources_and_stats(rag):
 def test_answer_over_given_chunks_uses_the_store(rag):
     a = rag.answer("Who built the lighthouse?", [FACTS[0][0], "An unseen text about nothing."], max_new_tokens=4)
     assert a.stats.store_hits == 1 and a.stats.chunks_encoded == 1
+    again = rag.answer("Who built the lighthouse?", [FACTS[0][0], "An unseen text about nothing."], max_new_tokens=4)
+    assert again.stats.store_hits == 2 and again.stats.chunks_encoded == 0  # the miss was stored
+    stored = rag.store_kv(["Yet another unseen text.", "Yet another unseen text.", FACTS[1][0]])
+    assert stored.encoded == 1 and stored.store_hits == 2
     assert a.sources[0].metadata["topic"] == "buildings" and a.sources[1].id == "given#1"
 
 
