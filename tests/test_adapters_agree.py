@@ -1,0 +1,36 @@
+"""Same question, same strategy: the core API, the LlamaIndex engine and the LangChain runnable agree."""
+
+import pytest
+from tiny import byte_tokenizer, tiny_model
+
+from kvrag import KVRAG
+
+FACTS = [
+    "The lighthouse of Karsa was built in 1872 by the engineer Mira Holt.",
+    "Velloria's harbour holds forty ships and is run by Orin Dask.",
+    "The river Tam floods every spring, covering the lower fields.",
+    "The old mill of Brenn grinds barley and rye for three villages.",
+]
+
+
+@pytest.fixture(scope="module")
+def rag(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agree")
+    tiny_model("llama").save_pretrained(root / "model")
+    byte_tokenizer().save_pretrained(root / "model")
+    engine = KVRAG.from_defaults(None, model=str(root / "model"), chunk_tokens=120, overlap=8, cache_dir=root / "c")
+    engine.ingest(FACTS, progress=False)
+    return engine
+
+
+@pytest.mark.parametrize("strategy", ["target_recompute", "reuse", "full_prefill", "token_select"])
+def test_core_llama_index_and_langchain_give_the_same_text(rag, strategy):
+    from langchain_kvrag import KVRAGRunnable
+    from llama_index.query_engine.kvrag import KVRAGQueryEngine, KVRAGRetriever
+
+    question = "Who runs Velloria's harbour?"
+    options = dict(strategy=strategy, budget=0.2, max_new_tokens=8)
+    core = rag.query(question, top_k=3, **options).text
+    llama = KVRAGQueryEngine(rag, KVRAGRetriever(rag, similarity_top_k=3), **options).query(question).response
+    chain = KVRAGRunnable(engine=rag, strategy=strategy, budget=0.2, top_k=3, max_new_tokens=8).invoke(question)
+    assert core == llama == chain and len(core) > 0
