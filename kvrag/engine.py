@@ -12,6 +12,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
@@ -19,13 +20,17 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Se
 from kvrag.documents import Item, split_text, to_documents
 from kvrag.embed import Embedder
 from kvrag.encode import encode_chunks
-from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError
+from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError, StoreError
 from kvrag.index import ChunkIndex, ChunkRecord, Filters
 from kvrag.kv import ChunkKV
 from kvrag.kvmodel import Answer, KVModel, Source
 from kvrag.store import DiskStore, KVStore, MemoryStore, TieredStore
 
 INDEX_FORMAT = 1
+
+
+class StoreWarning(UserWarning):
+    """A KV store failed during a query; the answer was computed without it."""
 MANIFEST = "kvrag-index.json"
 
 
@@ -262,7 +267,7 @@ class KVRAG:
             record = self.index.records.get(s.id)
             keys.append(record.key if record is not None and record.text == s.text
                         else self.kv.chunk_key(self.kv.chunk_ids(i, s.text)))
-        kvs: list[ChunkKV | None] = [self.store.get(k) for k in keys]
+        kvs: list[ChunkKV | None] = [self._load(k) for k in keys]
         misses = [i for i, kv in enumerate(kvs) if kv is None]
         if misses:
             ids = [self.kv.chunk_ids(i, sources[i].text) for i in misses]
@@ -270,8 +275,21 @@ class KVRAG:
                                   encoder=self.kv.encoder_id)
             for i, kv in zip(misses, fresh):
                 kvs[i] = kv
-                self.store.put(keys[i], kv)
+                try:
+                    self.store.put(keys[i], kv)
+                except StoreError as err:
+                    warnings.warn(f"kvrag: could not store a chunk's KV ({err}); answering anyway", StoreWarning,
+                                  stacklevel=3)
         return kvs, len(sources) - len(misses), len(misses)  # type: ignore[return-value]
+
+    def _load(self, key: str) -> ChunkKV | None:
+        """A chunk's stored KV; a store that fails to answer is a miss (the chunk is recomputed) and a warning."""
+        try:
+            return self.store.get(key)
+        except StoreError as err:
+            warnings.warn(f"kvrag: the KV store failed ({err}); recomputing the chunk instead", StoreWarning,
+                          stacklevel=4)
+            return None
 
     def stream(self, question: str, *, strategy: str = "target_recompute", budget: float = 0.05, top_k: int = 5,
                filters: Filters | None = None, picker: str | None = None, hybrid: bool = False,

@@ -205,3 +205,26 @@ def test_splitter_windows_overlap_and_keep_the_text(embedder):
         assert text.index(b) < text.index(a) + len(a)  # consecutive windows overlap
     with pytest.raises(InvalidRequestError, match="overlap"):
         split_text(text, tok, chunk_tokens=40, overlap=30)
+
+
+def test_redis_going_down_mid_service_recomputes_with_a_warning(model_dir, tmp_path, monkeypatch):
+    from redis_server import RedisServer
+
+    from kvrag.engine import StoreWarning
+    from kvrag.store import MemoryStore, RedisStore, TieredStore
+
+    monkeypatch.setattr("kvrag.engine.Embedder", lambda name=None, device="cpu": _shared_embedder(name))
+    server = RedisServer()
+    try:
+        store = TieredStore(MemoryStore(), RedisStore(server.url, namespace="down-test"))
+        engine = KVRAG.from_defaults(None, model=str(model_dir), store=store, chunk_tokens=120, overlap=8,
+                                     cache_dir=tmp_path / "cache")
+        engine.ingest(FACTS, progress=False)
+        before = engine.query("Who runs Velloria's harbour?", top_k=2, max_new_tokens=6)
+    finally:
+        server.stop()
+    for key in list(store.front.keys()):
+        store.front.delete(key)
+    with pytest.warns(StoreWarning, match="recomputing the chunk"):
+        after = engine.query("Who runs Velloria's harbour?", top_k=2, max_new_tokens=6)
+    assert after.stats.chunks_encoded == 2 and after.token_ids == before.token_ids

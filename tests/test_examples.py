@@ -23,3 +23,10 @@ def test_api_docs_assistant_in_a_llama_index_pipeline():
     assert "ingested 11 nodes from 4 pages" in out
     assert out.count("Q: ") == 1 and "kvrag        | " in out and "full prefill | " in out
     assert "ttft: kvrag" in out and "(target_recompute" in out and "library/textwrap.rst" in out
+
+
+def test_open_domain_qa_as_a_langchain_chain():
+    out = run_example("open_domain_qa.py", "--quick")
+    assert "ingested 12 articles" in out and out.count("Q: ") == 2
+    assert out.count("   kvrag        ttft ") == 2 and out.count("   full prefill ttft ") == 2
+    assert "right: kvrag " in out
