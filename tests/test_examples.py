@@ -1,6 +1,7 @@
 """The runnable example apps, each in its quick mode, as a user runs them."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,14 @@ def test_open_domain_qa_as_a_langchain_chain():
     assert "ingested 12 articles" in out and out.count("Q: ") == 2
     assert out.count("   kvrag        ttft ") == 2 and out.count("   full prefill ttft ") == 2
     assert "right: kvrag " in out
+
+
+def test_dialogue_memory_assistant():
+    out = run_example("dialogue_memory.py", "--quick")
+    line = r"^    {} +ttft +\d+\.\d+ s  (right|wrong)  \| .+$"
+    assert re.search(r"^ingested 4 sessions \(\d+ tokens\)", out, re.M), out
+    assert len(re.findall(r"^Q\d+ \[\S+\] What is .+\?", out, re.M)) == 2, out
+    assert len(re.findall(r"^    retrieved( s\d\d){4}; the top one is the target: (True|False)$", out, re.M)) == 2, out
+    for strategy in ("target_recompute", "full_prefill"):
+        assert len(re.findall(line.format(strategy), out, re.M)) == 2, out
+        assert re.search(rf"^{strategy} +right [0-2] of 2, median ttft \d+\.\d+ s$", out, re.M), out
