@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import byte_tokenizer, in_threads, tiny_model
+from tiny import FACTS, byte_tokenizer, in_threads, tiny_model
 
 from kvrag.documents import DocumentError, split_text
 from kvrag.embed import Embedder
@@ -16,13 +16,6 @@ from kvrag.engine import KVRAG
 from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError
 from kvrag.kvmodel import Answer
 
-FACTS = [
-    ("The lighthouse of Karsa was built in 1872 by the engineer Mira Holt.", {"topic": "buildings", "lang": "en"}),
-    ("Velloria's harbour holds forty ships and is run by Orin Dask.", {"topic": "ports", "lang": "en"}),
-    ("The river Tam floods every spring, covering the lower fields.", {"topic": "rivers", "lang": "en"}),
-    ("Le pont de Sarnac a été construit en 1901.", {"topic": "buildings", "lang": "fr"}),
-    ("The old mill of Brenn grinds barley and rye for three villages.", {"topic": "buildings", "lang": "en"}),
-]
 
 
 @pytest.fixture(scope="module")

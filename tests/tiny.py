@@ -53,6 +53,16 @@ def tiny_model(name: str, seed: int = 0, attn: str = "sdpa") -> Any:
     return model.float().eval()
 
 
+# A small corpus of invented facts with metadata, shared by the engine and adapter tests.
+FACTS = [
+    ("The lighthouse of Karsa was built in 1872 by the engineer Mira Holt.", {"topic": "buildings", "lang": "en"}),
+    ("Velloria's harbour holds forty ships and is run by Orin Dask.", {"topic": "ports", "lang": "en"}),
+    ("The river Tam floods every spring, covering the lower fields.", {"topic": "rivers", "lang": "en"}),
+    ("Le pont de Sarnac a été construit en 1901.", {"topic": "buildings", "lang": "fr"}),
+    ("The old mill of Brenn grinds barley and rye for three villages.", {"topic": "buildings", "lang": "en"}),
+]
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -11,19 +11,12 @@ sys.path.insert(0, str(HERE.parents[3] / "tests"))  # the core's tiny.py
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from tiny import byte_tokenizer, tiny_model  # noqa: E402
+from tiny import FACTS, byte_tokenizer, tiny_model  # noqa: E402
 
 from kvrag import KVRAG  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-FACTS = [
-    ("The lighthouse of Karsa was built in 1872 by the engineer Mira Holt.", {"topic": "buildings", "lang": "en"}),
-    ("Velloria's harbour holds forty ships and is run by Orin Dask.", {"topic": "ports", "lang": "en"}),
-    ("The river Tam floods every spring, covering the lower fields.", {"topic": "rivers", "lang": "en"}),
-    ("Le pont de Sarnac a été construit en 1901.", {"topic": "buildings", "lang": "fr"}),
-    ("The old mill of Brenn grinds barley and rye for three villages.", {"topic": "buildings", "lang": "en"}),
-]
 
 
 @pytest.fixture(scope="session")

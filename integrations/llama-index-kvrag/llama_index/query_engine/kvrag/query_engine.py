@@ -88,8 +88,11 @@ class KVRAGQueryEngine(BaseQueryEngine):
         return {**self.options, "scores": scores if all(s is not None for s in scores) else None}
 
     @staticmethod
-    def _metadata(answer: Answer) -> dict:
-        return {"kvrag": answer.stats.to_dict(), "sources": [s.id for s in answer.sources]}
+    def _record(answer: Answer, metadata: dict) -> dict:
+        """Put the answer's stats in a response's metadata and send them through instrumentation."""
+        metadata.update({"kvrag": answer.stats.to_dict(), "sources": [s.id for s in answer.sources]})
+        dispatcher.event(KVRAGAnswerEvent(stats=metadata["kvrag"]))
+        return metadata
 
     @dispatcher.span
     def synthesize(self, query_bundle: QueryBundle, nodes: List[NodeWithScore],
@@ -100,8 +103,7 @@ class KVRAGQueryEngine(BaseQueryEngine):
         texts, kwargs = node_texts(nodes), self._arguments(nodes)
         if not self.streaming:
             answer = self.engine.answer(query_bundle.query_str, texts, **kwargs)
-            dispatcher.event(KVRAGAnswerEvent(stats=answer.stats.to_dict()))
-            return Response(response=answer.text, source_nodes=nodes, metadata=self._metadata(answer))
+            return Response(response=answer.text, source_nodes=nodes, metadata=self._record(answer, {}))
         metadata: dict = {}
 
         def pieces() -> Generator[str, None, None]:
@@ -109,8 +111,7 @@ class KVRAGQueryEngine(BaseQueryEngine):
                 if isinstance(item, str):
                     yield item
                 else:
-                    metadata.update(self._metadata(item))
-                    dispatcher.event(KVRAGAnswerEvent(stats=item.stats.to_dict()))
+                    self._record(item, metadata)
 
         return StreamingResponse(response_gen=pieces(), source_nodes=nodes, metadata=metadata)
 
@@ -123,8 +124,7 @@ class KVRAGQueryEngine(BaseQueryEngine):
         texts, kwargs = node_texts(nodes), self._arguments(nodes)
         if not self.streaming:
             answer = await self.engine.aanswer(query_bundle.query_str, texts, **kwargs)
-            dispatcher.event(KVRAGAnswerEvent(stats=answer.stats.to_dict()))
-            return Response(response=answer.text, source_nodes=nodes, metadata=self._metadata(answer))
+            return Response(response=answer.text, source_nodes=nodes, metadata=self._record(answer, {}))
         metadata: dict = {}
 
         async def pieces() -> AsyncGenerator[str, None]:
@@ -132,8 +132,7 @@ class KVRAGQueryEngine(BaseQueryEngine):
                 if isinstance(item, str):
                     yield item
                 else:
-                    metadata.update(self._metadata(item))
-                    dispatcher.event(KVRAGAnswerEvent(stats=item.stats.to_dict()))
+                    self._record(item, metadata)
 
         return AsyncStreamingResponse(response_gen=pieces(), source_nodes=nodes, metadata=metadata)
 
