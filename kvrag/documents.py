@@ -63,7 +63,8 @@ def _load_path(path: Path) -> list[Document]:
 
 def to_documents(items: Item | Iterable[Item], metadata: Mapping[str, Any] | None = None) -> list[Document]:
     """Normalize what `ingest` accepts: a str is text, a Path is a file or folder, a pair is (text, metadata)."""
-    if isinstance(items, (str, Path, Document, tuple)):
+    single_pair = isinstance(items, tuple) and len(items) == 2 and isinstance(items[1], Mapping)
+    if isinstance(items, (str, Path, Document)) or single_pair:
         items = [items]  # type: ignore[list-item]
     docs: list[Document] = []
     for item in items:  # type: ignore[union-attr]

@@ -176,6 +176,10 @@ def test_files_and_bad_documents(rag, tmp_path):
         rag.ingest(["   "])
     with pytest.raises(InvalidRequestError, match="cannot ingest a int"):
         rag.ingest([3])
+    from kvrag.documents import to_documents
+
+    assert [d.text for d in to_documents(("one text", "another text"))] == ["one text", "another text"]
+    assert to_documents(("a text", {"k": 1}))[0].metadata == {"k": 1}
     with pytest.raises(InvalidRequestError, match="top_k"):
         rag.retrieve("q", top_k=0)
 
