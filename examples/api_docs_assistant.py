@@ -39,11 +39,14 @@ def main() -> None:
     documents = [Document(text=c["text"], metadata={"page": c["source"]}, id_=c["id"]) for c in chunks]
     embed = KVRAGEmbedding(embedder)
     t0 = time.perf_counter()
-    pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=256, chunk_overlap=0),
-                                                  KVRAGKVTransform(rag), embed])
+    pipeline = IngestionPipeline(
+        transformations=[SentenceSplitter(chunk_size=256, chunk_overlap=0), KVRAGKVTransform(rag), embed]
+    )
     nodes = pipeline.run(documents=documents)
-    print(f"ingested {len(nodes)} nodes from {len({c['source'] for c in chunks})} pages in "
-          f"{time.perf_counter() - t0:.1f} s (KV of {len(rag.store)} nodes stored)\n")
+    print(
+        f"ingested {len(nodes)} nodes from {len({c['source'] for c in chunks})} pages in "
+        f"{time.perf_counter() - t0:.1f} s (KV of {len(rag.store)} nodes stored)\n"
+    )
     retriever = VectorStoreIndex(nodes, embed_model=embed).as_retriever(similarity_top_k=args.top_k)
     kvrag_engine = KVRAGQueryEngine(rag, retriever, streaming=True, max_new_tokens=48, stop=["\n\n"])
     reference = KVRAGQueryEngine(rag, retriever, strategy="full_prefill", max_new_tokens=48, stop=["\n\n"])
@@ -57,10 +60,12 @@ def main() -> None:
         stats = response.metadata["kvrag"]
         full = reference.query(item["question"])
         print(f"\n   full prefill | {full.response.strip()}")
-        print(f"   ttft: kvrag {stats['ttft_s']:.3f} s ({stats['strategy']}, {stats['recomputed_tokens']} of "
-              f"{stats['context_tokens']} context tokens recomputed), full prefill "
-              f"{full.metadata['kvrag']['ttft_s']:.3f} s; sources: "
-              f"{', '.join(n.node.metadata['page'] for n in response.source_nodes)}\n")
+        print(
+            f"   ttft: kvrag {stats['ttft_s']:.3f} s ({stats['strategy']}, {stats['recomputed_tokens']} of "
+            f"{stats['context_tokens']} context tokens recomputed), full prefill "
+            f"{full.metadata['kvrag']['ttft_s']:.3f} s; sources: "
+            f"{', '.join(n.node.metadata['page'] for n in response.source_nodes)}\n"
+        )
 
 
 if __name__ == "__main__":

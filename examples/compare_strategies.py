@@ -37,10 +37,13 @@ def main() -> None:
         tokens += len(kv.layout.chunk_ids(text))
     encoded = kv.encode(texts)
     question = items[0]["question"]
-    print(f"{len(texts)} chunks, {tokens} context tokens, budget {args.budget}, {torch.get_num_threads()} threads, "
-          f"median of {args.runs} runs after a warm-up")
+    print(
+        f"{len(texts)} chunks, {tokens} context tokens, budget {args.budget}, {torch.get_num_threads()} threads, "
+        f"median of {args.runs} runs after a warm-up"
+    )
     results = {}
     for name in STRATEGIES:
+
         def once() -> float:
             a = kv.answer(question, encoded, strategy=name, target=0, budget=args.budget, max_new_tokens=1)
             return a.stats.ttft_s

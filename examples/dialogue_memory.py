@@ -50,10 +50,13 @@ def main() -> None:
 
     sessions, questions = dialogue(seed=args.seed, sessions=args.sessions)
     questions = questions[: args.questions]
-    stats = rag.ingest([Document(s.text, {"session": n}, id=s.id) for n, s in enumerate(sessions)], split=False,
-                       progress=False)
-    print(f"ingested {stats.chunks} sessions ({stats.tokens} tokens): KV encoded in {stats.encode_s:.1f} s; "
-          f"{len(questions)} questions, top {args.top_k} sessions each\n")
+    stats = rag.ingest(
+        [Document(s.text, {"session": n}, id=s.id) for n, s in enumerate(sessions)], split=False, progress=False
+    )
+    print(
+        f"ingested {stats.chunks} sessions ({stats.tokens} tokens): KV encoded in {stats.encode_s:.1f} s; "
+        f"{len(questions)} questions, top {args.top_k} sessions each\n"
+    )
 
     right = {s: 0 for s in STRATEGIES}
     ttft: dict[str, list[float]] = {s: [] for s in STRATEGIES}
@@ -61,8 +64,9 @@ def main() -> None:
     for n, q in enumerate(questions, 1):
         print(f"Q{n} [{q.family}] {q.question}  (expected: {q.answers[0]}, stated last in {q.target})")
         for strategy in STRATEGIES:
-            answer = rag.query(q.question, strategy=strategy, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
-                               stop=["\n\n"])
+            answer = rag.query(
+                q.question, strategy=strategy, top_k=args.top_k, max_new_tokens=args.max_new_tokens, stop=["\n\n"]
+            )
             if strategy == STRATEGIES[0]:
                 retrieved = [s.id.split("#")[0] for s in answer.sources]
                 top_is_target += retrieved[0] == q.target
@@ -76,8 +80,10 @@ def main() -> None:
 
     print(f"retriever's top session was the target in {top_is_target} of {len(questions)}")
     for strategy in STRATEGIES:
-        print(f"{strategy:<17} right {right[strategy]} of {len(questions)}, "
-              f"median ttft {statistics.median(ttft[strategy]):.3f} s")
+        print(
+            f"{strategy:<17} right {right[strategy]} of {len(questions)}, "
+            f"median ttft {statistics.median(ttft[strategy]):.3f} s"
+        )
     print(f"total {time.perf_counter() - t0:.1f} s")
 
 

@@ -42,7 +42,8 @@ def main() -> None:
     answer = KVRAGRunnable(engine=rag, max_new_tokens=32, return_dict=True, generation_kwargs={"stop": ["\n\n"]})
     chain = {"question": RunnablePassthrough(), "documents": retriever} | answer
     reference = {"question": RunnablePassthrough(), "documents": retriever} | answer.with_config(
-        configurable={"strategy": "full_prefill"})
+        configurable={"strategy": "full_prefill"}
+    )
 
     right = {"kvrag": 0, "full prefill": 0}
     asked = questions[: 2 if args.quick else 8]
@@ -54,8 +55,10 @@ def main() -> None:
             ok = any(a.lower() in text.lower() for a in q.answers)
             right[name] += ok
             print(f"   {name:<12} ttft {result['stats']['ttft_s']:.3f} s  {'right' if ok else 'wrong'} | {text}")
-        print(f"   top document: {ours['sources'][0]['metadata'].get('title')} "
-              f"(holds the answer: {ours['sources'][0]['id'].split('#')[0] == q.target})\n")
+        print(
+            f"   top document: {ours['sources'][0]['metadata'].get('title')} "
+            f"(holds the answer: {ours['sources'][0]['id'].split('#')[0] == q.target})\n"
+        )
     print(f"right: kvrag {right['kvrag']}/{len(asked)}, full prefill {right['full prefill']}/{len(asked)}")
 
 

@@ -42,8 +42,13 @@ def raw_forward(kv: KVModel, chunk_ids: list[list[int]]) -> None:
         for row, i in enumerate(group):
             ids[row, : len(chunk_ids[i])] = torch.as_tensor(chunk_ids[i])
         positions = torch.arange(start, start + width, device=device).expand(len(group), -1)
-        kv.model(input_ids=ids, position_ids=positions, cache=prefix_cache(kv.prefix, len(group)), use_cache=True,
-                 logits_to_keep=1)
+        kv.model(
+            input_ids=ids,
+            position_ids=positions,
+            cache=prefix_cache(kv.prefix, len(group)),
+            use_cache=True,
+            logits_to_keep=1,
+        )
 
 
 def ingest_benchmark(kv: KVModel, *, copies: int = 3, runs: int = 3, print_fn: Callable[[str], None] = print) -> dict:
@@ -56,24 +61,31 @@ def ingest_benchmark(kv: KVModel, *, copies: int = 3, runs: int = 3, print_fn: C
     results = {
         "raw batched forward": _median_time(lambda: raw_forward(kv, ids), runs),
         "kvrag encode_chunks": _median_time(
-            lambda: encode_chunks(kv.model, kv.prefix, ids, batch_tokens=kv.batch_tokens, encoder=kv.encoder_id), runs),
+            lambda: encode_chunks(kv.model, kv.prefix, ids, batch_tokens=kv.batch_tokens, encoder=kv.encoder_id), runs
+        ),
     }
 
     def ingest(store_factory: Callable[[], Any]) -> Callable[[], None]:
         def run() -> None:
             rag = KVRAG(kv, embedder=embedder, store=store_factory())
             rag.ingest(texts, split=False, progress=False)
+
         return run
 
     results["ingest, memory store"] = _median_time(ingest(MemoryStore), runs)
     with tempfile.TemporaryDirectory() as tmp:
         counter = iter(range(10**6))
         results["ingest, memory + disk (fp16)"] = _median_time(
-            ingest(lambda: TieredStore(MemoryStore(), DiskStore(f"{tmp}/{next(counter)}"))), runs)
+            ingest(lambda: TieredStore(MemoryStore(), DiskStore(f"{tmp}/{next(counter)}"))), runs
+        )
     raw = results["raw batched forward"]
-    print_fn(f"{len(texts)} chunks, {tokens} tokens, batch_tokens {kv.batch_tokens}, {torch.get_num_threads()} threads, "
-             f"median of {runs} runs after a warm-up")
+    print_fn(
+        f"{len(texts)} chunks, {tokens} tokens, batch_tokens {kv.batch_tokens}, {torch.get_num_threads()} threads, "
+        f"median of {runs} runs after a warm-up"
+    )
     print_fn(f"{'':<30}{'seconds':>9}{'chunks/s':>10}{'tokens/s':>10}{'x raw':>8}")
     for name, seconds in results.items():
-        print_fn(f"{name:<30}{seconds:>9.3f}{len(texts) / seconds:>10.1f}{tokens / seconds:>10.0f}{raw / seconds:>8.2f}")
+        print_fn(
+            f"{name:<30}{seconds:>9.3f}{len(texts) / seconds:>10.1f}{tokens / seconds:>10.0f}{raw / seconds:>8.2f}"
+        )
     return {"chunks": len(texts), "tokens": tokens, "seconds": results}

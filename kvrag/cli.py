@@ -13,7 +13,9 @@ from kvrag.errors import KVRAGError
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face model id or folder (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="Hugging Face model id or folder (default: embedded SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
     parser.add_argument("--cache-dir", default=None, help="where converted default weights are kept")
@@ -21,7 +23,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvrag", description="Reuse attention (KV) state in retrieval-augmented generation.")
+    parser = argparse.ArgumentParser(
+        prog="kvrag", description="Reuse attention (KV) state in retrieval-augmented generation."
+    )
     parser.add_argument("--version", action="version", version=f"kvrag {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -94,27 +98,48 @@ def _run(args: argparse.Namespace) -> None:
     from kvrag.store import MemoryStore, RedisStore, TieredStore
 
     redis_url = getattr(args, "redis", None)
-    store = TieredStore(MemoryStore(), RedisStore(redis_url, storage_dtype=getattr(args, "storage_dtype", "float16"))) \
-        if redis_url else None
+    store = (
+        TieredStore(MemoryStore(), RedisStore(redis_url, storage_dtype=getattr(args, "storage_dtype", "float16")))
+        if redis_url
+        else None
+    )
 
     if args.command == "ingest":
         fresh = not (args.index / MANIFEST).is_file()
-        rag = KVRAG.from_defaults(args.index, model=args.model, dtype=args.dtype, device=args.device,
-                                  cache_dir=args.cache_dir, chunk_tokens=args.chunk_tokens, overlap=args.overlap,
-                                  storage_dtype=args.storage_dtype, store=store)
+        rag = KVRAG.from_defaults(
+            args.index,
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            cache_dir=args.cache_dir,
+            chunk_tokens=args.chunk_tokens,
+            overlap=args.overlap,
+            storage_dtype=args.storage_dtype,
+            store=store,
+        )
         stats = rag.ingest(list(args.paths), progress=not args.quiet)
-        print(f"{'created' if fresh else 'updated'} {args.index}: {stats.documents} documents, {stats.chunks} chunks "
-              f"({stats.tokens} tokens); KV encoded for {stats.encoded}, already stored for {stats.store_hits}; "
-              f"{stats.seconds:.1f} s")
+        print(
+            f"{'created' if fresh else 'updated'} {args.index}: {stats.documents} documents, {stats.chunks} chunks "
+            f"({stats.tokens} tokens); KV encoded for {stats.encoded}, already stored for {stats.store_hits}; "
+            f"{stats.seconds:.1f} s"
+        )
         return
     if not (args.index / MANIFEST).is_file():
-        raise IndexLoadError(f"no kvrag index at {args.index}: create one with `kvrag ingest PATH --index {args.index}`")
+        raise IndexLoadError(
+            f"no kvrag index at {args.index}: create one with `kvrag ingest PATH --index {args.index}`"
+        )
     rag = KVRAG.load(args.index, device=args.device, store=store)
     if args.command == "info":
         print(json.dumps(rag.info(), indent=1))
         return
-    kwargs = dict(strategy=args.strategy, picker=args.picker, budget=args.budget, top_k=args.top_k,
-                  hybrid=args.hybrid, max_new_tokens=args.max_new_tokens)
+    kwargs = dict(
+        strategy=args.strategy,
+        picker=args.picker,
+        budget=args.budget,
+        top_k=args.top_k,
+        hybrid=args.hybrid,
+        max_new_tokens=args.max_new_tokens,
+    )
     if args.stream and not args.json:
         for item in rag.stream(args.question, **kwargs):
             if isinstance(item, str):
@@ -126,8 +151,10 @@ def _run(args: argparse.Namespace) -> None:
         print(json.dumps(answer.to_dict(), ensure_ascii=False))
     else:
         print(answer.text.strip())
-        print(f"\n[{answer.stats.strategy}, ttft {answer.stats.ttft_s:.3f} s, sources: "
-              f"{', '.join(s.id for s in answer.sources)}]")
+        print(
+            f"\n[{answer.stats.strategy}, ttft {answer.stats.ttft_s:.3f} s, sources: "
+            f"{', '.join(s.id for s in answer.sources)}]"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

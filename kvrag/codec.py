@@ -52,10 +52,19 @@ def encode_entry(chunk: ChunkKV, *, key: str, dtype: str = "float16") -> bytes:
         vq, vs = _quantize(values)
         tensors = {"keys": kq, "keys_scale": ks, "values": vq, "values_scale": vs}
     else:
-        tensors = {"keys": keys.to(STORAGE_DTYPES[dtype]).contiguous(), "values": values.to(STORAGE_DTYPES[dtype]).contiguous()}
+        tensors = {
+            "keys": keys.to(STORAGE_DTYPES[dtype]).contiguous(),
+            "values": values.to(STORAGE_DTYPES[dtype]).contiguous(),
+        }
     tensors["token_ids"] = chunk.token_ids.detach().cpu().to(torch.int64).contiguous()
-    metadata = {"format": str(KV_FORMAT_VERSION), "key": key, "encoder": chunk.encoder, "start": str(chunk.start),
-                "dtype": dtype, "sha256": _digest(tensors)}
+    metadata = {
+        "format": str(KV_FORMAT_VERSION),
+        "key": key,
+        "encoder": chunk.encoder,
+        "start": str(chunk.start),
+        "dtype": dtype,
+        "sha256": _digest(tensors),
+    }
     return st_save(tensors, metadata=metadata)
 
 
@@ -70,7 +79,9 @@ def entry_metadata(blob: bytes) -> dict[str, str] | None:
         return None
 
 
-def decode_entry(blob: bytes, *, key: str, encoder: str, dtype: torch.dtype, device: torch.device | str) -> ChunkKV | None:
+def decode_entry(
+    blob: bytes, *, key: str, encoder: str, dtype: torch.dtype, device: torch.device | str
+) -> ChunkKV | None:
     """The ChunkKV in `blob`, in the model's dtype on its device, or None when it must not be used.
 
     None means: unreadable or truncated bytes, a checksum mismatch (flipped bytes), or an entry written

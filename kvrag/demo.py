@@ -53,19 +53,25 @@ def run_demo(
     ready = f"model loaded in {time.perf_counter() - t0:.1f} s" if loaded else "model given"
     chunks, items = sample_docs()
     rag = KVRAG(kv, embedder=embedder or Embedder(), store=MemoryStore())
-    ingested = rag.ingest([Document(c["text"], {"source": c["source"]}, id=c["id"]) for c in chunks], split=False,
-                          progress=False)
-    print_fn(f"kvrag demo: {kv.fingerprint.architecture.split(':')[0]} model, {kv.fingerprint.dtype}, "
-             f"{kv.prefix.keys.device}, {torch.get_num_threads()} threads; {ready}")
-    print_fn(f"ingested {ingested.chunks} chunks of the Python 3.11 docs ({ingested.tokens} tokens): KV encoded in "
-             f"{ingested.encode_s:.1f} s, {rag.store.nbytes / 1e6:.1f} MB held; each question retrieves {top_k}\n")
+    ingested = rag.ingest(
+        [Document(c["text"], {"source": c["source"]}, id=c["id"]) for c in chunks], split=False, progress=False
+    )
+    print_fn(
+        f"kvrag demo: {kv.fingerprint.architecture.split(':')[0]} model, {kv.fingerprint.dtype}, "
+        f"{kv.prefix.keys.device}, {torch.get_num_threads()} threads; {ready}"
+    )
+    print_fn(
+        f"ingested {ingested.chunks} chunks of the Python 3.11 docs ({ingested.tokens} tokens): KV encoded in "
+        f"{ingested.encode_s:.1f} s, {rag.store.nbytes / 1e6:.1f} MB held; each question retrieves {top_k}\n"
+    )
     records = []
     for n, item in enumerate(items[:questions], 1):
         print_fn(f"Q{n}: {item['question']}")
         ttft, recomputed, context = {}, 0, 0
         for strategy in STRATEGIES:
-            answer = rag.query(item["question"], strategy=strategy, top_k=top_k, max_new_tokens=max_new_tokens,
-                               stop=["\n\n"])
+            answer = rag.query(
+                item["question"], strategy=strategy, top_k=top_k, max_new_tokens=max_new_tokens, stop=["\n\n"]
+            )
             if strategy == STRATEGIES[0]:
                 top = answer.sources[0].id.split("#")[0]
                 print_fn(f"    retriever's top chunk: {top} (holds the answer: {top == item['target']})")
@@ -74,8 +80,18 @@ def run_demo(
             text = " ".join(answer.text.split())
             right = any(a.lower() in text.lower() for a in item["answers"])
             print_fn(f"    {strategy:<17} ttft {answer.stats.ttft_s:6.3f} s  {'right' if right else 'wrong'}  | {text}")
-            records.append({"question": item["question"], "strategy": strategy, "text": answer.text, "right": right,
-                            "top_chunk": answer.sources[0].id.split("#")[0], **answer.stats.to_dict()})
-        print_fn(f"    target_recompute: {ttft['full_prefill'] / ttft['target_recompute']:.1f}x faster to the first "
-                 f"token than full prefill, {recomputed} of {context} context tokens recomputed\n")
+            records.append(
+                {
+                    "question": item["question"],
+                    "strategy": strategy,
+                    "text": answer.text,
+                    "right": right,
+                    "top_chunk": answer.sources[0].id.split("#")[0],
+                    **answer.stats.to_dict(),
+                }
+            )
+        print_fn(
+            f"    target_recompute: {ttft['full_prefill'] / ttft['target_recompute']:.1f}x faster to the first "
+            f"token than full prefill, {recomputed} of {context} context tokens recomputed\n"
+        )
     return records

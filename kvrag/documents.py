@@ -52,8 +52,10 @@ def _load_path(path: Path) -> list[Document]:
         raise DocumentError(f"{path} does not exist")
     loader = LOADERS.get(path.suffix.lower())
     if loader is None:
-        raise DocumentError(f"cannot read {path}: supported types are {', '.join(sorted(LOADERS))} "
-                            "(add one with kvrag.documents.register_loader)")
+        raise DocumentError(
+            f"cannot read {path}: supported types are {', '.join(sorted(LOADERS))} "
+            "(add one with kvrag.documents.register_loader)"
+        )
     try:
         text = loader(path)
     except OSError as err:
@@ -77,8 +79,10 @@ def to_documents(items: Item | Iterable[Item], metadata: Mapping[str, Any] | Non
         elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Mapping):
             docs.append(Document(text=item[0], metadata=dict(item[1])))
         else:
-            raise InvalidRequestError(f"cannot ingest a {type(item).__name__}: give str texts, pathlib.Path files or "
-                                      "folders, (text, metadata) pairs or kvrag.Document")
+            raise InvalidRequestError(
+                f"cannot ingest a {type(item).__name__}: give str texts, pathlib.Path files or "
+                "folders, (text, metadata) pairs or kvrag.Document"
+            )
     for doc in docs:
         if metadata:
             doc.metadata = {**metadata, **doc.metadata}

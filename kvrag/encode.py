@@ -28,7 +28,10 @@ def prefix_cache(prefix: ChunkKV, batch: int = 1) -> DynamicCache:
     """A fresh DynamicCache holding the prefix KV, repeated over `batch` rows (views, no copy)."""
     return DynamicCache(
         ddp_cache_data=[
-            (prefix.keys[i].unsqueeze(0).expand(batch, -1, -1, -1), prefix.values[i].unsqueeze(0).expand(batch, -1, -1, -1))
+            (
+                prefix.keys[i].unsqueeze(0).expand(batch, -1, -1, -1),
+                prefix.values[i].unsqueeze(0).expand(batch, -1, -1, -1),
+            )
             for i in range(prefix.keys.shape[0])
         ]
     )
@@ -96,8 +99,9 @@ def encode_chunks(
         model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
         for row, i in enumerate(group):
             keys, values = stacked_kv(cache, row, start, start + lengths[i])
-            out[i] = ChunkKV(token_ids=ids[row, : lengths[i]].clone(), keys=keys, values=values, start=start,
-                             encoder=encoder)
+            out[i] = ChunkKV(
+                token_ids=ids[row, : lengths[i]].clone(), keys=keys, values=values, start=start, encoder=encoder
+            )
         if on_batch is not None:
             on_batch(len(group))
     return out  # type: ignore[return-value]

@@ -31,6 +31,8 @@ INDEX_FORMAT = 1
 
 class StoreWarning(UserWarning):
     """A KV store failed during a query; the answer was computed without it."""
+
+
 MANIFEST = "kvrag-index.json"
 
 
@@ -58,9 +60,18 @@ class KVRAG:
         chunk_tokens, overlap: the splitter's window and overlap, in LM tokens.
     """
 
-    def __init__(self, kv: KVModel, *, embedder: Embedder, store: KVStore, path: str | Path | None = None,
-                 index: ChunkIndex | None = None, chunk_tokens: int = 200, overlap: int = 20,
-                 model_source: str | None = None) -> None:
+    def __init__(
+        self,
+        kv: KVModel,
+        *,
+        embedder: Embedder,
+        store: KVStore,
+        path: str | Path | None = None,
+        index: ChunkIndex | None = None,
+        chunk_tokens: int = 200,
+        overlap: int = 20,
+        model_source: str | None = None,
+    ) -> None:
         self.kv = kv
         self.embedder = embedder
         self.store = store
@@ -102,26 +113,46 @@ class KVRAG:
             store = MemoryStore(memory_bytes)
             if path is not None:
                 store = TieredStore(store, DiskStore(Path(path) / "kv", storage_dtype))
-        return cls(kv, embedder=Embedder(embedder, device=device), store=store, path=path, chunk_tokens=chunk_tokens,
-                   overlap=overlap, model_source=model)
+        return cls(
+            kv,
+            embedder=Embedder(embedder, device=device),
+            store=store,
+            path=path,
+            chunk_tokens=chunk_tokens,
+            overlap=overlap,
+            model_source=model,
+        )
 
     @classmethod
-    def load(cls, path: str | Path, *, store: KVStore | None = None, memory_bytes: int = 1 << 30, device: str = "cpu",
-             cache_dir: str | Path | None = None) -> KVRAG:
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        store: KVStore | None = None,
+        memory_bytes: int = 1 << 30,
+        device: str = "cpu",
+        cache_dir: str | Path | None = None,
+    ) -> KVRAG:
         """Open an index folder written by an engine with a path; the model and embedder are those it was built with."""
         folder = Path(path)
         try:
             manifest = json.loads((folder / MANIFEST).read_text())
         except FileNotFoundError:
-            raise IndexLoadError(f"no kvrag index at {folder}: create one with `kvrag ingest PATH --index {folder}`") from None
+            raise IndexLoadError(
+                f"no kvrag index at {folder}: create one with `kvrag ingest PATH --index {folder}`"
+            ) from None
         except (OSError, ValueError) as err:
             raise IndexLoadError(f"the index manifest {folder / MANIFEST} is unreadable ({err}): re-ingest") from err
         if manifest.get("format") != INDEX_FORMAT:
-            raise IndexLoadError(f"{folder} holds index format {manifest.get('format')}, this kvrag reads {INDEX_FORMAT}")
+            raise IndexLoadError(
+                f"{folder} holds index format {manifest.get('format')}, this kvrag reads {INDEX_FORMAT}"
+            )
         kv = KVModel.from_pretrained(manifest["model"], dtype=manifest["dtype"], device=device, cache_dir=cache_dir)
         if kv.fingerprint.digest != manifest["fingerprint"]:
-            raise IndexLoadError(f"the index at {folder} was built with another model ({manifest['architecture']}, "
-                              f"{manifest['weights']}): open it with that model or re-ingest")
+            raise IndexLoadError(
+                f"the index at {folder} was built with another model ({manifest['architecture']}, "
+                f"{manifest['weights']}): open it with that model or re-ingest"
+            )
         embedder = Embedder(manifest["embedder"], device=device)
         try:
             index = ChunkIndex.load(folder / "index", manifest["dim"])
@@ -129,8 +160,16 @@ class KVRAG:
             raise IndexLoadError(f"the index at {folder} is damaged ({err}): re-ingest into a new folder") from err
         if store is None:
             store = TieredStore(MemoryStore(memory_bytes), DiskStore(folder / "kv", manifest["storage_dtype"]))
-        return cls(kv, embedder=embedder, store=store, path=folder, index=index, chunk_tokens=manifest["chunk_tokens"],
-                   overlap=manifest["overlap"], model_source=manifest["model"])
+        return cls(
+            kv,
+            embedder=embedder,
+            store=store,
+            path=folder,
+            index=index,
+            chunk_tokens=manifest["chunk_tokens"],
+            overlap=manifest["overlap"],
+            model_source=manifest["model"],
+        )
 
     def persist(self, path: str | Path | None = None) -> Path:
         """Write the index and manifest to `path` (default: the engine's path). KV in a disk store is already there."""
@@ -141,10 +180,19 @@ class KVRAG:
             self.index.save(folder / "index")
             fp = self.kv.fingerprint
             storage = getattr(getattr(self.store, "back", self.store), "storage_dtype", "float16")
-            manifest = {"format": INDEX_FORMAT, "model": self.model_source, "dtype": fp.dtype, "fingerprint": fp.digest,
-                        "architecture": fp.architecture, "weights": fp.weights, "embedder": self.embedder.name,
-                        "dim": self.index.dim, "chunk_tokens": self.chunk_tokens, "overlap": self.overlap,
-                        "storage_dtype": storage}
+            manifest = {
+                "format": INDEX_FORMAT,
+                "model": self.model_source,
+                "dtype": fp.dtype,
+                "fingerprint": fp.digest,
+                "architecture": fp.architecture,
+                "weights": fp.weights,
+                "embedder": self.embedder.name,
+                "dim": self.index.dim,
+                "chunk_tokens": self.chunk_tokens,
+                "overlap": self.overlap,
+                "storage_dtype": storage,
+            }
             tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
             tmp.write_text(json.dumps(manifest, indent=1))
             os.replace(tmp, folder / MANIFEST)
@@ -152,8 +200,15 @@ class KVRAG:
 
     # -- ingestion --------------------------------------------------------------------------------------
 
-    def ingest(self, items: Item | Iterable[Item], *, metadata: Mapping[str, Any] | None = None, split: bool = True,
-               progress: bool = True, on_progress: Callable[[int, int], None] | None = None) -> IngestStats:
+    def ingest(
+        self,
+        items: Item | Iterable[Item],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        split: bool = True,
+        progress: bool = True,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> IngestStats:
         """Split, embed and index documents; encode and store each chunk's KV unless it is stored already.
 
         Args:
@@ -169,28 +224,55 @@ class KVRAG:
             records: list[ChunkRecord] = []
             chunk_ids: list[list[int]] = []
             for doc in docs:
-                texts = split_text(doc.text, self.kv.tokenizer, chunk_tokens=self.chunk_tokens, overlap=self.overlap) \
-                    if split else [doc.text.strip()]
+                texts = (
+                    split_text(doc.text, self.kv.tokenizer, chunk_tokens=self.chunk_tokens, overlap=self.overlap)
+                    if split
+                    else [doc.text.strip()]
+                )
                 for n, text in enumerate(texts):
                     ids = self.kv.chunk_ids(n, text)
-                    records.append(ChunkRecord(id=f"{doc.id}#{n}", doc_id=doc.id, text=text, metadata=dict(doc.metadata),
-                                               key=self.kv.chunk_key(ids), n_tokens=len(ids)))
+                    records.append(
+                        ChunkRecord(
+                            id=f"{doc.id}#{n}",
+                            doc_id=doc.id,
+                            text=text,
+                            metadata=dict(doc.metadata),
+                            key=self.kv.chunk_key(ids),
+                            n_tokens=len(ids),
+                        )
+                    )
                     chunk_ids.append(ids)
             missing = [i for i, r in enumerate(records) if r.key not in self.store]
-            encode_s = self._encode_and_store([records[i] for i in missing], [chunk_ids[i] for i in missing],
-                                              progress=progress, on_progress=on_progress)
+            encode_s = self._encode_and_store(
+                [records[i] for i in missing],
+                [chunk_ids[i] for i in missing],
+                progress=progress,
+                on_progress=on_progress,
+            )
             vectors = self.embedder.embed([r.text for r in records])
             for doc in docs:  # re-ingesting a document replaces its chunks (their KV stays stored)
                 self.index.remove_doc(doc.id)
             self.index.add(records, vectors)
             if self.path is not None:
                 self.persist()
-        return IngestStats(documents=len(docs), chunks=len(records), tokens=sum(r.n_tokens for r in records),
-                           encoded=len(missing), store_hits=len(records) - len(missing),
-                           seconds=time.perf_counter() - t0, encode_s=encode_s)
+        return IngestStats(
+            documents=len(docs),
+            chunks=len(records),
+            tokens=sum(r.n_tokens for r in records),
+            encoded=len(missing),
+            store_hits=len(records) - len(missing),
+            seconds=time.perf_counter() - t0,
+            encode_s=encode_s,
+        )
 
-    def _encode_and_store(self, records: Sequence[ChunkRecord], ids: Sequence[list[int]], *, progress: bool,
-                          on_progress: Callable[[int, int], None] | None) -> float:
+    def _encode_and_store(
+        self,
+        records: Sequence[ChunkRecord],
+        ids: Sequence[list[int]],
+        *,
+        progress: bool,
+        on_progress: Callable[[int, int], None] | None,
+    ) -> float:
         if not records:
             return 0.0
         from tqdm.auto import tqdm
@@ -207,8 +289,14 @@ class KVRAG:
                 on_progress(done, len(records))
 
         try:
-            kvs = encode_chunks(self.kv.model, self.kv.prefix, ids, batch_tokens=self.kv.batch_tokens,
-                                on_batch=advance, encoder=self.kv.encoder_id)
+            kvs = encode_chunks(
+                self.kv.model,
+                self.kv.prefix,
+                ids,
+                batch_tokens=self.kv.batch_tokens,
+                on_batch=advance,
+                encoder=self.kv.encoder_id,
+            )
         finally:
             bar.close()
         for record, kv in zip(records, kvs):
@@ -229,11 +317,18 @@ class KVRAG:
             missing = [i for i, k in enumerate(keys) if k not in self.store and not (k in seen or seen.add(k))]
             records = [ChunkRecord(id=f"given#{i}", doc_id="", text=texts[i], key=keys[i]) for i in missing]
             encode_s = self._encode_and_store(records, [ids[i] for i in missing], progress=progress, on_progress=None)
-        return IngestStats(documents=0, chunks=len(texts), tokens=sum(map(len, ids)), encoded=len(missing),
-                           store_hits=len(texts) - len(missing), seconds=time.perf_counter() - t0, encode_s=encode_s)
+        return IngestStats(
+            documents=0,
+            chunks=len(texts),
+            tokens=sum(map(len, ids)),
+            encoded=len(missing),
+            store_hits=len(texts) - len(missing),
+            seconds=time.perf_counter() - t0,
+            encode_s=encode_s,
+        )
 
     def delete(self, doc_id: str) -> int:
-        """Remove a document: its chunks, vectors and stored KV (unless another chunk shares the KV). Returns chunks removed."""
+        """Remove a document's chunks, vectors and stored KV (unless another chunk shares it); return the count."""
         with self._lock:
             gone = self.index.remove_doc(doc_id)
             live = {r.key for r in self.index.records.values()}
@@ -246,8 +341,9 @@ class KVRAG:
 
     # -- retrieval and answers --------------------------------------------------------------------------
 
-    def retrieve(self, question: str, *, top_k: int = 5, filters: Filters | None = None,
-                 hybrid: bool = False) -> list[Source]:
+    def retrieve(
+        self, question: str, *, top_k: int = 5, filters: Filters | None = None, hybrid: bool = False
+    ) -> list[Source]:
         """Top-k chunks for a question, best first, among those that pass `filters` (applied before top-k)."""
         if not question or not question.strip():
             raise EmptyInputError("the question is empty or whitespace only: ask something")
@@ -265,21 +361,26 @@ class KVRAG:
         keys = []
         for i, s in enumerate(sources):
             record = self.index.records.get(s.id)
-            keys.append(record.key if record is not None and record.text == s.text
-                        else self.kv.chunk_key(self.kv.chunk_ids(i, s.text)))
+            keys.append(
+                record.key
+                if record is not None and record.text == s.text
+                else self.kv.chunk_key(self.kv.chunk_ids(i, s.text))
+            )
         kvs: list[ChunkKV | None] = [self._load(k) for k in keys]
         misses = [i for i, kv in enumerate(kvs) if kv is None]
         if misses:
             ids = [self.kv.chunk_ids(i, sources[i].text) for i in misses]
-            fresh = encode_chunks(self.kv.model, self.kv.prefix, ids, batch_tokens=self.kv.batch_tokens,
-                                  encoder=self.kv.encoder_id)
+            fresh = encode_chunks(
+                self.kv.model, self.kv.prefix, ids, batch_tokens=self.kv.batch_tokens, encoder=self.kv.encoder_id
+            )
             for i, kv in zip(misses, fresh):
                 kvs[i] = kv
                 try:
                     self.store.put(keys[i], kv)
                 except StoreError as err:
-                    warnings.warn(f"kvrag: could not store a chunk's KV ({err}); answering anyway", StoreWarning,
-                                  stacklevel=3)
+                    warnings.warn(
+                        f"kvrag: could not store a chunk's KV ({err}); answering anyway", StoreWarning, stacklevel=3
+                    )
         return kvs, len(sources) - len(misses), len(misses)  # type: ignore[return-value]
 
     def _load(self, key: str) -> ChunkKV | None:
@@ -287,20 +388,38 @@ class KVRAG:
         try:
             return self.store.get(key)
         except StoreError as err:
-            warnings.warn(f"kvrag: the KV store failed ({err}); recomputing the chunk instead", StoreWarning,
-                          stacklevel=4)
+            warnings.warn(
+                f"kvrag: the KV store failed ({err}); recomputing the chunk instead", StoreWarning, stacklevel=4
+            )
             return None
 
-    def stream(self, question: str, *, strategy: str = "target_recompute", budget: float = 0.05, top_k: int = 5,
-               filters: Filters | None = None, picker: str | None = None, hybrid: bool = False,
-               **generation: Any) -> Iterator[str | Answer]:
+    def stream(
+        self,
+        question: str,
+        *,
+        strategy: str = "target_recompute",
+        budget: float = 0.05,
+        top_k: int = 5,
+        filters: Filters | None = None,
+        picker: str | None = None,
+        hybrid: bool = False,
+        **generation: Any,
+    ) -> Iterator[str | Answer]:
         """Retrieve, then yield the answer's text pieces as decoded, then the final Answer (with sources)."""
         t0 = time.perf_counter()
         sources = self.retrieve(question, top_k=top_k, filters=filters, hybrid=hybrid)
         if not sources:
             raise EmptyInputError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
-        yield from self._answer(question, sources, t0, strategy=strategy, budget=budget, picker=picker,
-                                scores=[s.score for s in sources], **generation)
+        yield from self._answer(
+            question,
+            sources,
+            t0,
+            strategy=strategy,
+            budget=budget,
+            picker=picker,
+            scores=[s.score for s in sources],
+            **generation,
+        )
 
     def _answer(self, question: str, sources: list[Source], t0: float, **kwargs: Any) -> Iterator[str | Answer]:
         with self._lock:  # never held across a yield: the model's own lock guards each forward
@@ -317,8 +436,9 @@ class KVRAG:
         """Retrieve and answer; the arguments are those of `stream` (and KVModel.stream's decoding ones)."""
         return _last(self.stream(question, **kwargs))
 
-    def stream_over(self, question: str, chunks: Sequence[str], *, scores: Sequence[float] | None = None,
-                    **kwargs: Any) -> Iterator[str | Answer]:
+    def stream_over(
+        self, question: str, chunks: Sequence[str], *, scores: Sequence[float] | None = None, **kwargs: Any
+    ) -> Iterator[str | Answer]:
         """`stream` over caller-given chunk texts (no retrieval); their KV comes from the store when stored."""
         if not chunks:
             raise EmptyInputError("no chunks given: pass at least one chunk text")
@@ -328,9 +448,14 @@ class KVRAG:
         sources = []
         for i, text in enumerate(chunks):
             record = by_key.get(self.kv.chunk_key(self.kv.chunk_ids(i, text)))
-            sources.append(Source(id=record.id if record else f"given#{i}", text=text,
-                                  score=float(scores[i]) if scores is not None and i < len(scores) else 0.0,
-                                  metadata=dict(record.metadata) if record else {}))
+            sources.append(
+                Source(
+                    id=record.id if record else f"given#{i}",
+                    text=text,
+                    score=float(scores[i]) if scores is not None and i < len(scores) else 0.0,
+                    metadata=dict(record.metadata) if record else {},
+                )
+            )
         yield from self._answer(question, sources, t0, scores=scores, **kwargs)
 
     def answer(self, question: str, chunks: Sequence[str], **kwargs: Any) -> Answer:
@@ -358,11 +483,19 @@ class KVRAG:
     def info(self) -> dict[str, Any]:
         """Counts, bytes and the model fingerprint."""
         with self._lock:
-            return {"path": str(self.path) if self.path else None, "documents": len(self.index.docs()),
-                    "chunks": len(self.index), "tokens": sum(r.n_tokens for r in self.index.records.values()),
-                    "kv_entries": len(self.store), "kv_bytes": self.store.nbytes,
-                    "model": asdict(self.kv.fingerprint), "fingerprint": self.kv.fingerprint.digest,
-                    "embedder": self.embedder.source, "chunk_tokens": self.chunk_tokens, "overlap": self.overlap}
+            return {
+                "path": str(self.path) if self.path else None,
+                "documents": len(self.index.docs()),
+                "chunks": len(self.index),
+                "tokens": sum(r.n_tokens for r in self.index.records.values()),
+                "kv_entries": len(self.store),
+                "kv_bytes": self.store.nbytes,
+                "model": asdict(self.kv.fingerprint),
+                "fingerprint": self.kv.fingerprint.digest,
+                "embedder": self.embedder.source,
+                "chunk_tokens": self.chunk_tokens,
+                "overlap": self.overlap,
+            }
 
 
 async def in_thread(make: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:

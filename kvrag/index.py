@@ -89,8 +89,9 @@ class ChunkIndex:
     def docs(self) -> set[str]:
         return {r.doc_id for r in self.records.values()}
 
-    def search(self, vector: np.ndarray, question: str, *, top_k: int, filters: Filters | None = None,
-               hybrid: bool = False) -> list[tuple[ChunkRecord, float]]:
+    def search(
+        self, vector: np.ndarray, question: str, *, top_k: int, filters: Filters | None = None, hybrid: bool = False
+    ) -> list[tuple[ChunkRecord, float]]:
         """Top-k (record, score), best first, among the chunks that pass `filters`.
 
         Dense scores are cosine similarities. With `hybrid`, the dense and BM25 rankings are fused by
@@ -108,8 +109,9 @@ class ChunkIndex:
         if filters:
             params = faiss.SearchParameters(sel=faiss.IDSelectorBatch(np.array(allowed, dtype=np.int64)))
         depth = len(allowed) if hybrid else k
-        scores, rows = self.vectors.search(np.ascontiguousarray(vector.reshape(1, -1), dtype=np.float32), depth,
-                                           params=params)
+        scores, rows = self.vectors.search(
+            np.ascontiguousarray(vector.reshape(1, -1), dtype=np.float32), depth, params=params
+        )
         dense = [(self.records[self.by_row[int(r)]], float(s)) for r, s in zip(rows[0], scores[0]) if r >= 0]
         if not hybrid:
             return dense[:k]

@@ -40,9 +40,13 @@ class ChunkKV:
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ChunkKV:
         """A copy on `device` with keys and values in `dtype` (token ids stay int64)."""
-        return ChunkKV(self.token_ids.to(device) if device is not None else self.token_ids,
-                       self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype),
-                       self.start, self.encoder)
+        return ChunkKV(
+            self.token_ids.to(device) if device is not None else self.token_ids,
+            self.keys.to(device=device, dtype=dtype),
+            self.values.to(device=device, dtype=dtype),
+            self.start,
+            self.encoder,
+        )
 
     @property
     def nbytes(self) -> int:

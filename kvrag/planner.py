@@ -45,8 +45,9 @@ def as_index(target: Any, n: int) -> int | None:
     return index
 
 
-def check_request(n: int, *, target: Any, scores: Sequence[float] | None, budget: Any,
-                  picker: str | None = None) -> tuple[int | None, list[float] | None, float]:
+def check_request(
+    n: int, *, target: Any, scores: Sequence[float] | None, budget: Any, picker: str | None = None
+) -> tuple[int | None, list[float] | None, float]:
     """Refuse arguments that cannot describe these n chunks, saying what is accepted; return them normalized."""
     if picker is not None:
         get_picker(picker)
@@ -83,8 +84,14 @@ def make_plan(
     picker_name = default_picker(strategy, picker, target)
     pick = get_picker(picker_name)
     picked = pick(n, scores, target, probe) if strategy.needs_target else None
-    request = PlanRequest(lengths=list(lengths), target=picked, budget=budget,
-                          scores=list(scores) if scores is not None else None, strict=strict, probe=probe)
+    request = PlanRequest(
+        lengths=list(lengths),
+        target=picked,
+        budget=budget,
+        scores=list(scores) if scores is not None else None,
+        strict=strict,
+        probe=probe,
+    )
     plan = check_plan(strategy.build(request), lengths, strategy.name)
     return Decision(plan, picker_name if strategy.needs_target else None, picked, request.budget_tokens)
 

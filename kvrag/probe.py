@@ -44,8 +44,14 @@ class Probe:
         extra_work: what that work was, one line each.
     """
 
-    def __init__(self, model: torch.nn.Module, repositioner: Repositioner, prefix: ChunkKV,
-                 chunks: Sequence[ChunkKV] | Callable[[], Sequence[ChunkKV]], suffix_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        repositioner: Repositioner,
+        prefix: ChunkKV,
+        chunks: Sequence[ChunkKV] | Callable[[], Sequence[ChunkKV]],
+        suffix_ids: Sequence[int],
+    ) -> None:
         self.model = model
         self.repositioner = repositioner
         self.prefix = prefix
@@ -78,8 +84,13 @@ class Probe:
         cache = as_cache(self.prefix.keys, self.prefix.values, _StopAfterLayerCache)
         cache.stop_layer = check_layer
         try:
-            self.model(input_ids=ids.view(1, -1), position_ids=torch.arange(P, P + len(ids), device=device).view(1, -1),
-                       cache=cache, use_cache=True, logits_to_keep=1)
+            self.model(
+                input_ids=ids.view(1, -1),
+                position_ids=torch.arange(P, P + len(ids), device=device).view(1, -1),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         except _CheckLayerReached:
             pass
         fresh = cache.layers[check_layer].values[0, :, P:].float()  # [H_kv, T_ctx, D_v]
@@ -98,8 +109,16 @@ class Probe:
         previous = self.model.config._attn_implementation
         self.model.set_attn_implementation("eager")
         try:
-            run = recompute(self.model, self.repositioner, self.prefix, self.chunks, order, {}, self.suffix_ids,
-                            output_attentions=True)
+            run = recompute(
+                self.model,
+                self.repositioner,
+                self.prefix,
+                self.chunks,
+                order,
+                {},
+                self.suffix_ids,
+                output_attentions=True,
+            )
         finally:
             self.model.set_attn_implementation(previous)
         assert run.attentions is not None
@@ -111,7 +130,9 @@ class Probe:
             per_chunk[c] = mass[at : at + len(self.chunks[c])].sum()
             at += len(self.chunks[c])
         self.extra_token_layers += len(self.suffix_ids) * self.num_layers
-        self.extra_work.append(f"question attention: {len(self.suffix_ids)} suffix tokens through {self.num_layers} layers")
+        self.extra_work.append(
+            f"question attention: {len(self.suffix_ids)} suffix tokens through {self.num_layers} layers"
+        )
         return per_chunk
 
     @torch.inference_mode()

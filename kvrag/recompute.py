@@ -76,7 +76,10 @@ def stitch_layout(
 
 
 def stitched_kv(
-    repositioner: Repositioner, prefix: ChunkKV, chunks: Sequence[ChunkKV], order: Sequence[int],
+    repositioner: Repositioner,
+    prefix: ChunkKV,
+    chunks: Sequence[ChunkKV],
+    order: Sequence[int],
     layout: StitchLayout,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The reused KV (prefix, then kept context tokens re-positioned) and the context ids in stitched order.
@@ -129,8 +132,9 @@ def recompute(
     suffix = torch.as_tensor(suffix_ids, dtype=torch.long, device=device)
     if suffix.numel() == 0:
         raise ValueError("the suffix is empty: the question's tokens are what the logits are read from")
-    layout = stitch_layout(len(prefix), [len(c) for c in chunks], [c.start for c in chunks], order, recompute,
-                           len(suffix), device)
+    layout = stitch_layout(
+        len(prefix), [len(c) for c in chunks], [c.start for c in chunks], order, recompute, len(suffix), device
+    )
     keys, values, ctx_ids = stitched_kv(repositioner, prefix, chunks, order, layout)
     cache = as_cache(keys, values)
     input_ids = torch.cat((ctx_ids[layout.selected], suffix)).view(1, -1)  # [1, Q]

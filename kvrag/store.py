@@ -192,8 +192,10 @@ class DiskStore(_SerializedStore):
             os.replace(tmp_name, path)
             tmp_name = None
         except OSError as err:
-            raise StoreError(f"cannot write a KV entry under {self.root}: {err.strerror or err}; nothing stored "
-                             "was changed. Free space or choose another folder.") from err
+            raise StoreError(
+                f"cannot write a KV entry under {self.root}: {err.strerror or err}; nothing stored "
+                "was changed. Free space or choose another folder."
+            ) from err
         finally:
             if tmp_name is not None:
                 try:
@@ -228,9 +230,18 @@ class RedisStore(_SerializedStore):
         password, ssl, ssl_ca_certs: forwarded to redis-py.
     """
 
-    def __init__(self, url: str = "redis://localhost:6379/0", *, namespace: str = "kvrag", storage_dtype: str = "float16",
-                 client: Any = None, password: str | None = None, ssl: bool | None = None,
-                 ssl_ca_certs: str | None = None, socket_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        url: str = "redis://localhost:6379/0",
+        *,
+        namespace: str = "kvrag",
+        storage_dtype: str = "float16",
+        client: Any = None,
+        password: str | None = None,
+        ssl: bool | None = None,
+        ssl_ca_certs: str | None = None,
+        socket_timeout: float = 5.0,
+    ) -> None:
         super().__init__(storage_dtype)
         import redis
 
@@ -243,7 +254,7 @@ class RedisStore(_SerializedStore):
             if ssl_ca_certs:
                 kwargs["ssl_ca_certs"] = ssl_ca_certs
             if url.startswith("redis://"):
-                url = "rediss://" + url[len("redis://"):]
+                url = "rediss://" + url[len("redis://") :]
         self.url = url
         self.client = client or redis.Redis.from_url(url, **kwargs)
         self.prefix = f"kvrag:{namespace}:"
@@ -252,8 +263,9 @@ class RedisStore(_SerializedStore):
         try:
             return fn(*args)
         except self._redis.exceptions.RedisError as err:
-            raise StoreError(f"Redis at {self.url} failed to {what}: {err}. Start the server or check the URL "
-                             "and credentials.") from err
+            raise StoreError(
+                f"Redis at {self.url} failed to {what}: {err}. Start the server or check the URL and credentials."
+            ) from err
 
     def ping(self) -> None:
         self._call("answer a ping", self.client.ping)
@@ -275,7 +287,7 @@ class RedisStore(_SerializedStore):
 
     def keys(self) -> Iterator[str]:
         for raw in self._call("list entries", lambda: list(self.client.scan_iter(match=self.prefix + "*"))):
-            yield raw.decode()[len(self.prefix):]
+            yield raw.decode()[len(self.prefix) :]
 
     @property
     def nbytes(self) -> int:

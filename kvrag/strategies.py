@@ -136,7 +136,9 @@ def offsets_to_chunks(order: Sequence[int], lengths: Sequence[int], flat: torch.
     return plan
 
 
-def top_deviation(request: PlanRequest, order: list[int], count: int, exclude: Sequence[int] = ()) -> dict[int, torch.Tensor]:
+def top_deviation(
+    request: PlanRequest, order: list[int], count: int, exclude: Sequence[int] = ()
+) -> dict[int, torch.Tensor]:
     """The `count` context tokens whose reused values deviate most at the check layer, outside `exclude` chunks."""
     if count <= 0:
         return {}
@@ -167,7 +169,9 @@ def _reuse(request: PlanRequest) -> Plan:
     return Plan(order=given_order(request))
 
 
-@register_strategy("reorder", description="InfoFlow-style: chunks by score, best next to the question; nothing recomputed")
+@register_strategy(
+    "reorder", description="InfoFlow-style: chunks by score, best next to the question; nothing recomputed"
+)
 def _reorder(request: PlanRequest) -> Plan:
     n = len(request.lengths)
     if request.scores is None:  # a list ranked best-first: reverse it
@@ -176,7 +180,8 @@ def _reorder(request: PlanRequest) -> Plan:
 
 
 @register_strategy(
-    "insert_full_kv", needs_target=True,
+    "insert_full_kv",
+    needs_target=True,
     description="study oracle: target moved last, its KV replaced by its slice of a full prefill of that order",
 )
 def _insert_full_kv(request: PlanRequest) -> Plan:
@@ -185,8 +190,9 @@ def _insert_full_kv(request: PlanRequest) -> Plan:
     return Plan(order=order, replace={target: _probe(request).full_prefill_kv(order, target)})
 
 
-@register_strategy("spread", needs_target=True,
-                   description="the budget split evenly over the first tokens of every non-target chunk")
+@register_strategy(
+    "spread", needs_target=True, description="the budget split evenly over the first tokens of every non-target chunk"
+)
 def _spread(request: PlanRequest) -> Plan:
     target = _target(request)
     distractors = [i for i in range(len(request.lengths)) if i != target]
@@ -201,8 +207,11 @@ def _spread(request: PlanRequest) -> Plan:
     return Plan(order=given_order(request), recompute=recompute)
 
 
-@register_strategy("spread_chunks", needs_target=True,
-                   description="whole distractor chunks within the budget, best-scored (or nearest the question) first")
+@register_strategy(
+    "spread_chunks",
+    needs_target=True,
+    description="whole distractor chunks within the budget, best-scored (or nearest the question) first",
+)
 def _spread_chunks(request: PlanRequest) -> Plan:
     target = _target(request)
     distractors = [i for i in range(len(request.lengths)) if i != target]
@@ -219,7 +228,8 @@ def _spread_chunks(request: PlanRequest) -> Plan:
 
 
 @register_strategy(
-    "target_recompute", needs_target=True,
+    "target_recompute",
+    needs_target=True,
     description="move the picked target next to the question and recompute it against the reused cache",
 )
 def _target_recompute(request: PlanRequest) -> Plan:
@@ -227,7 +237,9 @@ def _target_recompute(request: PlanRequest) -> Plan:
 
 
 @register_strategy(
-    "attention_select", needs_target=True, picker="attention",
+    "attention_select",
+    needs_target=True,
+    picker="attention",
     description="the question's attention over the reused cache picks the target, which is moved and recomputed",
 )
 def _attention_select(request: PlanRequest) -> Plan:
@@ -244,7 +256,8 @@ def _token_select(request: PlanRequest) -> Plan:
 
 
 @register_strategy(
-    "hybrid", needs_target=True,
+    "hybrid",
+    needs_target=True,
     description="target_recompute, with any budget left over spent by token_select on the other chunks",
 )
 def _hybrid(request: PlanRequest) -> Plan:

@@ -14,43 +14,208 @@ from typing import Callable
 
 from kvrag.errors import InvalidRequestError
 
-_ONSETS = ["Vel", "Dor", "Kas", "Mir", "Tal", "Bren", "Ost", "Quen", "Har", "Lum", "Sor", "Zel", "Fen", "Gar",
-           "Ith", "Nor", "Pell", "Rav", "Ulm", "Wes", "Cor", "Dag", "Elm", "Jor", "Kel", "Mab", "Tor", "Yar",
-           "Abr", "Bel", "Cal", "Dun", "Eld", "Fal", "Gil", "Hesk", "Iver", "Lor", "Mor", "Nim", "Oth", "Pra", "Rin",
-           "Sel", "Tam", "Ult", "Vor", "Wyn", "Xan", "Yel", "Zor", "Bax"]
+_ONSETS = [
+    "Vel",
+    "Dor",
+    "Kas",
+    "Mir",
+    "Tal",
+    "Bren",
+    "Ost",
+    "Quen",
+    "Har",
+    "Lum",
+    "Sor",
+    "Zel",
+    "Fen",
+    "Gar",
+    "Ith",
+    "Nor",
+    "Pell",
+    "Rav",
+    "Ulm",
+    "Wes",
+    "Cor",
+    "Dag",
+    "Elm",
+    "Jor",
+    "Kel",
+    "Mab",
+    "Tor",
+    "Yar",
+    "Abr",
+    "Bel",
+    "Cal",
+    "Dun",
+    "Eld",
+    "Fal",
+    "Gil",
+    "Hesk",
+    "Iver",
+    "Lor",
+    "Mor",
+    "Nim",
+    "Oth",
+    "Pra",
+    "Rin",
+    "Sel",
+    "Tam",
+    "Ult",
+    "Vor",
+    "Wyn",
+    "Xan",
+    "Yel",
+    "Zor",
+    "Bax",
+]
 _PLACE_ENDS = ["loria", "vane", "mouth", "hold", "wick", "stead", "ara", "ford", "mere", "by", "ton", "gard"]
 _NAME_ENDS = ["ek", "wyn", "ova", "sted", "hal", "ric", "ane", "ley", "orn", "ith"]
 _RIVER_ENDS = ["et", "ane", "ion", "uro", "essa", "wen"]
-_GIVEN = ["Marten", "Ilsa", "Tobin", "Greta", "Anselm", "Liora", "Edric", "Mirela", "Casimir", "Ysolde", "Bertram",
-          "Noor", "Orrin", "Sabine", "Halvard", "Petra", "Lucan", "Wilma", "Joren", "Alis", "Fenna", "Ivo"]
-_GOODS = ["copper bells", "blue glass", "smoked eel", "woven baskets", "rose honey", "slate roofs", "paper lanterns",
-          "clockwork toys", "linen sails", "amber beads", "pear brandy", "felt hats", "iron nails", "wax candles",
-          "herring pies", "cedar boats", "silver trout", "salt cod", "plum jam", "wool blankets", "brass compasses",
-          "clay pipes", "goat cheese", "walnut oil", "green tea", "marble tiles", "rye bread", "leather boots",
-          "oak barrels", "silk ribbons", "tin whistles", "pine resin", "black pepper", "cotton thread",
-          "wild oysters", "red ochre", "sugar beets", "glass marbles", "spiced cider", "river pearls", "hemp rope",
-          "cherry wood", "lamp oil", "dried figs", "bone china", "rock salt", "sea sponges", "barley malt"]
-_JOBS = ["glassblower", "cartographer", "beekeeper", "ferry pilot", "bookbinder", "stonemason", "clockmaker",
-         "lighthouse keeper", "violin maker", "tax clerk", "dentist", "baker", "architect", "nurse", "chemist",
-         "librarian", "carpenter", "pharmacist", "surveyor", "plumber", "translator", "locksmith", "tailor",
-         "gardener", "radio engineer", "veterinarian", "sculptor", "florist", "brewer", "potter"]
+_GIVEN = [
+    "Marten",
+    "Ilsa",
+    "Tobin",
+    "Greta",
+    "Anselm",
+    "Liora",
+    "Edric",
+    "Mirela",
+    "Casimir",
+    "Ysolde",
+    "Bertram",
+    "Noor",
+    "Orrin",
+    "Sabine",
+    "Halvard",
+    "Petra",
+    "Lucan",
+    "Wilma",
+    "Joren",
+    "Alis",
+    "Fenna",
+    "Ivo",
+]
+_GOODS = [
+    "copper bells",
+    "blue glass",
+    "smoked eel",
+    "woven baskets",
+    "rose honey",
+    "slate roofs",
+    "paper lanterns",
+    "clockwork toys",
+    "linen sails",
+    "amber beads",
+    "pear brandy",
+    "felt hats",
+    "iron nails",
+    "wax candles",
+    "herring pies",
+    "cedar boats",
+    "silver trout",
+    "salt cod",
+    "plum jam",
+    "wool blankets",
+    "brass compasses",
+    "clay pipes",
+    "goat cheese",
+    "walnut oil",
+    "green tea",
+    "marble tiles",
+    "rye bread",
+    "leather boots",
+    "oak barrels",
+    "silk ribbons",
+    "tin whistles",
+    "pine resin",
+    "black pepper",
+    "cotton thread",
+    "wild oysters",
+    "red ochre",
+    "sugar beets",
+    "glass marbles",
+    "spiced cider",
+    "river pearls",
+    "hemp rope",
+    "cherry wood",
+    "lamp oil",
+    "dried figs",
+    "bone china",
+    "rock salt",
+    "sea sponges",
+    "barley malt",
+]
+_JOBS = [
+    "glassblower",
+    "cartographer",
+    "beekeeper",
+    "ferry pilot",
+    "bookbinder",
+    "stonemason",
+    "clockmaker",
+    "lighthouse keeper",
+    "violin maker",
+    "tax clerk",
+    "dentist",
+    "baker",
+    "architect",
+    "nurse",
+    "chemist",
+    "librarian",
+    "carpenter",
+    "pharmacist",
+    "surveyor",
+    "plumber",
+    "translator",
+    "locksmith",
+    "tailor",
+    "gardener",
+    "radio engineer",
+    "veterinarian",
+    "sculptor",
+    "florist",
+    "brewer",
+    "potter",
+]
 _WORK_ADJ = ["Silent", "Amber", "Crooked", "Hollow", "Northern", "Burning", "Patient", "Glass", "Drowned", "Last"]
 _WORK_NOUN = ["Harbour", "Orchard", "Lantern", "Meridian", "Garden", "Compass", "Winter", "Tower", "Ledger", "Bell"]
-_FILLER = ["Much has been written about {n} over the years.", "Old records spell the name {n} in several ways.",
-           "A small museum keeps letters and drawings about {n}.",
-           "Several paintings of {n} hang in the regional gallery.", "The story of {n} is still told in local schools.",
-           "Some early dates in the history of {n} are disputed.",
-           "Local historians still argue about the early years of {n}."]
+_FILLER = [
+    "Much has been written about {n} over the years.",
+    "Old records spell the name {n} in several ways.",
+    "A small museum keeps letters and drawings about {n}.",
+    "Several paintings of {n} hang in the regional gallery.",
+    "The story of {n} is still told in local schools.",
+    "Some early dates in the history of {n} are disputed.",
+    "Local historians still argue about the early years of {n}.",
+]
 _ANIMALS = ["cat", "dog", "parrot", "rabbit", "tortoise", "hamster"]
 _RELATIONS = ["friend", "colleague", "neighbour", "cousin", "flatmate", "manager"]
-_PETS = ["Biscuit", "Pepper", "Mochi", "Juniper", "Waffles", "Clover", "Pickle", "Nutmeg", "Bramble", "Toffee",
-         "Sprocket", "Marble", "Pippin", "Saffron", "Quill", "Olive"]
-_SMALL_TALK = [("The weather has been grey and wet all week.", "Grey weeks are good for reading. Anything to read?"),
-               ("I finally finished the book you suggested.", "Glad to hear it. Did the ending surprise you?"),
-               ("Work was busy, so I slept most of Sunday.", "Rest is important. I hope you feel better now."),
-               ("I am trying to drink less coffee this month.", "That is a good plan. Tea in the afternoon may help."),
-               ("Can you remind me to call the bank on Friday?", "Noted. I will remind you about the bank on Friday."),
-               ("I watched a long film about whales last night.", "Whales are fascinating. What did you learn?")]
+_PETS = [
+    "Biscuit",
+    "Pepper",
+    "Mochi",
+    "Juniper",
+    "Waffles",
+    "Clover",
+    "Pickle",
+    "Nutmeg",
+    "Bramble",
+    "Toffee",
+    "Sprocket",
+    "Marble",
+    "Pippin",
+    "Saffron",
+    "Quill",
+    "Olive",
+]
+_SMALL_TALK = [
+    ("The weather has been grey and wet all week.", "Grey weeks are good for reading. Anything to read?"),
+    ("I finally finished the book you suggested.", "Glad to hear it. Did the ending surprise you?"),
+    ("Work was busy, so I slept most of Sunday.", "Rest is important. I hope you feel better now."),
+    ("I am trying to drink less coffee this month.", "That is a good plan. Tea in the afternoon may help."),
+    ("Can you remind me to call the bank on Friday?", "Noted. I will remind you about the bank on Friday."),
+    ("I watched a long film about whales last night.", "Whales are fascinating. What did you learn?"),
+]
 
 
 @dataclass(slots=True)
@@ -125,39 +290,63 @@ _SHIP_ENDS = ["ia", "ona", "ette", "ander"]
 # natural answer ("The founder of Velloria is") runs straight into the stated value.
 _Fact = tuple[str, Callable[[random.Random], str], str, str, str]
 _KINDS: dict[str, tuple[Callable[[random.Random], str], str, list[_Fact]]] = {
-    "town": (_place(_PLACE_ENDS), "{N} remains a small town.", [
-        ("province", _place(["shire", "land", "march"]), "province of", "{v}", "What"),
-        ("founded", _YEAR, "founding year of", "{v}", "What"),
-        ("founder", _person, "founder of", "{v}", "Who"),
-        ("population", _number(2000, 90000, True), "population of", "{v}", "What"),
-        ("known_for", _pick(_GOODS), "best-known product of", "{v}", "What"),
-        ("mayor", _person, "mayor of", "{v}", "Who")]),
-    "river": (lambda r: "the " + r.choice(_ONSETS) + r.choice(_RIVER_ENDS), "{N} is a long river of the region.", [
-        ("length", _number(40, 990), "length of", "{v} kilometres", "What"),
-        ("source", _place(["peak", "crag", "fell"]), "source of", "Mount {v}", "What"),
-        ("mouth", _place(["water", "pool", "lough"]), "mouth of", "Lake {v}", "What"),
-        ("known_for", _pick(_GOODS), "best-known product of", "{v}", "What"),
-        ("town", _place(_PLACE_ENDS), "largest town on", "{v}", "What")]),
-    "person": (_person, "{N} is remembered in many books.", [
-        ("born_year", _YEAR, "birth year of", "{v}", "What"),
-        ("birthplace", _place(_PLACE_ENDS), "birthplace of", "the town of {v}", "What"),
-        ("job", _pick(_JOBS), "profession of", "{v}", "What"),
-        ("work", lambda r: f"{r.choice(_WORK_ADJ)} {r.choice(_WORK_NOUN)}", "best-known book of", "{v}", "What"),
-        ("spouse", _person, "spouse of", "{v}", "Who"),
-        ("teacher", _person, "teacher of", "{v}", "Who")]),
-    "ship": (lambda r: "the " + r.choice(_ONSETS) + r.choice(_SHIP_ENDS), "{N} was a trading ship.", [
-        ("launched", _YEAR, "launch year of", "{v}", "What"),
-        ("captain", _person, "first captain of", "{v}", "Who"),
-        ("port", _place(["haven", "port", "quay"]), "home port of", "{v}", "What"),
-        ("cargo", _pick(_GOODS), "main cargo of", "{v}", "What"),
-        ("builder", _person, "builder of", "{v}", "Who")]),
-    "company": (lambda r: r.choice(_ONSETS) + r.choice(_NAME_ENDS) + " " + r.choice(["Works", "Trading", "Mills"]),
-                "{N} is still an active company.", [
-        ("founder", _person, "founder of", "{v}", "Who"),
-        ("founded", _YEAR, "founding year of", "{v}", "What"),
-        ("city", _place(_PLACE_ENDS), "home city of", "{v}", "What"),
-        ("product", _pick(_GOODS), "main product of", "{v}", "What"),
-        ("staff", _number(100, 9000, True), "number of employees of", "{v}", "What")]),
+    "town": (
+        _place(_PLACE_ENDS),
+        "{N} remains a small town.",
+        [
+            ("province", _place(["shire", "land", "march"]), "province of", "{v}", "What"),
+            ("founded", _YEAR, "founding year of", "{v}", "What"),
+            ("founder", _person, "founder of", "{v}", "Who"),
+            ("population", _number(2000, 90000, True), "population of", "{v}", "What"),
+            ("known_for", _pick(_GOODS), "best-known product of", "{v}", "What"),
+            ("mayor", _person, "mayor of", "{v}", "Who"),
+        ],
+    ),
+    "river": (
+        lambda r: "the " + r.choice(_ONSETS) + r.choice(_RIVER_ENDS),
+        "{N} is a long river of the region.",
+        [
+            ("length", _number(40, 990), "length of", "{v} kilometres", "What"),
+            ("source", _place(["peak", "crag", "fell"]), "source of", "Mount {v}", "What"),
+            ("mouth", _place(["water", "pool", "lough"]), "mouth of", "Lake {v}", "What"),
+            ("known_for", _pick(_GOODS), "best-known product of", "{v}", "What"),
+            ("town", _place(_PLACE_ENDS), "largest town on", "{v}", "What"),
+        ],
+    ),
+    "person": (
+        _person,
+        "{N} is remembered in many books.",
+        [
+            ("born_year", _YEAR, "birth year of", "{v}", "What"),
+            ("birthplace", _place(_PLACE_ENDS), "birthplace of", "the town of {v}", "What"),
+            ("job", _pick(_JOBS), "profession of", "{v}", "What"),
+            ("work", lambda r: f"{r.choice(_WORK_ADJ)} {r.choice(_WORK_NOUN)}", "best-known book of", "{v}", "What"),
+            ("spouse", _person, "spouse of", "{v}", "Who"),
+            ("teacher", _person, "teacher of", "{v}", "Who"),
+        ],
+    ),
+    "ship": (
+        lambda r: "the " + r.choice(_ONSETS) + r.choice(_SHIP_ENDS),
+        "{N} was a trading ship.",
+        [
+            ("launched", _YEAR, "launch year of", "{v}", "What"),
+            ("captain", _person, "first captain of", "{v}", "Who"),
+            ("port", _place(["haven", "port", "quay"]), "home port of", "{v}", "What"),
+            ("cargo", _pick(_GOODS), "main cargo of", "{v}", "What"),
+            ("builder", _person, "builder of", "{v}", "Who"),
+        ],
+    ),
+    "company": (
+        lambda r: r.choice(_ONSETS) + r.choice(_NAME_ENDS) + " " + r.choice(["Works", "Trading", "Mills"]),
+        "{N} is still an active company.",
+        [
+            ("founder", _person, "founder of", "{v}", "Who"),
+            ("founded", _YEAR, "founding year of", "{v}", "What"),
+            ("city", _place(_PLACE_ENDS), "home city of", "{v}", "What"),
+            ("product", _pick(_GOODS), "main product of", "{v}", "What"),
+            ("staff", _number(100, 9000, True), "number of employees of", "{v}", "What"),
+        ],
+    ),
 }
 
 
@@ -184,8 +373,11 @@ def encyclopedia(seed: int = 0, entities: int = 40) -> tuple[list[Article], list
         for attribute, make, noun, shape, wh in chosen:
             value = fresh(make)
             lines.append(f"The {noun} {name} is {shape.format(v=value)}.")
-            questions.append(Question(f"q{len(questions):03d}", f"{wh} is the {noun} {name}?", [value],
-                                      f"a{i:02d}", f"{kind}/{attribute}"))
+            questions.append(
+                Question(
+                    f"q{len(questions):03d}", f"{wh} is the {noun} {name}?", [value], f"a{i:02d}", f"{kind}/{attribute}"
+                )
+            )
         lines = rng.sample(lines, len(lines)) + [f.format(n=name) for f in rng.sample(_FILLER, 3)]
         lines.append(closing.format(n=name, N=cap))  # last: a small model copies a document's first sentence
         articles.append(Article(f"a{i:02d}", cap, " ".join(lines)))
@@ -201,8 +393,20 @@ _SLOTS = {
 }
 _USER = "user"  # the speaker; everyone else is "<relation> <given name>"
 _MAKERS = {"city": _place(_PLACE_ENDS), "job": _pick(_JOBS), "pet": _pick(_PETS)}
-_MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-           "November", "December"]
+_MONTHS = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+]
 
 
 def _slot_noun(who: str, slot: str, animal: str, owner: str) -> str:
@@ -236,21 +440,37 @@ def dialogue(seed: int = 0, sessions: int = 12) -> tuple[list[Session], list[Que
             animal, value, at = rng.choice(_ANIMALS), "", 0
             for at in sorted(rng.sample(range(sessions), count)):
                 old, value = value, fresh(_MAKERS[slot], starts)
-                line = (update if old else first).format(W="I" if user else f"My {who}", s="" if user else "s",
-                                                         ve="ve" if user else "s", v=value, o=old, a=animal)
+                line = (update if old else first).format(
+                    W="I" if user else f"My {who}",
+                    s="" if user else "s",
+                    ve="ve" if user else "s",
+                    v=value,
+                    o=old,
+                    a=animal,
+                )
                 # the assistant's note restates the fact in the words the question will use
                 now = "" if slot == "pet" else "now "
-                said.append((at, f"User: {line}\nAssistant: Noted: {_slot_noun(who, slot, animal, 'your')} is "
-                                 f"{now}{value}."))
+                said.append(
+                    (at, f"User: {line}\nAssistant: Noted: {_slot_noun(who, slot, animal, 'your')} is {now}{value}.")
+                )
             noun = _slot_noun(who, slot, animal, "my")
             family = ("user" if user else "other") + ("-update" if count > 1 else "-single")
-            questions.append(Question(f"q{len(questions):03d}", f"What is {noun}{'' if slot == 'pet' else ' now'}?",
-                                      [value], f"s{at:02d}", family))
+            questions.append(
+                Question(
+                    f"q{len(questions):03d}",
+                    f"What is {noun}{'' if slot == 'pet' else ' now'}?",
+                    [value],
+                    f"s{at:02d}",
+                    family,
+                )
+            )
     out = []
     for n in range(sessions):
         facts = [text for at, text in said if at == n]
-        talk = [f"User: {line}\nAssistant: {reply}"  # small talk pads sessions with few facts to a similar size
-                for line, reply in rng.sample(_SMALL_TALK, max(2, 4 - len(facts)))]
+        talk = [
+            f"User: {line}\nAssistant: {reply}"  # small talk pads sessions with few facts to a similar size
+            for line, reply in rng.sample(_SMALL_TALK, max(2, 4 - len(facts)))
+        ]
         head = f"Session {n + 1}, {rng.randint(1, 28)} {_MONTHS[n % 12]}."
         out.append(Session(f"s{n:02d}", "\n".join([head, *talk[:1], *facts, *talk[1:]])))
     return out, questions

@@ -34,8 +34,9 @@ def test_ingest_ask_info(setup, capsys):
     assert code == 0 and "2 documents, 2 chunks" in out and "KV encoded for 2" in out
     code, out, _ = run(capsys, "ingest", docs, "--index", index, "--quiet")
     assert code == 0 and "already stored for 2" in out
-    code, out, _ = run(capsys, "ask", "How many ships?", "--index", index, "--json", "--top-k", "2",
-                       "--max-new-tokens", "4")
+    code, out, _ = run(
+        capsys, "ask", "How many ships?", "--index", index, "--json", "--top-k", "2", "--max-new-tokens", "4"
+    )
     answer = json.loads(out)
     assert code == 0 and set(answer) == {"text", "finish_reason", "sources", "stats"}
     assert answer["stats"]["chunks_encoded"] == 0 and answer["stats"]["store_hits"] == 2
@@ -44,20 +45,28 @@ def test_ingest_ask_info(setup, capsys):
     assert code == 0 and out.endswith("\n")
     code, out, _ = run(capsys, "info", "--index", index)
     info = json.loads(out)
-    assert code == 0 and info["chunks"] == 2 and info["kv_entries"] == 2 and info["model"]["architecture"].startswith("llama")
+    assert (
+        code == 0
+        and info["chunks"] == 2
+        and info["kv_entries"] == 2
+        and info["model"]["architecture"].startswith("llama")
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["ask", "q?", "--index", "{root}/missing"], "no kvrag index at"),
-    (["info", "--index", "{root}/missing"], "no kvrag index at"),
-    (["ingest", "{root}/nope.txt", "--index", "{root}/i2", "--model", "{model}"], "does not exist"),
-    (["ingest", "{root}/empty", "--index", "{root}/i3", "--model", "{model}"], "holds no file kvrag can read"),
-    (["ask", "q?", "--index", "{root}/index", "--strategy", "magic"], "unknown strategy 'magic'"),
-    (["ask", "q?", "--index", "{root}/index", "--budget", "2"], "budget must be"),
-    (["ask", "q?", "--index", "{root}/index", "--top-k", "0"], "top_k must be"),
-    (["ask", "  ", "--index", "{root}/index"], "question is empty"),
-    (["ask", "q?", "--index", "{root}/index", "--device", "tpu9"], "unknown device 'tpu9'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["ask", "q?", "--index", "{root}/missing"], "no kvrag index at"),
+        (["info", "--index", "{root}/missing"], "no kvrag index at"),
+        (["ingest", "{root}/nope.txt", "--index", "{root}/i2", "--model", "{model}"], "does not exist"),
+        (["ingest", "{root}/empty", "--index", "{root}/i3", "--model", "{model}"], "holds no file kvrag can read"),
+        (["ask", "q?", "--index", "{root}/index", "--strategy", "magic"], "unknown strategy 'magic'"),
+        (["ask", "q?", "--index", "{root}/index", "--budget", "2"], "budget must be"),
+        (["ask", "q?", "--index", "{root}/index", "--top-k", "0"], "top_k must be"),
+        (["ask", "  ", "--index", "{root}/index"], "question is empty"),
+        (["ask", "q?", "--index", "{root}/index", "--device", "tpu9"], "unknown device 'tpu9'"),
+    ],
+)
 def test_user_mistakes_are_one_line_and_exit_2(setup, capsys, argv, message):
     root, model, _ = setup
     (root / "empty").mkdir(exist_ok=True)
@@ -73,11 +82,22 @@ def test_redis_store_from_the_command_line(setup, capsys):
     root, model, docs = setup
     server = RedisServer()
     try:
-        code, out, _ = run(capsys, "ingest", docs, "--index", root / "redis-index", "--model", model, "--quiet",
-                           "--redis", server.url)
+        code, out, _ = run(
+            capsys, "ingest", docs, "--index", root / "redis-index", "--model", model, "--quiet", "--redis", server.url
+        )
         assert code == 0 and "KV encoded for 2" in out
-        code, out, _ = run(capsys, "ask", "How many ships?", "--index", root / "redis-index", "--redis", server.url,
-                           "--json", "--max-new-tokens", "2")
+        code, out, _ = run(
+            capsys,
+            "ask",
+            "How many ships?",
+            "--index",
+            root / "redis-index",
+            "--redis",
+            server.url,
+            "--json",
+            "--max-new-tokens",
+            "2",
+        )
         stats = json.loads(out)["stats"]
         assert code == 0 and stats["store_hits"] == 2 and stats["chunks_encoded"] == 0
     finally:

@@ -38,9 +38,14 @@ def test_full_prefill_greedy_equals_model_generate(kv, docs):
     a = kv.answer(items[0]["question"], texts, strategy="full_prefill", max_new_tokens=24)
     ids = kv.prompt_ids(items[0]["question"], [kv.layout.chunk_ids(t) for t in texts], range(4))
     with torch.inference_mode():
-        out = kv.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=kv.eos_ids,
-                                pad_token_id=kv.tokenizer.pad_token_id)
-    expected = [t for t in out[0, len(ids):].tolist() if t not in kv.eos_ids]
+        out = kv.model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=kv.eos_ids,
+            pad_token_id=kv.tokenizer.pad_token_id,
+        )
+    expected = [t for t in out[0, len(ids) :].tolist() if t not in kv.eos_ids]
     print(f"\nfull_prefill: {a.text!r}")
     assert a.token_ids == expected and len(expected) > 3
 
@@ -61,12 +66,22 @@ def test_mechanism_is_exact_on_the_real_model(kv, docs):
         k, v = stacked_kv(ref3.cache, 0, P, P + len(part))
         exact.append(ChunkKV(torch.tensor(part), k, v, start=P))
         P += len(part)
-    got3 = recompute(kv.model, kv.repositioner, kv.prefix, exact, [0, 1, 2], {1: torch.arange(len(ids[1]))}, suffix,
-                     logits_to_keep=len(suffix))
+    got3 = recompute(
+        kv.model,
+        kv.repositioner,
+        kv.prefix,
+        exact,
+        [0, 1, 2],
+        {1: torch.arange(len(ids[1]))},
+        suffix,
+        logits_to_keep=len(suffix),
+    )
     middle = (got3.logits - ref3.logits).abs().max().item()
     scale = ref3.logits.abs().max().item()
-    print(f"\nmax |logit diff| vs full prefill (logits up to {scale:.1f}): one chunk {one_chunk:.2e}, "
-          f"middle chunk recomputed {middle:.2e}")
+    print(
+        f"\nmax |logit diff| vs full prefill (logits up to {scale:.1f}): one chunk {one_chunk:.2e}, "
+        f"middle chunk recomputed {middle:.2e}"
+    )
     assert one_chunk < 1e-3 and middle < 1e-3
 
 
@@ -91,10 +106,15 @@ def test_target_recompute_is_closer_to_full_prefill_than_reuse(kv, docs):
             reuse = kv.prefill(q, enc, strategy="reuse").stitched.logits[-1]
             run = kv.prefill(q, enc, strategy="target_recompute", target=at)
             given = kv.prefill(q, texts, strategy="full_prefill").stitched.logits[-1]
-            moved = full_prefill(kv.model, kv.prompt_ids(q, [c.token_ids.tolist() for c in enc], run.decision.plan.order))
+            moved = full_prefill(
+                kv.model, kv.prompt_ids(q, [c.token_ids.tolist() for c in enc], run.decision.plan.order)
+            )
             tr = run.stitched.logits[-1]
-            reuse_kl, tr_kl, tr_given = first_token_kl(given, reuse), first_token_kl(moved.logits[-1], tr), \
-                first_token_kl(given, tr)
+            reuse_kl, tr_kl, tr_given = (
+                first_token_kl(given, reuse),
+                first_token_kl(moved.logits[-1], tr),
+                first_token_kl(given, tr),
+            )
             rows.append((item["target"], size, at, reuse_kl, tr_kl, tr_given))
     print("\nfirst-token KL against full prefill (target_recompute: in its own order / in the given order)")
     print(f"{'target':<12}{'chunks':>7}{'at':>4}{'reuse':>10}{'t_recomp':>10}{'(given)':>10}")
@@ -103,7 +123,9 @@ def test_target_recompute_is_closer_to_full_prefill_than_reuse(kv, docs):
     mean_reuse = sum(r[3] for r in rows) / len(rows)
     mean_tr = sum(r[4] for r in rows) / len(rows)
     wins = sum(r[4] < r[3] for r in rows)
-    print(f"mean: reuse {mean_reuse:.4f}, target_recompute {mean_tr:.4f}; target_recompute closer in {wins}/{len(rows)}")
+    print(
+        f"mean: reuse {mean_reuse:.4f}, target_recompute {mean_tr:.4f}; target_recompute closer in {wins}/{len(rows)}"
+    )
     assert mean_tr < mean_reuse
     assert wins > len(rows) / 2
 
@@ -120,8 +142,18 @@ def test_demo_runs_and_retrieves_the_targets(kv, capsys):
     assert sum(r["right"] for r in tr) >= 2
 
 
-STUDY = ["full_prefill", "reuse", "reorder", "insert_full_kv", "spread", "spread_chunks", "target_recompute",
-         "token_select", "attention_select", "hybrid"]
+STUDY = [
+    "full_prefill",
+    "reuse",
+    "reorder",
+    "insert_full_kv",
+    "spread",
+    "spread_chunks",
+    "target_recompute",
+    "token_select",
+    "attention_select",
+    "hybrid",
+]
 
 
 def test_strategy_table_on_the_real_model(kv, docs):
@@ -143,25 +175,42 @@ def test_strategy_table_on_the_real_model(kv, docs):
         references = {}  # full prefill in each order a strategy used
         for name in STUDY:
             t0 = time.perf_counter()
-            run = kv.prefill(q, enc, strategy=name, scores=scores, target=at, budget=0.05,
-                             picker="retriever" if name != "attention_select" else None)
+            run = kv.prefill(
+                q,
+                enc,
+                strategy=name,
+                scores=scores,
+                target=at,
+                budget=0.05,
+                picker="retriever" if name != "attention_select" else None,
+            )
             seconds = time.perf_counter() - t0
             order = tuple(run.decision.plan.order)
             if order not in references:
                 ids = kv.prompt_ids(q, [c.token_ids.tolist() for c in enc], order)
                 references[order] = full_prefill(kv.model, ids).logits[-1]
             logits = run.stitched.logits[-1]
-            rows[name].append(dict(kl=first_token_kl(given, logits), kl_own=first_token_kl(references[order], logits),
-                                   frac=run.stitched.recomputed_tokens / run.context_tokens, s=seconds,
-                                   budget=run.decision.budget_tokens, rec=run.stitched.recomputed_tokens,
-                                   extra=run.probe.extra_token_layers, picked=run.decision.target))
+            rows[name].append(
+                dict(
+                    kl=first_token_kl(given, logits),
+                    kl_own=first_token_kl(references[order], logits),
+                    frac=run.stitched.recomputed_tokens / run.context_tokens,
+                    s=seconds,
+                    budget=run.decision.budget_tokens,
+                    rec=run.stitched.recomputed_tokens,
+                    extra=run.probe.extra_token_layers,
+                    picked=run.decision.target,
+                )
+            )
     mean = lambda name, key: sum(r[key] for r in rows[name]) / len(rows[name])  # noqa: E731
     print("\nmeans over 3 examples of 6 chunks, budget 0.05; KL of the first-token distribution against full prefill")
     print("strategy          KL(given)  KL(own order)  recomputed  prefill s  extra token-layers  picked")
     for name in STUDY:
         picks = [r["picked"] for r in rows[name]]
-        print(f"{name:<17}{mean(name, 'kl'):>10.4f}{mean(name, 'kl_own'):>15.4f}{mean(name, 'frac'):>12.1%}"
-              f"{mean(name, 's'):>11.3f}{mean(name, 'extra'):>20.0f}  {picks}")
+        print(
+            f"{name:<17}{mean(name, 'kl'):>10.4f}{mean(name, 'kl_own'):>15.4f}{mean(name, 'frac'):>12.1%}"
+            f"{mean(name, 's'):>11.3f}{mean(name, 'extra'):>20.0f}  {picks}"
+        )
     assert mean("full_prefill", "kl") < 1e-9 and mean("reuse", "frac") == 0 and mean("reorder", "frac") == 0
     for name in ("spread", "spread_chunks", "token_select"):
         assert all(r["rec"] <= r["budget"] for r in rows[name])

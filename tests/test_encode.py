@@ -17,7 +17,12 @@ def test_batched_encoding_equals_one_chunk_at_a_time(arch):
     single = encode_chunks(model, prefix, chunk_ids, batch_tokens=0)
     for b, s, ids in zip(batched, single, chunk_ids):
         assert b.token_ids.tolist() == ids and b.start == 6
-        assert b.keys.shape == (2, model.config.num_key_value_heads if arch != "gpt_neox" else 4, len(ids), b.keys.shape[3])
+        assert b.keys.shape == (
+            2,
+            model.config.num_key_value_heads if arch != "gpt_neox" else 4,
+            len(ids),
+            b.keys.shape[3],
+        )
         assert torch.allclose(b.keys, s.keys, atol=1e-5) and torch.allclose(b.values, s.values, atol=1e-5)
 
 

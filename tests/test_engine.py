@@ -17,7 +17,6 @@ from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError
 from kvrag.kvmodel import Answer
 
 
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
@@ -34,8 +33,9 @@ def embedder():
 @pytest.fixture
 def rag(model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr("kvrag.engine.Embedder", lambda name=None, device="cpu": _shared_embedder(name))
-    engine = KVRAG.from_defaults(tmp_path / "index", model=str(model_dir), chunk_tokens=120, overlap=8,
-                                 cache_dir=tmp_path / "cache")
+    engine = KVRAG.from_defaults(
+        tmp_path / "index", model=str(model_dir), chunk_tokens=120, overlap=8, cache_dir=tmp_path / "cache"
+    )
     engine.ingest(FACTS, progress=False)
     return engine
 
@@ -141,8 +141,13 @@ def test_a_second_process_answers_with_zero_encodings(rag, model_dir):
         "a = rag.query('Who built the lighthouse?', top_k=3, max_new_tokens=6)\n"
         "print(json.dumps({'encoded': a.stats.chunks_encoded, 'hits': a.stats.store_hits, 'tokens': a.token_ids}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"encoded": 0, "hits": 3, "tokens": first.token_ids}
@@ -186,8 +191,11 @@ def test_files_and_bad_documents(rag, tmp_path):
 
 def test_progress_is_reported(rag):
     seen = []
-    rag.ingest([("A brand new fact about the tower of Quell.", {})], progress=False,
-               on_progress=lambda done, total: seen.append((done, total)))
+    rag.ingest(
+        [("A brand new fact about the tower of Quell.", {})],
+        progress=False,
+        on_progress=lambda done, total: seen.append((done, total)),
+    )
     assert seen == [(1, 1)]
 
 
@@ -197,7 +205,7 @@ def test_splitter_windows_overlap_and_keep_the_text(embedder):
     chunks = split_text(text, tok, chunk_tokens=120, overlap=20)
     assert len(chunks) > 5 and all(len(tok(c, add_special_tokens=False)["input_ids"]) <= 120 for c in chunks)
     assert all(c in text for c in chunks)
-    assert all(a[-10:] in text[text.index(a):text.index(a) + len(a) + 200] for a in chunks)
+    assert all(a[-10:] in text[text.index(a) : text.index(a) + len(a) + 200] for a in chunks)
     for a, b in zip(chunks, chunks[1:]):
         assert text.index(b) < text.index(a) + len(a)  # consecutive windows overlap
     with pytest.raises(InvalidRequestError, match="overlap"):
@@ -214,8 +222,9 @@ def test_redis_going_down_mid_service_recomputes_with_a_warning(model_dir, tmp_p
     server = RedisServer()
     try:
         store = TieredStore(MemoryStore(), RedisStore(server.url, namespace="down-test"))
-        engine = KVRAG.from_defaults(None, model=str(model_dir), store=store, chunk_tokens=120, overlap=8,
-                                     cache_dir=tmp_path / "cache")
+        engine = KVRAG.from_defaults(
+            None, model=str(model_dir), store=store, chunk_tokens=120, overlap=8, cache_dir=tmp_path / "cache"
+        )
         engine.ingest(FACTS, progress=False)
         before = engine.query("Who runs Velloria's harbour?", top_k=2, max_new_tokens=6)
     finally:

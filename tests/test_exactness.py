@@ -70,21 +70,39 @@ def test_c_middle_chunk_recomputed_with_exact_neighbours_equals_full_prefill(set
     model, rep, prefix, _, prefix_ids, chunk_ids, suffix_ids = setup
     ref, exact = full_prefill_chunks(model, prefix_ids, chunk_ids, suffix_ids)
     # The middle chunk's stored KV is garbage: recomputing it must not read it.
-    garbage = ChunkKV(exact[1].token_ids, torch.randn_like(exact[1].keys) * 5, torch.randn_like(exact[1].values),
-                      start=exact[1].start)
+    garbage = ChunkKV(
+        exact[1].token_ids, torch.randn_like(exact[1].keys) * 5, torch.randn_like(exact[1].values), start=exact[1].start
+    )
     chunks = [exact[0], garbage, exact[2]]
-    got = recompute(model, rep, prefix, chunks, [0, 1, 2], {1: torch.arange(len(chunk_ids[1]))}, suffix_ids,
-                    logits_to_keep=len(suffix_ids))
+    got = recompute(
+        model,
+        rep,
+        prefix,
+        chunks,
+        [0, 1, 2],
+        {1: torch.arange(len(chunk_ids[1]))},
+        suffix_ids,
+        logits_to_keep=len(suffix_ids),
+    )
     assert max_diff(got.logits, ref.logits) < TOL
     # The middle chunk's fresh KV sits at the end of the physical cache and equals full prefill's.
     P, n1 = len(prefix_ids), len(chunk_ids[1])
-    fresh_k, _ = stacked_kv(got.cache, 0, got.cache.get_seq_length() - len(suffix_ids) - n1,
-                            got.cache.get_seq_length() - len(suffix_ids))
+    fresh_k, _ = stacked_kv(
+        got.cache, 0, got.cache.get_seq_length() - len(suffix_ids) - n1, got.cache.get_seq_length() - len(suffix_ids)
+    )
     assert max_diff(fresh_k, stacked_kv(ref.cache, 0, P + len(chunk_ids[0]), P + len(chunk_ids[0]) + n1)[0]) < TOL
     # Control: declaring the last chunk 3 positions off (so it is rotated wrongly) breaks equality.
     shifted = ChunkKV(exact[2].token_ids, exact[2].keys, exact[2].values, start=exact[2].start + 3)
-    bad = recompute(model, rep, prefix, [exact[0], garbage, shifted], [0, 1, 2], {1: torch.arange(n1)}, suffix_ids,
-                    logits_to_keep=len(suffix_ids))
+    bad = recompute(
+        model,
+        rep,
+        prefix,
+        [exact[0], garbage, shifted],
+        [0, 1, 2],
+        {1: torch.arange(n1)},
+        suffix_ids,
+        logits_to_keep=len(suffix_ids),
+    )
     assert max_diff(bad.logits, ref.logits) > 1e-3
 
 
@@ -116,9 +134,8 @@ def test_e_greedy_tokens_after_exact_plan_equal_full_prefill(setup):
     # and the same as transformers' own generate on the full ids
     ids = prefix_ids + [t for c in chunk_ids for t in c] + suffix_ids
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                             pad_token_id=0)
-    assert out[0, len(ids):].tolist() == ref_tokens
+        out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0)
+    assert out[0, len(ids) :].tolist() == ref_tokens
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
@@ -129,7 +146,8 @@ def test_eager_attention_gives_the_same_result(arch):
     chunk_ids = [random_ids(8, 5), random_ids(7, 6)]
     prefix = encode_prefix(model, prefix_ids)
     chunks = encode_chunks(model, prefix, chunk_ids)
-    got = recompute(model, rep, prefix, chunks, [1, 0], {0: torch.arange(8), 1: torch.arange(7)}, suffix_ids,
-                    logits_to_keep=4)
+    got = recompute(
+        model, rep, prefix, chunks, [1, 0], {0: torch.arange(8), 1: torch.arange(7)}, suffix_ids, logits_to_keep=4
+    )
     ref, _ = reference(model, prefix_ids, chunk_ids, suffix_ids, [1, 0])
     assert max_diff(got.logits, ref.logits) < TOL

@@ -60,9 +60,15 @@ def test_top_p_keeps_only_the_nucleus():
     assert draws == {0, 1}
 
 
-@pytest.mark.parametrize("kwargs, match", [({"max_new_tokens": 0}, "max_new_tokens"),
-                                           ({"temperature": -1}, "temperature"),
-                                           ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p")])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
+)
 def test_bad_sampling_values_are_refused(kwargs, match):
     with pytest.raises(InvalidRequestError, match=match):
         Sampling(**kwargs)

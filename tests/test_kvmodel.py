@@ -15,8 +15,7 @@ from kvrag import (
     register_strategy,
 )
 
-CHUNKS = ["The first document is about cats.", "The second one is about ships and harbours.",
-          "A third, shorter text."]
+CHUNKS = ["The first document is about cats.", "The second one is about ships and harbours.", "A third, shorter text."]
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +27,10 @@ def test_full_prefill_matches_transformers_generate(kv):
     a = kv.answer("What is it about?", CHUNKS, strategy="full_prefill", max_new_tokens=10)
     ids = kv.prompt_ids("What is it about?", [kv.layout.chunk_ids(c) for c in CHUNKS], [0, 1, 2])
     with torch.inference_mode():
-        out = kv.model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=0,
-                                eos_token_id=kv.eos_ids)
-    expected = [t for t in out[0, len(ids):].tolist() if t not in kv.eos_ids]
+        out = kv.model.generate(
+            torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=kv.eos_ids
+        )
+    expected = [t for t in out[0, len(ids) :].tolist() if t not in kv.eos_ids]
     assert a.token_ids == expected
     assert a.stats.recomputed_tokens == a.stats.context_tokens == sum(len(kv.layout.chunk_ids(c)) for c in CHUNKS)
     assert a.stats.prompt_tokens == len(ids) and a.stats.chunks_encoded == 0
@@ -87,7 +87,9 @@ def test_seeded_sampling_is_reproducible(kv):
 def test_threads_share_one_model_safely(kv):
     chunks = kv.encode(CHUNKS)
     serial = [kv.answer(f"Question {i}?", chunks, target=i % 3, max_new_tokens=6).token_ids for i in range(4)]
-    assert in_threads(lambda i: kv.answer(f"Question {i}?", chunks, target=i % 3, max_new_tokens=6).token_ids, 4) == serial
+    assert (
+        in_threads(lambda i: kv.answer(f"Question {i}?", chunks, target=i % 3, max_new_tokens=6).token_ids, 4) == serial
+    )
 
 
 def test_a_user_strategy_runs_through_the_engine(kv):
@@ -128,8 +130,11 @@ def test_bad_inputs_are_clear_errors(kv):
         kv.answer(" ", CHUNKS)
     with pytest.raises(ContextOverflowError, match=r"chunk 0 has \d+ tokens, more than the \d+ that fit"):
         kv.encode(["x" * 600])
-    with pytest.raises(ContextOverflowError, match=r"stitched prompt has \d+ tokens and max_new_tokens is 64: \d+ > "
-                                                     r"the model's 512-token context"):
+    with pytest.raises(
+        ContextOverflowError,
+        match=r"stitched prompt has \d+ tokens and max_new_tokens is 64: \d+ > "
+        r"the model's 512-token context",
+    ):
         kv.answer("q?", ["y" * 200] * 3, max_new_tokens=64)
     with pytest.raises(InvalidRequestError, match="give a str or a ChunkKV"):
         kv.answer("q?", [42])

@@ -15,7 +15,8 @@ def test_stitched_ids_equal_the_rendered_prompt_ids():
     content = layout.header + "".join(c.strip() + "\n\n" for c in chunks) + "Question: Why?\nAnswer:"
     rendered = tok.apply_chat_template(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}],
-        tokenize=False, add_generation_prompt=True,
+        tokenize=False,
+        add_generation_prompt=True,
     )
     assert stitched == tok(rendered, add_special_tokens=False)["input_ids"]
     assert tok.decode(layout.prefix_ids).startswith("<|im_start|>system\nBe brief.<|im_end|>")

@@ -23,20 +23,46 @@ def test_supported_architectures_pass(arch):
     "config, reason",
     [
         (GPT2Config(n_layer=1, n_embd=32, n_head=2), "absolute position embeddings"),
-        (tiny_config("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
-         "dynamic NTK"),
-        (tiny_config("llama", rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}),
-         "mRoPE"),
+        (
+            tiny_config("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+            "dynamic NTK",
+        ),
+        (
+            tiny_config(
+                "llama", rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+            ),
+            "mRoPE",
+        ),
         (AutoConfig.for_model("qwen2_vl"), "mRoPE"),
         (tiny_config("mistral", sliding_window=64), "sliding-window"),
         (tiny_config("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=0), "sliding-window"),
-        (tiny_config("llama", rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
-                                               "long_factor": [1.0] * 8, "original_max_position_embeddings": 128}),
-         "RoPE type 'longrope'"),
+        (
+            tiny_config(
+                "llama",
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 1e4,
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [1.0] * 8,
+                    "original_max_position_embeddings": 128,
+                },
+            ),
+            "RoPE type 'longrope'",
+        ),
         (AutoConfig.for_model("bloom"), "ALiBi"),
         (AutoConfig.for_model("falcon"), "not verified"),
     ],
-    ids=["gpt2", "dynamic", "mrope-params", "qwen2_vl", "mistral-window", "qwen2-window", "longrope", "bloom", "falcon"],
+    ids=[
+        "gpt2",
+        "dynamic",
+        "mrope-params",
+        "qwen2_vl",
+        "mistral-window",
+        "qwen2-window",
+        "longrope",
+        "bloom",
+        "falcon",
+    ],
 )
 def test_refused_configurations_name_the_reason(config, reason):
     with pytest.raises(UnsupportedModelError, match=reason):
@@ -70,8 +96,18 @@ def test_fingerprint_changes_with_weights_dtype_and_rope():
 def test_chunk_key_separates_model_prefix_chunk_and_salt():
     k = chunk_key("m1", [1, 2], [3, 4])
     assert k == chunk_key("m1", [1, 2], [3, 4])
-    assert len({k, chunk_key("m2", [1, 2], [3, 4]), chunk_key("m1", [1], [2, 3, 4]), chunk_key("m1", [1, 2], [3]),
-                chunk_key("m1", [1, 2], [3, 4], salt="tenant-a")}) == 5
+    assert (
+        len(
+            {
+                k,
+                chunk_key("m2", [1, 2], [3, 4]),
+                chunk_key("m1", [1], [2, 3, 4]),
+                chunk_key("m1", [1, 2], [3]),
+                chunk_key("m1", [1, 2], [3, 4], salt="tenant-a"),
+            }
+        )
+        == 5
+    )
 
 
 def test_unknown_model_offline_says_how_to_supply_weights(monkeypatch, tmp_path):

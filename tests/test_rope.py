@@ -39,7 +39,7 @@ def test_partial_rotary_leaves_pass_through_dims_untouched():
     assert rep.rotary_dim == head_dim // 4
     keys = torch.randn(2, 4, 6, head_dim)
     moved = rep.shift(keys, torch.full((6,), 9))
-    assert torch.equal(moved[..., rep.rotary_dim:], keys[..., rep.rotary_dim:])
+    assert torch.equal(moved[..., rep.rotary_dim :], keys[..., rep.rotary_dim :])
     assert not torch.allclose(moved[..., : rep.rotary_dim], keys[..., : rep.rotary_dim])
 
 

@@ -19,8 +19,13 @@ ENCODER = "e" * 64
 
 def chunk(seed=0, tokens=12):
     g = torch.Generator().manual_seed(seed)
-    return ChunkKV(torch.randint(0, 100, (tokens,), generator=g), torch.randn(3, 2, tokens, 8, generator=g) * 4,
-                   torch.randn(3, 2, tokens, 8, generator=g), start=5, encoder=ENCODER)
+    return ChunkKV(
+        torch.randint(0, 100, (tokens,), generator=g),
+        torch.randn(3, 2, tokens, 8, generator=g) * 4,
+        torch.randn(3, 2, tokens, 8, generator=g),
+        start=5,
+        encoder=ENCODER,
+    )
 
 
 def key(n):
@@ -50,8 +55,12 @@ def store(request, tmp_path):
 
 
 def same(a, b):
-    return torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.token_ids, b.token_ids) \
+    return (
+        torch.equal(a.keys, b.keys)
+        and torch.equal(a.values, b.values)
+        and torch.equal(a.token_ids, b.token_ids)
         and a.start == b.start
+    )
 
 
 def test_roundtrip_miss_delete_and_counts(store):

@@ -22,8 +22,18 @@ CHUNKS = [
     "The archive opens at nine and closes at five on weekdays.",
 ]
 Q = "When does the archive open?"
-STUDY = ["full_prefill", "reuse", "reorder", "insert_full_kv", "spread", "spread_chunks", "target_recompute",
-         "token_select", "attention_select", "hybrid"]
+STUDY = [
+    "full_prefill",
+    "reuse",
+    "reorder",
+    "insert_full_kv",
+    "spread",
+    "spread_chunks",
+    "target_recompute",
+    "token_select",
+    "attention_select",
+    "hybrid",
+]
 
 
 @pytest.fixture(scope="module")
@@ -126,17 +136,23 @@ def test_token_select_picks_the_highest_deviation_tokens(kv):
     probe = Probe(kv.model, kv.repositioner, kv.prefix, exact, kv.layout.suffix_ids(Q))
     deviation = probe.value_deviation(range(5))
     assert deviation.max() > 1.0 and sorted(deviation.topk(6).indices.tolist()) == sorted(
-        sum(len(exact[i]) for i in range(c)) + o for c, offs in planted.items() for o in offs)
+        sum(len(exact[i]) for i in range(c)) + o for c, offs in planted.items() for o in offs
+    )
     total = sum(len(c) for c in exact)
     run = kv.prefill(Q, exact, strategy="token_select", budget=6 / total + 1e-6)
     assert {c: s.tolist() for c, s in run.decision.plan.recompute.items()} == planted
     assert run.probe.extra_token_layers == total  # one layer over every context token
     # deviation of exact KV is zero up to float error; of separately encoded chunks it is not
-    clean = Probe(kv.model, kv.repositioner, kv.prefix, [ChunkKV(c.token_ids, c.keys, c.values.clone(), c.start)
-                                                         for c in ref_chunks(kv, ref, chunks)], []).value_deviation(range(5))
+    clean = Probe(
+        kv.model,
+        kv.repositioner,
+        kv.prefix,
+        [ChunkKV(c.token_ids, c.keys, c.values.clone(), c.start) for c in ref_chunks(kv, ref, chunks)],
+        [],
+    ).value_deviation(range(5))
     assert clean.max() < 1e-8
     stale = Probe(kv.model, kv.repositioner, kv.prefix, chunks, []).value_deviation(range(5))
-    assert stale[len(chunks[0]):].max() > 1e-4 and stale[: len(chunks[0])].max() < 1e-8
+    assert stale[len(chunks[0]) :].max() > 1e-4 and stale[: len(chunks[0])].max() < 1e-8
 
 
 def ref_chunks(kv, ref, chunks):
@@ -152,8 +168,9 @@ def ref_chunks(kv, ref, chunks):
 def test_attention_select_picks_the_chunk_the_question_attends_to(kv, loud):
     """One chunk's keys are scaled up, so the question's attention concentrates on it."""
     chunks = kv.encode(CHUNKS)
-    chunks[loud] = ChunkKV(chunks[loud].token_ids, chunks[loud].keys * 25, chunks[loud].values, chunks[loud].start,
-                           chunks[loud].encoder)
+    chunks[loud] = ChunkKV(
+        chunks[loud].token_ids, chunks[loud].keys * 25, chunks[loud].values, chunks[loud].start, chunks[loud].encoder
+    )
     probe = Probe(kv.model, kv.repositioner, kv.prefix, chunks, kv.layout.suffix_ids(Q))
     mass = probe.chunk_attention(range(5))
     assert int(mass.argmax()) == loud
@@ -193,8 +210,13 @@ def test_pickers_and_their_errors(kv, enc):
 
 def test_a_plan_with_bad_offsets_is_refused():
     with pytest.raises(InvalidRequestError, match="outside chunk 0"):
-        check_plan(get_strategy("reuse").build(PlanRequest([3], None, 0.5)).__class__(order=[0], recompute={0: torch.tensor([3])}),
-                   [3], "x")
+        check_plan(
+            get_strategy("reuse")
+            .build(PlanRequest([3], None, 0.5))
+            .__class__(order=[0], recompute={0: torch.tensor([3])}),
+            [3],
+            "x",
+        )
     with pytest.raises(InvalidRequestError, match="not a permutation"):
         check_plan(get_strategy("reuse").build(PlanRequest([3, 2], None, 0.5)).__class__(order=[0, 0]), [3, 2], "x")
 
@@ -221,8 +243,15 @@ def requests(draw):
 @given(requests())
 @settings(max_examples=300, deadline=None)
 def test_plans_are_valid_and_keep_their_budget(req):
-    decision = make_plan(get_strategy(req["name"]), req["lengths"], probe=None, target=req["target"],
-                         scores=req["scores"], budget=req["budget"], strict=req["strict"])
+    decision = make_plan(
+        get_strategy(req["name"]),
+        req["lengths"],
+        probe=None,
+        target=req["target"],
+        scores=req["scores"],
+        budget=req["budget"],
+        strict=req["strict"],
+    )
     plan = decision.plan
     assert sorted(plan.order) == list(range(len(req["lengths"])))
     recomputed = plan.recomputed_tokens(req["lengths"])
@@ -230,8 +259,11 @@ def test_plans_are_valid_and_keep_their_budget(req):
         assert recomputed <= decision.budget_tokens and decision.target not in plan.recompute
     if req["name"] == "target_recompute":
         assert plan.order[-1] == decision.target
-        assert recomputed == (min(req["lengths"][decision.target], decision.budget_tokens) if req["strict"]
-                              else req["lengths"][decision.target])
+        assert recomputed == (
+            min(req["lengths"][decision.target], decision.budget_tokens)
+            if req["strict"]
+            else req["lengths"][decision.target]
+        )
     if req["name"] in ("reuse", "reorder"):
         assert recomputed == 0
 
@@ -251,7 +283,7 @@ def test_stitched_positions_are_a_permutation_and_the_mask_is_causal(data):
     layout = stitch_layout(P, lengths, [P] * n, order, recompute, suffix)
     N = P + sum(lengths) + suffix
     assert sorted(layout.key_positions.tolist()) == list(range(N))  # every position once: cache then new input
-    assert layout.query_positions.tolist() == layout.key_positions[-len(layout.query_positions):].tolist()
+    assert layout.query_positions.tolist() == layout.key_positions[-len(layout.query_positions) :].tolist()
     mask = causal_mask(layout.key_positions, layout.query_positions, torch.float32)[0, 0]
     allowed = mask == 0
     for i, qp in enumerate(layout.query_positions.tolist()):

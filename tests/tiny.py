@@ -11,9 +11,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 VOCAB = 300
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, pad_token_id=0, bos_token_id=256,
-    eos_token_id=257, tie_word_embeddings=False,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.3,
+    pad_token_id=0,
+    bos_token_id=256,
+    eos_token_id=257,
+    tie_word_embeddings=False,
 )
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
@@ -24,14 +33,33 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", {"rope_parameters": ROPE, "head_dim": 16}),
     "mistral": ("mistral", {"rope_parameters": ROPE, "sliding_window": None}),
     "phi3": ("phi3", {"rope_parameters": {**ROPE, "partial_rotary_factor": 0.5}}),
-    "gpt_neox": ("gpt_neox", {"rope_parameters": {**ROPE, "partial_rotary_factor": 0.25}, "num_key_value_heads": 4,
-                              "use_parallel_residual": True}),
+    "gpt_neox": (
+        "gpt_neox",
+        {
+            "rope_parameters": {**ROPE, "partial_rotary_factor": 0.25},
+            "num_key_value_heads": 4,
+            "use_parallel_residual": True,
+        },
+    ),
     "gemma": ("gemma", {"rope_parameters": ROPE, "head_dim": 16}),
     "llama_linear": ("llama", {"rope_parameters": {**ROPE, "rope_type": "linear", "factor": 2.0}}),
-    "llama_llama3": ("llama", {"rope_parameters": {**ROPE, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 128}}),
-    "llama_yarn": ("llama", {"rope_parameters": {**ROPE, "rope_type": "yarn", "factor": 4.0,
-                                                 "original_max_position_embeddings": 128}}),
+    "llama_llama3": (
+        "llama",
+        {
+            "rope_parameters": {
+                **ROPE,
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            }
+        },
+    ),
+    "llama_yarn": (
+        "llama",
+        {"rope_parameters": {**ROPE, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
+    ),
 }
 
 

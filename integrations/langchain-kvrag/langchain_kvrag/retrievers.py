@@ -18,8 +18,9 @@ from pydantic import ConfigDict, Field
 
 def to_document(source: Source) -> Document:
     """A retrieved chunk as a Document: its text, its metadata plus its chunk `id` and retrieval `score`."""
-    return Document(page_content=source.text, id=source.id,
-                    metadata={**source.metadata, "id": source.id, "score": source.score})
+    return Document(
+        page_content=source.text, id=source.id, metadata={**source.metadata, "id": source.id, "score": source.score}
+    )
 
 
 class KVRAGRetriever(BaseRetriever):
@@ -49,17 +50,33 @@ class KVRAGRetriever(BaseRetriever):
     hybrid: bool = Field(default=False, description="fuse dense and BM25 rankings")
 
     def _search(self, query: str, k: int | None, filters: dict[str, Any] | None, hybrid: bool | None) -> list[Document]:
-        sources = self.engine.retrieve(query, top_k=self.k if k is None else k,
-                                       filters=self.filters if filters is None else filters,
-                                       hybrid=self.hybrid if hybrid is None else hybrid)
+        sources = self.engine.retrieve(
+            query,
+            top_k=self.k if k is None else k,
+            filters=self.filters if filters is None else filters,
+            hybrid=self.hybrid if hybrid is None else hybrid,
+        )
         return [to_document(s) for s in sources]
 
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None,
-                                filters: dict[str, Any] | None = None, hybrid: bool | None = None) -> list[Document]:
+    def _get_relevant_documents(
+        self,
+        query: str,
+        *,
+        run_manager: CallbackManagerForRetrieverRun,
+        k: int | None = None,
+        filters: dict[str, Any] | None = None,
+        hybrid: bool | None = None,
+    ) -> list[Document]:
         return self._search(query, k, filters, hybrid)
 
-    async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
-                                       k: int | None = None, filters: dict[str, Any] | None = None,
-                                       hybrid: bool | None = None) -> list[Document]:
+    async def _aget_relevant_documents(
+        self,
+        query: str,
+        *,
+        run_manager: AsyncCallbackManagerForRetrieverRun,
+        k: int | None = None,
+        filters: dict[str, Any] | None = None,
+        hybrid: bool | None = None,
+    ) -> list[Document]:
         # The engine embeds and searches synchronously: a worker thread keeps the event loop free.
         return await asyncio.to_thread(self._search, query, k, filters, hybrid)

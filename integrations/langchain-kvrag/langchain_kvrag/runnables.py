@@ -104,16 +104,28 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
         # Built as `configurable_fields(strategy=ConfigurableField(id="strategy"), ...)` would build them, so
         # wrapping this runnable in that call too gives equal specs rather than conflicting ones.
         fields = type(self).model_fields
-        return [ConfigurableFieldSpec(id=name, annotation=fields[name].annotation, description=fields[name].description,
-                                      default=getattr(self, name)) for name in CONFIGURABLE]
+        return [
+            ConfigurableFieldSpec(
+                id=name,
+                annotation=fields[name].annotation,
+                description=fields[name].description,
+                default=getattr(self, name),
+            )
+            for name in CONFIGURABLE
+        ]
 
     # -- translation ------------------------------------------------------------------------------------
 
     def _request(self, value: Any, config: RunnableConfig | None) -> _Request:
         configurable = (config or {}).get("configurable") or {}
         chosen = {name: configurable.get(name, getattr(self, name)) for name in CONFIGURABLE}
-        options: dict[str, Any] = {"strategy": chosen["strategy"], "budget": chosen["budget"], "picker": self.picker,
-                                   "max_new_tokens": self.max_new_tokens, **self.generation_kwargs}
+        options: dict[str, Any] = {
+            "strategy": chosen["strategy"],
+            "budget": chosen["budget"],
+            "picker": self.picker,
+            "max_new_tokens": self.max_new_tokens,
+            **self.generation_kwargs,
+        }
         retrieval = {"top_k": chosen["top_k"], "filters": self.filters, "hybrid": self.hybrid}
         if isinstance(value, str):
             return _Request(value, None, None, {**options, **retrieval})
@@ -121,7 +133,8 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
             raise InvalidRequestError(
                 f"KVRAGRunnable takes a question (str) or a dict {{'question': str, 'documents': [Document, ...]}}, "
                 f"got {_describe(value)}: to feed a retriever, compose "
-                "{'question': RunnablePassthrough(), 'documents': retriever} | runnable")
+                "{'question': RunnablePassthrough(), 'documents': retriever} | runnable"
+            )
         question = value["question"]
         if "documents" not in value:
             return _Request(question, None, None, {**options, **retrieval})
@@ -129,7 +142,8 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
         if not documents:
             raise EmptyInputError(
                 f"no documents to answer {question!r} over: the retriever found nothing (ingest documents or loosen "
-                "its filters), or pass a question alone to let the kvrag engine retrieve")
+                "its filters), or pass a question alone to let the kvrag engine retrieve"
+            )
         texts, raw_scores = [], []
         for i, doc in enumerate(documents):
             if isinstance(doc, Document):
@@ -175,15 +189,17 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
         request = self._request(value, config)
         if request.texts is None:
             return self._output(self.engine.query(request.question, **request.options))
-        return self._output(self.engine.answer(request.question, request.texts, scores=request.scores,
-                                               **request.options))
+        return self._output(
+            self.engine.answer(request.question, request.texts, scores=request.scores, **request.options)
+        )
 
     async def _aanswer(self, value: Any, config: RunnableConfig) -> KVRAGOutput:
         request = self._request(value, config)
         if request.texts is None:
             return self._output(await self.engine.aquery(request.question, **request.options))
-        return self._output(await self.engine.aanswer(request.question, request.texts, scores=request.scores,
-                                                      **request.options))
+        return self._output(
+            await self.engine.aanswer(request.question, request.texts, scores=request.scores, **request.options)
+        )
 
     def _stream(self, inputs: Iterator[Any], config: RunnableConfig) -> Iterator[Any]:
         request = self._request(next(inputs), config)
@@ -222,8 +238,9 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
     def stream(self, input: KVRAGInput, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Any]:
         yield from self._transform_stream_with_config(iter([input]), self._stream, config, **kwargs)
 
-    async def astream(self, input: KVRAGInput, config: RunnableConfig | None = None,
-                      **kwargs: Any) -> AsyncIterator[Any]:
+    async def astream(
+        self, input: KVRAGInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[Any]:
         async def single() -> AsyncIterator[Any]:
             yield input
 

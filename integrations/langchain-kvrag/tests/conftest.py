@@ -18,7 +18,6 @@ from kvrag import KVRAG  # noqa: E402
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
-
 @pytest.fixture(scope="session")
 def facts():
     """The ingested (text, metadata) pairs (a fixture: another suite's `conftest` module may share the name)."""
@@ -37,7 +36,8 @@ def model_dir(tmp_path_factory):
 def rag(model_dir, tmp_path_factory):
     """One engine for the whole session: the adapters only read it (a miss they encode is stored, as designed)."""
     root = tmp_path_factory.mktemp("kvrag")
-    engine = KVRAG.from_defaults(root / "index", model=str(model_dir), chunk_tokens=120, overlap=8,
-                                 cache_dir=root / "cache")
+    engine = KVRAG.from_defaults(
+        root / "index", model=str(model_dir), chunk_tokens=120, overlap=8, cache_dir=root / "cache"
+    )
     engine.ingest(FACTS, progress=False)
     return engine

@@ -41,8 +41,9 @@ def test_documents_carry_the_chunk_text_metadata_id_and_score(rag):
 def test_filters_and_hybrid_as_fields_and_per_call(rag, facts):
     buildings = KVRAGRetriever(engine=rag, k=5, filters={"topic": "buildings", "lang": "en"})
     assert len(buildings.invoke("Who built it?")) == 2
-    assert KVRAGRetriever(engine=rag, k=5).invoke("Who built it?", filters={"topic": ["ports", "rivers"]})[0] \
-        .metadata["topic"] in {"ports", "rivers"}
+    assert KVRAGRetriever(engine=rag, k=5).invoke("Who built it?", filters={"topic": ["ports", "rivers"]})[0].metadata[
+        "topic"
+    ] in {"ports", "rivers"}
     assert KVRAGRetriever(engine=rag, filters={"topic": "none"}).invoke("anything") == []
     hybrid = KVRAGRetriever(engine=rag, k=2, hybrid=True).invoke("When does the river Tam flood?")
     assert hybrid[0].page_content == facts[2][0]

@@ -23,8 +23,9 @@ def runnable(rag):
 @pytest.fixture
 def chain(rag):
     """Any retriever in front: the dict carries the question beside the retriever's documents."""
-    return {"question": RunnablePassthrough(), "documents": KVRAGRetriever(engine=rag, k=3)} \
-        | KVRAGRunnable(engine=rag, max_new_tokens=8, return_dict=True)
+    return {"question": RunnablePassthrough(), "documents": KVRAGRetriever(engine=rag, k=3)} | KVRAGRunnable(
+        engine=rag, max_new_tokens=8, return_dict=True
+    )
 
 
 class Recorder(BaseCallbackHandler):
@@ -112,8 +113,10 @@ def test_lcel_dict_with_a_retriever_answers_over_its_documents(rag, chain):
 def test_scores_come_from_document_metadata(rag):
     runnable = KVRAGRunnable(engine=rag, max_new_tokens=2, return_dict=True)
     first, second = rag.retrieve(Q, top_k=2)
-    ranked = [Document(page_content=first.text, metadata={"score": 0.1}),
-              Document(page_content=second.text, metadata={"score": 0.9})]
+    ranked = [
+        Document(page_content=first.text, metadata={"score": 0.1}),
+        Document(page_content=second.text, metadata={"score": 0.9}),
+    ]
     out = runnable.invoke({"question": Q, "documents": ranked})
     assert out["stats"]["target"] == 1 and [s["score"] for s in out["sources"]] == [0.1, 0.9]
     unscored = [Document(page_content=first.text), Document(page_content=second.text, metadata={"score": 0.9})]
@@ -122,13 +125,14 @@ def test_scores_come_from_document_metadata(rag):
 
 def test_text_from_another_retriever_is_encoded_once(rag, facts):
     runnable = KVRAGRunnable(engine=rag, max_new_tokens=2, return_dict=True)
-    foreign = {"question": "Where is the tower of Quell?",
-               "documents": [Document(page_content="The tower of Quell stands on the northern cliff."), facts[4][0]]}
+    foreign = {
+        "question": "Where is the tower of Quell?",
+        "documents": [Document(page_content="The tower of Quell stands on the northern cliff."), facts[4][0]],
+    }
     first = runnable.invoke(foreign)
     assert first["stats"]["chunks_encoded"] == 1 and first["stats"]["store_hits"] == 1
     assert first["sources"][0]["id"] == "given#0"
     assert runnable.invoke(foreign)["stats"]["chunks_encoded"] == 0  # its KV is stored now
-
 
 
 def test_configurable_strategy_budget_and_top_k(rag, runnable):
@@ -139,7 +143,8 @@ def test_configurable_strategy_budget_and_top_k(rag, runnable):
     assert as_dict.invoke(Q)["stats"]["strategy"] == "target_recompute"
     # through a chain, and beside LangChain's own configurable_fields idiom (equal specs, no conflict)
     chain = RunnablePassthrough() | as_dict.configurable_fields(
-        strategy=ConfigurableField(id="strategy"), budget=ConfigurableField(id="budget"))
+        strategy=ConfigurableField(id="strategy"), budget=ConfigurableField(id="budget")
+    )
     assert {s.id for s in chain.config_specs} == {"strategy", "budget", "top_k"}
     out = chain.invoke(Q, config={"configurable": {"strategy": "spread", "top_k": 1}})
     assert out["stats"]["strategy"] == "spread" and len(out["sources"]) == 1
@@ -178,8 +183,10 @@ async def test_astream_events(runnable):
 
 
 def test_no_documents_is_a_clear_error(rag):
-    nothing = {"question": RunnablePassthrough(), "documents": KVRAGRetriever(engine=rag, filters={"topic": "none"})} \
-        | KVRAGRunnable(engine=rag, max_new_tokens=2)
+    nothing = {
+        "question": RunnablePassthrough(),
+        "documents": KVRAGRetriever(engine=rag, filters={"topic": "none"}),
+    } | KVRAGRunnable(engine=rag, max_new_tokens=2)
     with pytest.raises(EmptyInputError, match="no documents"):
         nothing.invoke(Q)
     with pytest.raises(EmptyInputError, match="no documents"):

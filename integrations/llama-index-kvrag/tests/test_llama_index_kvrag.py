@@ -96,8 +96,10 @@ def test_ingestion_transform_fills_the_store_so_the_query_encodes_nothing(tmp_pa
     fresh = KVRAG.from_defaults(None, model=str(root / "model"), cache_dir=root / "cache")
     transform = KVRAGKVTransform(fresh)
     assert transform.to_dict() == KVRAGKVTransform(fresh).to_dict()  # deterministic: the pipeline cache keys on it
-    pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=64, chunk_overlap=0), transform,
-                                                  embed_model], cache=IngestionCache())
+    pipeline = IngestionPipeline(
+        transformations=[SentenceSplitter(chunk_size=64, chunk_overlap=0), transform, embed_model],
+        cache=IngestionCache(),
+    )
     nodes = pipeline.run(documents=[Document(text=t) for t in TEXTS])
     assert len(fresh.store) == len(nodes) == 4
     index = VectorStoreIndex(nodes, embed_model=embed_model)
@@ -146,8 +148,9 @@ def test_kvrag_as_settings_llm(rag):
         done = Settings.llm.complete("Say hi.")
         streamed = list(Settings.llm.stream_complete("Say hi."))
         assert done.text == streamed[-1].text and done.raw["new_tokens"] == 5
-        chat = Settings.llm.chat([__import__("llama_index.core.llms", fromlist=["ChatMessage"]).ChatMessage(
-            role="user", content="Say hi.")])
+        chat = Settings.llm.chat(
+            [__import__("llama_index.core.llms", fromlist=["ChatMessage"]).ChatMessage(role="user", content="Say hi.")]
+        )
         assert chat.message.content
     finally:
         Settings.llm = MockLLM()

@@ -8,6 +8,7 @@ Reads the reST sources shipped in the Debian package
 (usr/share/doc/python3.11/html/_sources/), converts a few hand-picked entries
 of some library pages to plain text and writes them as small chunks.
 """
+
 import gzip
 import json
 import re
@@ -22,33 +23,44 @@ CHUNKS = {
     "textwrap-1": ("textwrap", ["wrap", "TextWrapper.width"]),
     "textwrap-2": ("textwrap", ["shorten"]),
     "textwrap-3": ("textwrap", ["dedent"]),
-    "textwrap-4": ("textwrap", ["TextWrapper.initial_indent",
-                                "TextWrapper.subsequent_indent", "TextWrapper.max_lines"]),
+    "textwrap-4": (
+        "textwrap",
+        ["TextWrapper.initial_indent", "TextWrapper.subsequent_indent", "TextWrapper.max_lines"],
+    ),
     "fnmatch-1": ("fnmatch", ["intro"]),
     "fnmatch-2": ("fnmatch", ["fnmatch", "fnmatchcase", "filter", "translate"]),
     "secrets-1": ("secrets", ["intro", "choice", "randbelow", "randbits"]),
     "secrets-2": ("secrets", ["Generating tokens", "token_bytes", "token_hex"]),
     "secrets-3": ("secrets", ["token_urlsafe", "compare_digest"]),
     "secrets-4": ("secrets", ["How many bytes should tokens use?"]),
-    "keyword-1": ("keyword", ["intro", "iskeyword", "kwlist", "issoftkeyword",
-                              "softkwlist"]),
+    "keyword-1": ("keyword", ["intro", "iskeyword", "kwlist", "issoftkeyword", "softkwlist"]),
 }
 
 # (question, accepted answers (case-insensitive substrings), target chunk)
 QUESTIONS = [
     ("What is the default width of textwrap.wrap?", ["70"], "textwrap-1"),
     ("What is the maxsize of the lru_cache used by fnmatch?", ["32768"], "fnmatch-1"),
-    ("Which secrets function returns a random URL-safe text string?",
-     ["token_urlsafe"], "secrets-3"),
-    ("Which function returns True if s is a Python keyword?",
-     ["iskeyword"], "keyword-1"),
+    ("Which secrets function returns a random URL-safe text string?", ["token_urlsafe"], "secrets-3"),
+    ("Which function returns True if s is a Python keyword?", ["iskeyword"], "keyword-1"),
 ]
 
 ENTRY = re.compile(r"^(\s*)\.\. (function|class|method|attribute|data|exception)::\s*(.*)$")
-SKIP = {"module", "moduleauthor", "sectionauthor", "index", "versionadded",
-        "versionchanged", "deprecated", "audit-event", "seealso", "testsetup", "highlight", ""}
+SKIP = {
+    "module",
+    "moduleauthor",
+    "sectionauthor",
+    "index",
+    "versionadded",
+    "versionchanged",
+    "deprecated",
+    "audit-event",
+    "seealso",
+    "testsetup",
+    "highlight",
+    "",
+}
 LITERAL = {"doctest", "testcode", "code-block", "parsed-literal"}
-MAX_CODE_LINES = 1   # longer code examples are dropped
+MAX_CODE_LINES = 1  # longer code examples are dropped
 
 
 def add_code(out, text):
@@ -64,22 +76,25 @@ def add_code(out, text):
 
 
 INLINE = re.compile(
-    r":pep:`(?P<pep>\d+)`"                                       # :pep:`506`
+    r":pep:`(?P<pep>\d+)`"  # :pep:`506`
     r"|:\w+:`(?:~|\.(?=\w))?(?P<role>[^`<]*?)\s*(?:<[^`]*>)?`"  # :func:`f`, :term:`x <y>`
-    r"|`(?P<link>[^`<]+?)\s*<[^`]*>`_"                          # `text <url>`_
-    r"|``(?P<lit>.+?)``"                                        # ``literal``
-    r"|\*\*(?P<strong>.+?)\*\*"                                 # **strong**
-    r"|(?<![\w*])\*(?P<em>\S.*?)\*(?!\w)"                       # *emphasis*
-    r"|\\(?P<esc>.?)")                                         # backslash escape
+    r"|`(?P<link>[^`<]+?)\s*<[^`]*>`_"  # `text <url>`_
+    r"|``(?P<lit>.+?)``"  # ``literal``
+    r"|\*\*(?P<strong>.+?)\*\*"  # **strong**
+    r"|(?<![\w*])\*(?P<em>\S.*?)\*(?!\w)"  # *emphasis*
+    r"|\\(?P<esc>.?)"
+)  # backslash escape
 
 
 def inline(s):
     """Strip inline reST markup (one pass, so literals stay intact)."""
+
     def plain(m):
         if m["pep"]:
             return "PEP " + m["pep"]
         text = next(g for g in m.groups() if g is not None)
         return text if m["lit"] else re.sub(r"\\(.)", r"\1", text)
+
     return INLINE.sub(plain, s.replace(" --- ", " \u2014 "))
 
 
@@ -107,7 +122,7 @@ def render(lines):
         if literal_next:
             add_code(out, "\n".join(block))
             literal_next = False
-        elif block[0].startswith(" "):           # block quote / directive body
+        elif block[0].startswith(" "):  # block quote / directive body
             text = render(block)
             out.append(text) if text else add_code(out, "")  # only dropped code
         elif block[0].startswith(".."):
@@ -119,18 +134,18 @@ def render(lines):
                 add_code(out, "\n".join(body))
             elif name not in SKIP and not name.startswith("_"):  # _labels
                 raise ValueError(f"unhandled directive {block[0]!r}")
-        elif block[0].startswith("+"):           # grid table
+        elif block[0].startswith("+"):  # grid table
             for row in block:
                 if row.startswith("|"):
                     out.append(" ".join(inline(c.strip()) for c in row.strip("|").split("|")))
         elif block[0].startswith(">>>"):
             add_code(out, "\n".join(block))
-        elif block[0].startswith("* "):          # bullet list
+        elif block[0].startswith("* "):  # bullet list
             out.append(inline(" ".join(" ".join(block).split())).replace(" * ", "\n* "))
         elif len(block) == 2 and set(block[1]) <= set("=-^*~") and block[1]:
-            out.append(inline(block[0]))         # section heading
+            out.append(inline(block[0]))  # section heading
         elif set(block[0]) <= set("-=") or block[0].startswith("**Source code:**"):
-            pass                                 # transition / source link
+            pass  # transition / source link
         else:
             text = " ".join(" ".join(block).split())
             if text.endswith("::"):
@@ -145,7 +160,7 @@ def entries(path):
     """Split one page into {key: text}."""
     raw = path.read_text(encoding="utf-8")
     lines = []
-    for line in raw.split("\n"):                    # join continued signatures
+    for line in raw.split("\n"):  # join continued signatures
         if lines and lines[-1].endswith("\\") and ENTRY.match(lines[-1]):
             lines[-1] = lines[-1][:-1].rstrip() + " " + line.strip()
         else:
@@ -155,8 +170,7 @@ def entries(path):
     for k, line in enumerate(lines):
         m = ENTRY.match(line)
         nxt = lines[k + 1] if k + 1 < len(lines) else ""
-        if (line.strip() and not line.strip().startswith(":")
-                and len(blocks[-1]) == 1 and ENTRY.match(lines[k - 1])):
+        if line.strip() and not line.strip().startswith(":") and len(blocks[-1]) == 1 and ENTRY.match(lines[k - 1]):
             blocks[-1].append(f"{module}.{line.strip()}")  # second signature
         elif m:
             indent, kind, sig = m.groups()
@@ -168,17 +182,23 @@ def entries(path):
             keys.append(name)
             head = ("class " if kind == "class" else "") + f"{module}.{sig}"
             blocks.append([head])
-        elif nxt and not line.startswith(" ") and line.strip() and set(nxt) <= set("-^~") \
-                and len(nxt) >= len(line.strip()) and not line.startswith(":mod:"):
-            keys.append(line.strip())                       # section heading
+        elif (
+            nxt
+            and not line.startswith(" ")
+            and line.strip()
+            and set(nxt) <= set("-^~")
+            and len(nxt) >= len(line.strip())
+            and not line.startswith(":mod:")
+        ):
+            keys.append(line.strip())  # section heading
             blocks.append([])
         elif not (line and set(line) <= set("-^~") and blocks[-1] == []):
-            blocks[-1].append(line)                         # (skips heading underlines)
+            blocks[-1].append(line)  # (skips heading underlines)
     out = {}
     for key, block in zip(keys, blocks):
         if key == "intro" or not block or not block[0].startswith(("class ", module + ".")):
             out[key] = render(block)
-        else:   # signature line(s), then the (indented) body
+        else:  # signature line(s), then the (indented) body
             n = 1 + sum(1 for line in block[1:3] if line.startswith(module + "."))
             out[key] = "\n".join(block[:n]) + "\n" + render(block[n:])
     return out
@@ -219,12 +239,15 @@ def license_text(src, version):
         return f"{title}\n{'-' * len(title)}\n\n{body}\n"
 
     pages = "".join(f"  library/{p}.rst\n" for p in dict.fromkeys(p for p, _ in CHUNKS.values()))
-    return "\n".join([
-        LICENSE_HEADER.format(version=version, pages=pages).rstrip("\n") + "\n",
-        "Copyright\n---------\n\n" + notice + "\n",
-        "Terms and conditions\n--------------------\n\n" + terms + "\n",
-        section("PSF-license", "BEOPEN.COM LICENSE"),
-        section("BSD0", ".. _OtherLicenses:")])
+    return "\n".join(
+        [
+            LICENSE_HEADER.format(version=version, pages=pages).rstrip("\n") + "\n",
+            "Copyright\n---------\n\n" + notice + "\n",
+            "Terms and conditions\n--------------------\n\n" + terms + "\n",
+            section("PSF-license", "BEOPEN.COM LICENSE"),
+            section("BSD0", ".. _OtherLicenses:"),
+        ]
+    )
 
 
 def main(root, out_dir):

@@ -20,15 +20,25 @@ from kvrag.embed import Embedder
 class KVRAGRetriever(BaseRetriever):
     """Top-k over kvrag's own index (dense, or dense + BM25), metadata filters applied before top-k."""
 
-    def __init__(self, engine: KVRAG, *, similarity_top_k: int = 5, filters: Optional[Dict[str, Any]] = None,
-                 hybrid: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        engine: KVRAG,
+        *,
+        similarity_top_k: int = 5,
+        filters: Optional[Dict[str, Any]] = None,
+        hybrid: bool = False,
+        **kwargs: Any,
+    ) -> None:
         self.engine, self.similarity_top_k, self.filters, self.hybrid = engine, similarity_top_k, filters, hybrid
         super().__init__(**kwargs)
 
     def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
-        sources = self.engine.retrieve(query_bundle.query_str, top_k=self.similarity_top_k, filters=self.filters,
-                                       hybrid=self.hybrid)
-        return [NodeWithScore(node=TextNode(id_=s.id, text=s.text, metadata=s.metadata), score=s.score) for s in sources]
+        sources = self.engine.retrieve(
+            query_bundle.query_str, top_k=self.similarity_top_k, filters=self.filters, hybrid=self.hybrid
+        )
+        return [
+            NodeWithScore(node=TextNode(id_=s.id, text=s.text, metadata=s.metadata), score=s.score) for s in sources
+        ]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
         return await asyncio.to_thread(self._retrieve, query_bundle)
@@ -116,8 +126,12 @@ class KVRAGLLM(CustomLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        return LLMMetadata(context_window=self._kv.max_positions, num_output=self.max_new_tokens,
-                           model_name=self._kv.fingerprint.architecture, is_chat_model=False)
+        return LLMMetadata(
+            context_window=self._kv.max_positions,
+            num_output=self.max_new_tokens,
+            model_name=self._kv.fingerprint.architecture,
+            is_chat_model=False,
+        )
 
     def _stream(self, prompt: str, **kwargs: Any):  # type: ignore[no-untyped-def]
         options = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, **kwargs}
@@ -136,4 +150,5 @@ class KVRAGLLM(CustomLLM):
                 if isinstance(item, str):
                     text += item
                     yield CompletionResponse(text=text, delta=item)
+
         return gen()

@@ -35,7 +35,9 @@ def node_texts(nodes: Sequence[NodeWithScore]) -> list[str]:
     for n in nodes:
         node = n.node
         if isinstance(node, ImageNode) or not isinstance(node, TextNode):
-            raise InvalidRequestError(f"node {node.node_id} is a {type(node).__name__}: kvrag answers over text nodes only")
+            raise InvalidRequestError(
+                f"node {node.node_id} is a {type(node).__name__}: kvrag answers over text nodes only"
+            )
         text = node.get_content(metadata_mode=MetadataMode.NONE)
         if not text.strip():
             raise InvalidRequestError(f"node {node.node_id} has no text: drop it before the query engine")
@@ -58,9 +60,19 @@ class KVRAGQueryEngine(BaseQueryEngine):
     `metadata["kvrag"]` holds the answer's stats.
     """
 
-    def __init__(self, engine: KVRAG, retriever: Optional[BaseRetriever] = None, *, strategy: str = "target_recompute",
-                 budget: float = 0.05, picker: Optional[str] = None, streaming: bool = False, llm: Any = None,
-                 callback_manager: Optional[CallbackManager] = None, **generation: Any) -> None:
+    def __init__(
+        self,
+        engine: KVRAG,
+        retriever: Optional[BaseRetriever] = None,
+        *,
+        strategy: str = "target_recompute",
+        budget: float = 0.05,
+        picker: Optional[str] = None,
+        streaming: bool = False,
+        llm: Any = None,
+        callback_manager: Optional[CallbackManager] = None,
+        **generation: Any,
+    ) -> None:
         from llama_index.query_engine.kvrag.components import KVRAGLLM, KVRAGRetriever
 
         if llm is not None and not (isinstance(llm, KVRAGLLM) and llm.kv is engine.kv):
@@ -95,8 +107,12 @@ class KVRAGQueryEngine(BaseQueryEngine):
         return metadata
 
     @dispatcher.span
-    def synthesize(self, query_bundle: QueryBundle, nodes: List[NodeWithScore],
-                   additional_source_nodes: Optional[Sequence[NodeWithScore]] = None) -> RESPONSE_TYPE:
+    def synthesize(
+        self,
+        query_bundle: QueryBundle,
+        nodes: List[NodeWithScore],
+        additional_source_nodes: Optional[Sequence[NodeWithScore]] = None,
+    ) -> RESPONSE_TYPE:
         nodes = list(nodes) + list(additional_source_nodes or [])
         if not nodes:
             return Response(response=NO_CONTEXT, source_nodes=[], metadata={"kvrag": None})
@@ -116,8 +132,12 @@ class KVRAGQueryEngine(BaseQueryEngine):
         return StreamingResponse(response_gen=pieces(), source_nodes=nodes, metadata=metadata)
 
     @dispatcher.span
-    async def asynthesize(self, query_bundle: QueryBundle, nodes: List[NodeWithScore],
-                          additional_source_nodes: Optional[Sequence[NodeWithScore]] = None) -> RESPONSE_TYPE:
+    async def asynthesize(
+        self,
+        query_bundle: QueryBundle,
+        nodes: List[NodeWithScore],
+        additional_source_nodes: Optional[Sequence[NodeWithScore]] = None,
+    ) -> RESPONSE_TYPE:
         nodes = list(nodes) + list(additional_source_nodes or [])
         if not nodes:
             return Response(response=NO_CONTEXT, source_nodes=[], metadata={"kvrag": None})
