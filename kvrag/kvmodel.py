@@ -357,7 +357,7 @@ class KVModel:
             temperature=temperature,
             top_p=top_p,
             seed=seed,
-            stop=tuple([stop] if isinstance(stop, str) else stop),
+            stop=stop,  # type: ignore[arg-type]  # Sampling normalizes a str or a sequence
         )
         with self.lock:
             run = self.prefill(
@@ -463,7 +463,7 @@ class KVModel:
             temperature=temperature,
             top_p=top_p,
             seed=seed,
-            stop=tuple([stop] if isinstance(stop, str) else stop),
+            stop=stop,  # type: ignore[arg-type]  # Sampling normalizes a str or a sequence
         )
         ids = (
             list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])

@@ -70,6 +70,19 @@ class Strategy:
 
 
 STRATEGIES: dict[str, Strategy] = {}
+# The rows of the study, in the order its tables use (all registered below).
+STUDY_STRATEGIES = (
+    "full_prefill",
+    "reuse",
+    "reorder",
+    "insert_full_kv",
+    "spread",
+    "spread_chunks",
+    "target_recompute",
+    "token_select",
+    "attention_select",
+    "hybrid",
+)
 
 
 def register_strategy(

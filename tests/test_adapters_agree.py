@@ -1,7 +1,7 @@
 """Same question, same strategy: the core API, the LlamaIndex engine and the LangChain runnable agree."""
 
 import pytest
-from tiny import byte_tokenizer, tiny_model
+from tiny import save_tiny
 
 from kvrag import KVRAG
 
@@ -16,8 +16,7 @@ FACTS = [
 @pytest.fixture(scope="module")
 def rag(tmp_path_factory):
     root = tmp_path_factory.mktemp("agree")
-    tiny_model("llama").save_pretrained(root / "model")
-    byte_tokenizer().save_pretrained(root / "model")
+    save_tiny(root / "model")
     engine = KVRAG.from_defaults(None, model=str(root / "model"), chunk_tokens=120, overlap=8, cache_dir=root / "c")
     engine.ingest(FACTS, progress=False)
     return engine

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from tiny import byte_tokenizer, tiny_model
+from tiny import save_tiny
 
 from kvrag.cli import main
 
@@ -12,8 +12,7 @@ from kvrag.cli import main
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     model = root / "model"
-    tiny_model("llama").save_pretrained(model)
-    byte_tokenizer().save_pretrained(model)
+    save_tiny(model)
     docs = root / "docs"
     docs.mkdir()
     (docs / "ships.txt").write_text("The harbour of Velloria holds forty ships.")

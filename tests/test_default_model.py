@@ -13,6 +13,7 @@ from kvrag.demo import run_demo, sample_docs
 from kvrag.encode import stacked_kv
 from kvrag.kv import ChunkKV
 from kvrag.recompute import full_prefill, recompute
+from kvrag.strategies import STUDY_STRATEGIES
 
 pytestmark = pytest.mark.slow
 
@@ -142,18 +143,7 @@ def test_demo_runs_and_retrieves_the_targets(kv, capsys):
     assert sum(r["right"] for r in tr) >= 2
 
 
-STUDY = [
-    "full_prefill",
-    "reuse",
-    "reorder",
-    "insert_full_kv",
-    "spread",
-    "spread_chunks",
-    "target_recompute",
-    "token_select",
-    "attention_select",
-    "hybrid",
-]
+STUDY = STUDY_STRATEGIES
 
 
 def test_strategy_table_on_the_real_model(kv, docs):

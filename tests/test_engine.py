@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import FACTS, byte_tokenizer, in_threads, tiny_model
+from tiny import FACTS, byte_tokenizer, save_tiny, in_threads
 
 from kvrag.documents import DocumentError, split_text
 from kvrag.embed import Embedder
@@ -20,8 +20,7 @@ from kvrag.kvmodel import Answer
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(folder)
-    byte_tokenizer().save_pretrained(folder)
+    save_tiny(folder)
     return folder
 
 

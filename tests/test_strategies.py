@@ -12,7 +12,7 @@ from kvrag.kv import ChunkKV
 from kvrag.planner import check_plan, make_plan
 from kvrag.probe import Probe
 from kvrag.recompute import causal_mask, full_prefill, stitch_layout
-from kvrag.strategies import PlanRequest, get_strategy
+from kvrag.strategies import STUDY_STRATEGIES, PlanRequest, get_strategy
 
 CHUNKS = [
     "Alpha station logs the weather every hour.",
@@ -22,18 +22,7 @@ CHUNKS = [
     "The archive opens at nine and closes at five on weekdays.",
 ]
 Q = "When does the archive open?"
-STUDY = [
-    "full_prefill",
-    "reuse",
-    "reorder",
-    "insert_full_kv",
-    "spread",
-    "spread_chunks",
-    "target_recompute",
-    "token_select",
-    "attention_select",
-    "hybrid",
-]
+STUDY = STUDY_STRATEGIES
 
 
 @pytest.fixture(scope="module")

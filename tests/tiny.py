@@ -97,6 +97,13 @@ CHAT_TEMPLATE = (
 )
 
 
+def save_tiny(folder: Any) -> Any:
+    """The tiny llama and the byte tokenizer saved as a model folder (for from_pretrained); returns the folder."""
+    tiny_model("llama").save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def byte_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """Byte-level tokenizer: ids 0..255 are bytes (as GPT-2 byte characters), then the special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -11,7 +11,7 @@ sys.path.insert(0, str(HERE.parents[3] / "tests"))  # the core's tiny.py
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from tiny import FACTS, byte_tokenizer, tiny_model  # noqa: E402
+from tiny import FACTS, save_tiny  # noqa: E402
 
 from kvrag import KVRAG  # noqa: E402
 
@@ -27,8 +27,7 @@ def facts():
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(folder)
-    byte_tokenizer().save_pretrained(folder)
+    save_tiny(folder)
     return folder
 
 

@@ -3,7 +3,7 @@
 import asyncio
 
 import pytest
-from tiny import byte_tokenizer, tiny_model
+from tiny import save_tiny
 
 from kvrag import KVRAG, InvalidRequestError
 from kvrag.embed import Embedder
@@ -37,8 +37,7 @@ Q = "Who runs Velloria's harbour?"
 @pytest.fixture(scope="module")
 def rag(tmp_path_factory):
     root = tmp_path_factory.mktemp("li")
-    tiny_model("llama").save_pretrained(root / "model")
-    byte_tokenizer().save_pretrained(root / "model")
+    save_tiny(root / "model")
     return KVRAG.from_defaults(None, model=str(root / "model"), chunk_tokens=120, overlap=8, cache_dir=root / "cache")
 
 
@@ -91,8 +90,7 @@ def test_streaming_and_async(rag, vector_index):
 
 def test_ingestion_transform_fills_the_store_so_the_query_encodes_nothing(tmp_path, embed_model):
     root = tmp_path
-    tiny_model("llama").save_pretrained(root / "model")
-    byte_tokenizer().save_pretrained(root / "model")
+    save_tiny(root / "model")
     fresh = KVRAG.from_defaults(None, model=str(root / "model"), cache_dir=root / "cache")
     transform = KVRAGKVTransform(fresh)
     assert transform.to_dict() == KVRAGKVTransform(fresh).to_dict()  # deterministic: the pipeline cache keys on it
