@@ -1,24 +1,44 @@
-"""Benchmarks that print figures measured side by side in one process (never asserted in tests).
+"""Benchmarks that measure time to first token side by side in one process (figures, never asserted in tests).
 
-`ingest_benchmark`: kvrag's chunk encoding and whole ingestion against the model's raw batched forward
-over the same chunks in the same batches (prefix cache, padding, no KV kept).
+`run_bench`: for each context size, every strategy's time to first token through the engine (chunk KV in
+its memory store), beside two references run in the same process: plain transformers generating one token
+from the whole prompt, and the lower bound (one forward of the target and suffix tokens over an already
+built cache, nothing of kvrag around it). Phases are timed inside the real code path (`kvrag.timing`).
+Storage figures (ingest, store reads, bytes a token, int8 error) are in `kvrag.bench_storage`; files are
+written by `kvrag.bench_report`.
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
+import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from kvrag.demo import sample_docs
+from kvrag.documents import split_text
 from kvrag.embed import Embedder
 from kvrag.encode import _batches, encode_chunks, prefix_cache
 from kvrag.engine import KVRAG
 from kvrag.kvmodel import KVModel
+from kvrag.recompute import causal_mask, stitch_cache, stitch_layout
 from kvrag.store import DiskStore, MemoryStore, TieredStore
+from kvrag.strategies import STUDY_STRATEGIES
+from kvrag.timing import Phases
+
+DEFAULT_CONTEXTS = (1000, 2000, 4000, 8000)
+BUDGET = 0.05
+# The phases of a time to first token, in the order they happen; "other" is what no phase covers.
+PHASES = ("store load", "plan", "re-positioning", "cache assembly and mask", "forward", "first token")
+TRANSFORMERS = "transformers generate"
+LOWER_BOUND = "lower bound"
+LOWER_BOUND_SUFFIX = "lower bound (suffix only)"
 
 
 def _median_time(fn: Callable[[], Any], runs: int) -> float:
@@ -29,6 +49,183 @@ def _median_time(fn: Callable[[], Any], runs: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def context_texts(kv: KVModel, tokens: int, chunk_tokens: int) -> list[str]:
+    """Chunks of the bundled Python-docs excerpt (`chunk_tokens` each), repeated until they hold `tokens` tokens.
+
+    Repeats carry a copy mark, so every chunk is distinct and has its own stored KV.
+    """
+    docs, _ = sample_docs()
+    pieces = split_text("\n\n".join(d["text"] for d in docs), kv.tokenizer, chunk_tokens=chunk_tokens, overlap=0)
+    texts: list[str] = []
+    total = 0
+    while total < tokens:
+        n = len(texts)
+        text = pieces[n % len(pieces)] + (f"\n(copy {n // len(pieces)})" if n >= len(pieces) else "")
+        texts.append(text)
+        total += len(kv.layout.chunk_ids(text))
+    return texts
+
+
+class _Context:
+    """One context size: the chunks stored in an engine's memory store, the question and the prepared references."""
+
+    def __init__(self, kv: KVModel, rag: KVRAG, texts: list[str], question: str) -> None:
+        self.kv, self.rag, self.texts, self.question = kv, rag, texts, question
+        self.ids = [kv.layout.chunk_ids(t) for t in texts]
+        self.suffix = kv.layout.suffix_ids(question)
+        self.device = kv.prefix.keys.device
+        rag.store_kv(texts)  # encoded and stored once; not timed
+        self.chunks = [rag.store.get(kv.chunk_key(ids)) for ids in self.ids]
+
+    @property
+    def context_tokens(self) -> int:
+        return sum(map(len, self.ids))
+
+    def strategy(self, name: str) -> tuple[float, dict[str, float]]:
+        """One answer's time to first token through the engine, and its phases."""
+        phases = Phases(self.device)
+        answer = self.rag.answer(
+            self.question, self.texts, strategy=name, target=0, budget=BUDGET, max_new_tokens=1, phases=phases
+        )
+        return answer.stats.ttft_s, phases.seconds
+
+    def transformers_generate(self) -> Callable[[], float]:
+        """What a user runs without kvrag: `generate` one token from the whole prompt."""
+        ids = torch.tensor([self.kv.prompt_ids(self.question, self.ids, range(len(self.ids)))], device=self.device)
+        pad = self.kv.tokenizer.pad_token_id or self.kv.eos_ids[0]
+
+        @torch.inference_mode()
+        def run() -> float:
+            _sync(self.device)
+            t0 = time.perf_counter()
+            self.kv.model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=pad)
+            _sync(self.device)
+            return time.perf_counter() - t0
+
+        return run
+
+    def lower_bound(self, recompute_target: bool) -> Callable[[], float]:
+        """One forward of the target's and the suffix's tokens (or the suffix's alone) over a ready DynamicCache.
+
+        Everything else is prepared beforehand: the reused KV re-positioned, the 4-D mask, ids and positions;
+        a fresh DynamicCache over copies of that KV is built before each run, outside the timing.
+        """
+        kv, n = self.kv, len(self.chunks)
+        order = [*range(1, n), 0] if recompute_target else list(range(n))
+        S = {0: torch.arange(len(self.chunks[0]))} if recompute_target else {}
+        lengths, starts = [len(c) for c in self.chunks], [c.start for c in self.chunks]
+        layout = stitch_layout(len(kv.prefix), lengths, starts, order, S, len(self.suffix), self.device)
+        built = stitch_cache(kv.repositioner, kv.prefix, self.chunks, order, S, layout, room=0)
+        kv_data = [(layer.keys.contiguous(), layer.values.contiguous()) for layer in built.layers]
+        new_ids = ([*self.ids[0]] if recompute_target else []) + self.suffix
+        input_ids = torch.tensor([new_ids], device=self.device)
+        positions = layout.query_positions.view(1, -1)
+        mask = causal_mask(layout.key_positions, layout.query_positions, kv.prefix.keys.dtype)
+
+        @torch.inference_mode()
+        def run() -> float:
+            cache = DynamicCache(ddp_cache_data=kv_data)
+            _sync(self.device)
+            t0 = time.perf_counter()
+            kv.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                attention_mask=mask,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            _sync(self.device)
+            return time.perf_counter() - t0
+
+        return run
+
+
+def _peak_memory(device: torch.device) -> dict[str, float]:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    peak = {"rss_high_water_mb": rss / (1 << 20) if sys.platform == "darwin" else rss / 1024}
+    if device.type == "cuda":
+        peak["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / (1 << 20)
+    return peak
+
+
+def ttft_benchmark(
+    kv: KVModel,
+    rag: KVRAG,
+    *,
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    chunk_tokens: int = 200,
+    strategies: Sequence[str] = STUDY_STRATEGIES,
+    runs: int = 5,
+    log: Callable[[str], None] = print,
+    on_row: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Time to first token of every strategy and of both references at each context size (median of `runs`).
+
+    One warm-up of everything at the first size; then, size by size, `runs` rounds, each running every
+    strategy and reference once (interleaved, so a slow spell of the machine touches all of them alike).
+    """
+    _, questions = sample_docs()
+    question = questions[0]["question"]
+    device = kv.prefix.keys.device
+    rows = []
+    for size_index, size in enumerate(contexts):
+        ctx = _Context(kv, rag, context_texts(kv, size, chunk_tokens), question)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        references = {
+            TRANSFORMERS: ctx.transformers_generate(),
+            LOWER_BOUND: ctx.lower_bound(recompute_target=True),
+            LOWER_BOUND_SUFFIX: ctx.lower_bound(recompute_target=False),
+        }
+        if size_index == 0:  # warm-up: every code path once
+            for name in strategies:
+                ctx.strategy(name)
+            for run in references.values():
+                run()
+        times: dict[str, list[float]] = {name: [] for name in [*strategies, *references]}
+        phases: dict[str, list[dict[str, float]]] = {name: [] for name in strategies}
+        for _ in range(runs):
+            for name in strategies:
+                ttft, spent = ctx.strategy(name)
+                times[name].append(ttft)
+                phases[name].append(spent)
+            for name, run in references.items():
+                times[name].append(run())
+        row: dict[str, Any] = {
+            "context_tokens": ctx.context_tokens,
+            "chunks": len(ctx.texts),
+            "target_tokens": len(ctx.ids[0]),
+            "suffix_tokens": len(ctx.suffix),
+            "prompt_tokens": len(kv.prefix) + ctx.context_tokens + len(ctx.suffix),
+            "ttft_s": {name: statistics.median(t) for name, t in times.items()},
+            "runs_s": times,
+            "phases_s": {name: _median_phases(p, times[name]) for name, p in phases.items()},
+            "peak_memory": _peak_memory(device),
+        }
+        rows.append(row)
+        if on_row is not None:
+            on_row(rows)  # a long run keeps what it measured so far
+        t = row["ttft_s"]
+        log(
+            f"{row['context_tokens']:>6} context tokens: "
+            + ", ".join(f"{name} {t[name]:.3f} s" for name in [*strategies, *references])
+        )
+    return rows
+
+
+def _median_phases(runs: list[dict[str, float]], ttfts: list[float]) -> dict[str, float]:
+    """Per phase, the median over runs; "other" is the median of what the phases leave of each run's ttft."""
+    out = {name: statistics.median(r.get(name, 0.0) for r in runs) for name in PHASES}
+    out["other"] = statistics.median(max(0.0, t - sum(r.values())) for r, t in zip(runs, ttfts))
+    return out
 
 
 @torch.inference_mode()
@@ -51,13 +248,25 @@ def raw_forward(kv: KVModel, chunk_ids: list[list[int]]) -> None:
         )
 
 
-def ingest_benchmark(kv: KVModel, *, copies: int = 3, runs: int = 3, print_fn: Callable[[str], None] = print) -> dict:
-    """Chunks/s and tokens/s of raw forward, kvrag encoding, and ingestion into memory and disk stores."""
-    chunks, _ = sample_docs()
-    texts = [f"{c['text']}\n(copy {n})" for n in range(copies) for c in chunks]
+def ingest_benchmark(
+    kv: KVModel,
+    *,
+    copies: int = 3,
+    runs: int = 3,
+    embedder: Embedder | None = None,
+    texts: Sequence[str] | None = None,
+    print_fn: Callable[[str], None] = print,
+) -> dict:
+    """Chunks/s and tokens/s of raw forward, kvrag encoding, and ingestion into memory and disk stores.
+
+    The chunks are `texts`, or else `copies` copies of the bundled excerpt's chunks.
+    """
+    if texts is None:
+        chunks, _ = sample_docs()
+        texts = [f"{c['text']}\n(copy {n})" for n in range(copies) for c in chunks]
     ids = [kv.chunk_ids(i, t) for i, t in enumerate(texts)]
     tokens = sum(map(len, ids))
-    embedder = Embedder()
+    embedder = embedder or Embedder()
     results = {
         "raw batched forward": _median_time(lambda: raw_forward(kv, ids), runs),
         "kvrag encode_chunks": _median_time(
@@ -88,4 +297,11 @@ def ingest_benchmark(kv: KVModel, *, copies: int = 3, runs: int = 3, print_fn: C
         print_fn(
             f"{name:<30}{seconds:>9.3f}{len(texts) / seconds:>10.1f}{tokens / seconds:>10.0f}{raw / seconds:>8.2f}"
         )
-    return {"chunks": len(texts), "tokens": tokens, "seconds": results}
+    return {
+        "chunks": len(texts),
+        "tokens": tokens,
+        "runs": runs,
+        "seconds": results,
+        "tokens_per_s": {name: tokens / s for name, s in results.items()},
+        "x_raw": {name: raw / s for name, s in results.items()},
+    }

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from kvrag import __version__
-from kvrag.errors import KVRAGError
+from kvrag.errors import InvalidRequestError, KVRAGError
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--storage-dtype", default="float16", help="float16 (default), bfloat16, float32 or int8")
     ingest.add_argument("--quiet", action="store_true", help="no progress bar")
     ingest.add_argument("--redis", default=None, metavar="URL", help="keep chunk KV in Redis (redis:// or rediss://)")
+    ingest.add_argument(
+        "--namespace", default="", help="a tenant name in every chunk's store key (kept in the index; default: none)"
+    )
     _model_args(ingest)
 
     ask = sub.add_parser("ask", help="answer a question from an index folder")
@@ -64,6 +68,50 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--copies", type=int, default=3, help="copies of the bundled docs to ingest (default 3)")
     bench.add_argument("--runs", type=int, default=3)
 
+    bench = sub.add_parser(
+        "bench", help="time to first token of every strategy beside full prefill and the lower bound; write bench.*"
+    )
+    _model_args(bench)
+    bench.add_argument("--out", required=True, type=Path, help="folder for bench.json, bench.md and ttft.png")
+    bench.add_argument("--contexts", default=None, help="context sizes in tokens (default 1000,2000,4000,8000)")
+    bench.add_argument("--chunk-tokens", type=int, default=None, help="tokens a chunk (default 200)")
+    bench.add_argument("--strategies", default=None, help="comma-separated strategies (default: every study row)")
+    bench.add_argument("--runs", type=int, default=None, help="timed runs of each, the median is kept (default 5)")
+    bench.add_argument("--json", action="store_true", help="print bench.json instead of the markdown tables")
+    bench.add_argument("--quick", action="store_true", help="tiny contexts, one run: checks that everything runs")
+
+    study = sub.add_parser(
+        "study", help="run every repair strategy over study data; write results.json, table.md and plots"
+    )
+    study.add_argument(
+        "--data", required=True, help="FILE.jsonl, builtin:NAME[,NAME...] (api_docs, open_qa, dialogue) or builtin:all"
+    )
+    study.add_argument("--out", required=True, type=Path, help="output folder (its cache/ makes reruns resume)")
+    study.add_argument(
+        "--strategies",
+        default=None,
+        help="comma-separated; NAME:PICKER fixes a target strategy's picker (default: reuse,reorder,insert_full_kv,"
+        "spread,target_recompute,target_recompute:oracle,token_select,attention_select); full prefill and closed "
+        "book are always measured",
+    )
+    study.add_argument(
+        "--pickers", default="retriever", help="pickers of target strategies given without one (default: %(default)s)"
+    )
+    study.add_argument("--budget", type=float, default=None, help="one budget (default 0.05)")
+    study.add_argument("--budgets", default=None, help="comma-separated budgets, e.g. 0.01,0.02,0.05,0.1,0.2")
+    study.add_argument("--limit", type=int, default=None, help="items per file or per built-in set")
+    study.add_argument("--seed", type=int, default=0, help="seed of the built-in generators")
+    study.add_argument("--chunks", default="8-10", help="chunks a built-in question, MIN-MAX (default %(default)s)")
+    study.add_argument("--max-new-tokens", type=int, default=32, help="answers also end at a line break")
+    study.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="run every N-th item from the I-th (0-based), for parallel runs whose cache/ folders are merged after",
+    )
+    study.add_argument("--quiet", action="store_true", help="no progress bar")
+    _model_args(study)
+
     info = sub.add_parser("info", help="counts, bytes and the model fingerprint of an index folder")
     info.add_argument("--index", required=True, type=Path)
     info.add_argument("--device", default="cpu")
@@ -76,7 +124,9 @@ def _run(args: argparse.Namespace) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # weight-loading bars are noise on a command line
-    if args.threads:
+    if args.threads is not None:
+        if not 1 <= args.threads <= 1024:
+            raise InvalidRequestError(f"--threads must be in 1..1024, got {args.threads}")
         torch.set_num_threads(args.threads)
     if args.command == "demo":
         from kvrag.demo import run_demo
@@ -93,7 +143,15 @@ def _run(args: argparse.Namespace) -> None:
         ingest_benchmark(kv, copies=args.copies, runs=args.runs)
         return
 
-    from kvrag.engine import MANIFEST, KVRAG
+    if args.command == "study":
+        _study(args)
+        return
+
+    if args.command == "bench":
+        _bench(args)
+        return
+
+    from kvrag.engine import KVRAG, MANIFEST
     from kvrag.errors import IndexLoadError
     from kvrag.store import MemoryStore, RedisStore, TieredStore
 
@@ -116,6 +174,8 @@ def _run(args: argparse.Namespace) -> None:
             overlap=args.overlap,
             storage_dtype=args.storage_dtype,
             store=store,
+            namespace=args.namespace,
+            require_store=True,
         )
         stats = rag.ingest(list(args.paths), progress=not args.quiet)
         print(
@@ -128,7 +188,7 @@ def _run(args: argparse.Namespace) -> None:
         raise IndexLoadError(
             f"no kvrag index at {args.index}: create one with `kvrag ingest PATH --index {args.index}`"
         )
-    rag = KVRAG.load(args.index, device=args.device, store=store)
+    rag = KVRAG.load(args.index, device=args.device, store=store, require_store=True)
     if args.command == "info":
         print(json.dumps(rag.info(), indent=1))
         return
@@ -157,8 +217,103 @@ def _run(args: argparse.Namespace) -> None:
         )
 
 
+def _csv(text: str, kind: type, what: str) -> list:
+    try:
+        values = [kind(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InvalidRequestError(f"{what} must be a comma-separated list, got {text!r}") from None
+    if not values:
+        raise InvalidRequestError(f"{what} is empty: give at least one")
+    return values
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from kvrag.bench_report import run_bench
+    from kvrag.kvmodel import KVModel
+    from kvrag.strategies import STUDY_STRATEGIES, get_strategy
+
+    quick = args.quick
+    contexts = _csv(args.contexts or ("150,300" if quick else "1000,2000,4000,8000"), int, "--contexts")
+    strategies = _csv(args.strategies, str, "--strategies") if args.strategies else list(STUDY_STRATEGIES)
+    for name in strategies:
+        get_strategy(name)
+    chunk_tokens = args.chunk_tokens or (50 if quick else 200)
+    runs = args.runs or (1 if quick else 5)
+    if runs < 1 or chunk_tokens < 8 or min(contexts) < chunk_tokens:
+        raise InvalidRequestError(
+            f"need --runs >= 1, --chunk-tokens >= 8 and every context at least one chunk long, got runs {runs}, "
+            f"chunk tokens {chunk_tokens}, contexts {contexts}"
+        )
+    kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    command = "kvrag " + " ".join(shlex.quote(a) for a in args.argv)
+    log = (lambda line: print(line, file=sys.stderr)) if args.json else print
+    result = run_bench(
+        kv,
+        args.out,
+        contexts=contexts,
+        chunk_tokens=chunk_tokens,
+        strategies=strategies,
+        runs=runs,
+        quick=quick,
+        command=command,
+        log=log,
+    )
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print((args.out / "bench.md").read_text())
+
+
+def _study(args: argparse.Namespace) -> None:
+    from kvrag.kvmodel import KVModel
+    from kvrag.planner import check_request
+    from kvrag.study import StudyConfig, load_items, run_study
+    from kvrag.study.runner import DEFAULT_STRATEGIES
+
+    if args.budget is not None and args.budgets is not None:
+        raise InvalidRequestError("give --budget or --budgets, not both")
+    budgets = [args.budget] if args.budget is not None else _csv(args.budgets or "0.05", float, "--budgets")
+    for budget in budgets:
+        check_request(1, target=None, scores=None, budget=budget)
+    try:
+        lo, hi = (int(x) for x in args.chunks.split("-"))
+    except ValueError:
+        raise InvalidRequestError(f"--chunks must be MIN-MAX, e.g. 8-10, got {args.chunks!r}") from None
+    if args.limit is not None and args.limit < 1:
+        raise InvalidRequestError(f"--limit must be at least 1, got {args.limit}")
+    if args.max_new_tokens < 1:
+        raise InvalidRequestError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    config = StudyConfig(
+        strategies=_csv(args.strategies, str, "--strategies") if args.strategies else DEFAULT_STRATEGIES,
+        pickers=_csv(args.pickers, str, "--pickers"),
+        budgets=budgets,
+        max_new_tokens=args.max_new_tokens,
+    )
+    rows = config.rows()  # checks every strategy and picker name before the model loads
+    items, problems = load_items(args.data, limit=args.limit, seed=args.seed, chunks=(lo, hi))
+    if args.shard:
+        try:
+            index, count = (int(x) for x in args.shard.split("/"))
+        except ValueError:
+            index = count = -1
+        if not 0 <= index < count:
+            raise InvalidRequestError(f"--shard must be I/N with 0 <= I < N, e.g. 0/2, got {args.shard!r}")
+        items = items[index::count]
+    for line in problems[:20]:
+        print(f"kvrag: skipped {line}", file=sys.stderr)
+    print(
+        f"kvrag study: {len(items)} items, {len(rows)} strategy rows, budgets {budgets}, "
+        f"{__import__('torch').get_num_threads()} threads",
+        file=sys.stderr,
+    )
+    kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    command = "kvrag " + " ".join(shlex.quote(a) for a in args.argv)
+    run_study(kv, items, args.out, config=config, problems=problems, command=command, progress=not args.quiet)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         _run(args)
     except (KVRAGError, ValueError, OSError) as err:

@@ -19,6 +19,9 @@ from safetensors.torch import save as st_save
 from kvrag.errors import InvalidRequestError
 from kvrag.kv import KV_FORMAT_VERSION, ChunkKV
 
+# The metadata field of the digest. Entries from before it covered the header carry "sha256" instead: a miss.
+CHECKSUM = "checksum"
+
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
 
 
@@ -35,11 +38,18 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
+def _digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """sha256 over every tensor (name, dtype, shape, bytes) and every metadata field but the digest itself.
+
+    The header is covered too: a flipped dtype or shape, or a flipped `start`, would otherwise read back as
+    well-formed KV at the wrong place or of the wrong kind.
+    """
     h = hashlib.sha256()
     for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    h.update(json.dumps({k: v for k, v in metadata.items() if k != CHECKSUM}, sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -63,8 +73,8 @@ def encode_entry(chunk: ChunkKV, *, key: str, dtype: str = "float16") -> bytes:
         "encoder": chunk.encoder,
         "start": str(chunk.start),
         "dtype": dtype,
-        "sha256": _digest(tensors),
     }
+    metadata[CHECKSUM] = _digest(tensors, metadata)
     return st_save(tensors, metadata=metadata)
 
 
@@ -84,7 +94,8 @@ def decode_entry(
 ) -> ChunkKV | None:
     """The ChunkKV in `blob`, in the model's dtype on its device, or None when it must not be used.
 
-    None means: unreadable or truncated bytes, a checksum mismatch (flipped bytes), or an entry written
+    None means: unreadable or truncated bytes, a checksum mismatch (flipped bytes, in the tensors or in the
+    header), or an entry written
     under another key, model/prefix (`encoder`) or format version.
     """
     meta = entry_metadata(blob)
@@ -96,7 +107,7 @@ def decode_entry(
         tensors = st_load(blob)
     except Exception:  # safetensors raises its own error types on damaged bytes
         return None
-    if _digest(tensors) != meta.get("sha256"):
+    if _digest(tensors, meta) != meta.get(CHECKSUM):
         return None
     try:
         if meta["dtype"] == "int8":

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 from kvrag.errors import DocumentError, EmptyInputError, InvalidRequestError
+from kvrag.layout import check_unicode
 
 
 @dataclass(slots=True)
@@ -84,11 +85,14 @@ def to_documents(items: Item | Iterable[Item], metadata: Mapping[str, Any] | Non
                 "folders, (text, metadata) pairs or kvrag.Document"
             )
     for doc in docs:
+        if not isinstance(doc.text, str):
+            raise InvalidRequestError(f"a Document's text is a {type(doc.text).__name__}: give it a str")
         if metadata:
             doc.metadata = {**metadata, **doc.metadata}
         if not doc.text.strip():
             where = doc.metadata.get("source", "a document")
             raise EmptyInputError(f"{where} is empty or whitespace only: nothing to ingest")
+        check_unicode(doc.text, str(doc.metadata.get("source", "a document")))
         if not doc.id:
             doc.id = "text-" + hashlib.sha256(doc.text.encode()).hexdigest()[:16]
     return docs

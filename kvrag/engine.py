@@ -8,10 +8,11 @@ misses), and answers with a strategy. Strategy and model logic stay in KVModel.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import os
 import threading
 import time
+import uuid
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,12 +22,22 @@ from kvrag.documents import Item, split_text, to_documents
 from kvrag.embed import Embedder
 from kvrag.encode import encode_chunks
 from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError, StoreError
-from kvrag.index import ChunkIndex, ChunkRecord, Filters
-from kvrag.kv import ChunkKV
+from kvrag.index import ChunkIndex, ChunkRecord, Filters, write_atomic
+from kvrag.kv import ChunkKey, ChunkKV, chunk_key
 from kvrag.kvmodel import Answer, KVModel, Source
-from kvrag.store import DiskStore, KVStore, MemoryStore, TieredStore
+from kvrag.layout import check_unicode
+from kvrag.store import DiskStore, KVStore, MemoryStore, TieredStore, check_namespace
+from kvrag.timing import phase
 
-INDEX_FORMAT = 1
+try:
+    import fcntl
+except ImportError:  # not POSIX: one process an index folder
+    fcntl = None  # type: ignore[assignment]
+
+# 2: vectors as safetensors (never a format that runs code when read), files named by a generation that the
+# manifest commits.
+INDEX_FORMAT = 2
+LOCK_FILE = ".kvrag.lock"
 
 
 class StoreWarning(UserWarning):
@@ -58,6 +69,14 @@ class KVRAG:
         store: where chunk KV is kept (bound to `kv`'s model and prefix).
         path: the index folder; None keeps everything in memory.
         chunk_tokens, overlap: the splitter's window and overlap, in LM tokens.
+        namespace: a tenant name that enters every chunk's store key, so engines of different namespaces
+            sharing one store (one Redis, one folder, one MemoryStore) never serve each other's KV and
+            cannot probe it by timing. "" (default) is the shared namespace.
+        require_store: raise StoreError when the store cannot be reached at start; by default the engine
+            starts with a StoreWarning and recomputes chunks until the store answers again.
+
+    Many processes may open one index folder: ingest and delete hold an exclusive lock on it and first
+    take in what another process committed; loading holds a shared lock.
     """
 
     def __init__(
@@ -71,17 +90,32 @@ class KVRAG:
         chunk_tokens: int = 200,
         overlap: int = 20,
         model_source: str | None = None,
+        namespace: str = "",
+        require_store: bool = False,
+        generation: str | None = None,
     ) -> None:
         self.kv = kv
         self.embedder = embedder
         self.store = store
-        self.store.check()
+        self.namespace = check_namespace(namespace) if namespace else ""
+        try:
+            self.store.check()
+        except StoreError as err:
+            if require_store:
+                raise
+            warnings.warn(
+                f"kvrag: the KV store is unreachable at start ({err}); answering by recomputing chunks until "
+                "it answers again",
+                StoreWarning,
+                stacklevel=2,
+            )
         self.store.bind(encoder=kv.encoder_id, dtype=kv.prefix.keys.dtype, device=kv.prefix.keys.device)
         self.path = Path(path) if path is not None else None
         dim = int(embedder.embed(["dimension probe"]).shape[1])
         self.index = index or ChunkIndex(dim)
         self.chunk_tokens, self.overlap = chunk_tokens, overlap
         self.model_source = model_source
+        self._generation = generation  # the committed index generation this engine's index reflects
         self._lock: threading.RLock = kv.lock  # one lock: the model, the index and the store change together
 
     # -- construction -----------------------------------------------------------------------------------
@@ -101,13 +135,24 @@ class KVRAG:
         chunk_tokens: int = 200,
         overlap: int = 20,
         cache_dir: str | Path | None = None,
+        namespace: str = "",
+        require_store: bool = False,
     ) -> KVRAG:
         """An engine on the embedded defaults (or the given model and embedder), loading `path` if it holds an index.
 
         The KV store defaults to memory in front of a disk store in `path/kv` (memory only without a path).
+        `namespace` and `require_store` are those of `KVRAG`.
         """
         if path is not None and (Path(path) / MANIFEST).is_file():
-            return cls.load(path, store=store, memory_bytes=memory_bytes, device=device, cache_dir=cache_dir)
+            return cls.load(
+                path,
+                store=store,
+                memory_bytes=memory_bytes,
+                device=device,
+                cache_dir=cache_dir,
+                namespace=namespace or None,
+                require_store=require_store,
+            )
         kv = KVModel.from_pretrained(model, dtype=dtype, device=device, cache_dir=cache_dir)
         if store is None:
             store = MemoryStore(memory_bytes)
@@ -121,6 +166,8 @@ class KVRAG:
             chunk_tokens=chunk_tokens,
             overlap=overlap,
             model_source=model,
+            namespace=namespace,
+            require_store=require_store,
         )
 
     @classmethod
@@ -132,32 +179,31 @@ class KVRAG:
         memory_bytes: int = 1 << 30,
         device: str = "cpu",
         cache_dir: str | Path | None = None,
+        namespace: str | None = None,
+        require_store: bool = False,
     ) -> KVRAG:
-        """Open an index folder written by an engine with a path; the model and embedder are those it was built with."""
+        """Open an index folder written by an engine with a path; the model and embedder are those it was built with.
+
+        The namespace is the one the index was built with; passing another raises IndexLoadError.
+        """
         folder = Path(path)
-        try:
-            manifest = json.loads((folder / MANIFEST).read_text())
-        except FileNotFoundError:
-            raise IndexLoadError(
-                f"no kvrag index at {folder}: create one with `kvrag ingest PATH --index {folder}`"
-            ) from None
-        except (OSError, ValueError) as err:
-            raise IndexLoadError(f"the index manifest {folder / MANIFEST} is unreadable ({err}): re-ingest") from err
-        if manifest.get("format") != INDEX_FORMAT:
-            raise IndexLoadError(
-                f"{folder} holds index format {manifest.get('format')}, this kvrag reads {INDEX_FORMAT}"
-            )
-        kv = KVModel.from_pretrained(manifest["model"], dtype=manifest["dtype"], device=device, cache_dir=cache_dir)
-        if kv.fingerprint.digest != manifest["fingerprint"]:
-            raise IndexLoadError(
-                f"the index at {folder} was built with another model ({manifest['architecture']}, "
-                f"{manifest['weights']}): open it with that model or re-ingest"
-            )
-        embedder = Embedder(manifest["embedder"], device=device)
-        try:
-            index = ChunkIndex.load(folder / "index", manifest["dim"])
-        except (OSError, RuntimeError, ValueError, TypeError) as err:
-            raise IndexLoadError(f"the index at {folder} is damaged ({err}): re-ingest into a new folder") from err
+        if not (folder / MANIFEST).is_file():
+            raise IndexLoadError(f"no kvrag index at {folder}: create one with `kvrag ingest PATH --index {folder}`")
+        with _folder_lock(folder, shared=True):
+            manifest = _read_manifest(folder)
+            if namespace is not None and namespace != manifest.get("namespace", ""):
+                raise IndexLoadError(
+                    f"the index at {folder} was built for namespace {manifest.get('namespace', '')!r}, not "
+                    f"{namespace!r}: open it without a namespace or ingest into another folder"
+                )
+            kv = KVModel.from_pretrained(manifest["model"], dtype=manifest["dtype"], device=device, cache_dir=cache_dir)
+            if kv.fingerprint.digest != manifest["fingerprint"]:
+                raise IndexLoadError(
+                    f"the index at {folder} was built with another model ({manifest['architecture']}, "
+                    f"{manifest['weights']}): open it with that model or re-ingest"
+                )
+            embedder = Embedder(manifest["embedder"], device=device)
+            index = _load_index(folder, manifest)
         if store is None:
             store = TieredStore(MemoryStore(memory_bytes), DiskStore(folder / "kv", manifest["storage_dtype"]))
         return cls(
@@ -169,34 +215,96 @@ class KVRAG:
             chunk_tokens=manifest["chunk_tokens"],
             overlap=manifest["overlap"],
             model_source=manifest["model"],
+            namespace=manifest.get("namespace", ""),
+            require_store=require_store,
+            generation=manifest["index"],
         )
 
     def persist(self, path: str | Path | None = None) -> Path:
-        """Write the index and manifest to `path` (default: the engine's path). KV in a disk store is already there."""
+        """Write the index and manifest to `path` (default: the engine's path). KV in a disk store is already there.
+
+        The index files are written under a fresh generation name and committed by renaming the manifest
+        over the old one: a process killed at any point leaves the previous index or the new one, whole. A
+        write that fails (a full disk) raises StoreError and leaves the index on disk as it was.
+        """
         folder = Path(path) if path is not None else self.path
         if folder is None:
             raise InvalidRequestError("this engine has no path: pass persist(path)")
-        with self._lock:
-            self.index.save(folder / "index")
-            fp = self.kv.fingerprint
-            storage = getattr(getattr(self.store, "back", self.store), "storage_dtype", "float16")
-            manifest = {
-                "format": INDEX_FORMAT,
-                "model": self.model_source,
-                "dtype": fp.dtype,
-                "fingerprint": fp.digest,
-                "architecture": fp.architecture,
-                "weights": fp.weights,
-                "embedder": self.embedder.name,
-                "dim": self.index.dim,
-                "chunk_tokens": self.chunk_tokens,
-                "overlap": self.overlap,
-                "storage_dtype": storage,
-            }
-            tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(manifest, indent=1))
-            os.replace(tmp, folder / MANIFEST)
+        with self._lock, _folder_lock(folder):
+            self._commit(folder)
         return folder
+
+    def _commit(self, folder: Path) -> None:
+        """Write the index under a new generation and commit it with the manifest (the caller holds the locks)."""
+        generation = uuid.uuid4().hex[:16]
+        fp = self.kv.fingerprint
+        storage = getattr(getattr(self.store, "back", self.store), "storage_dtype", "float16")
+        manifest = {
+            "format": INDEX_FORMAT,
+            "index": generation,
+            "model": self.model_source,
+            "dtype": fp.dtype,
+            "fingerprint": fp.digest,
+            "architecture": fp.architecture,
+            "weights": fp.weights,
+            "embedder": self.embedder.name,
+            "dim": self.index.dim,
+            "chunk_tokens": self.chunk_tokens,
+            "overlap": self.overlap,
+            "storage_dtype": storage,
+            "namespace": self.namespace,
+        }
+        written: list[Path] = []
+        try:
+            written = self.index.save(folder / "index", generation)
+            write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
+        except OSError as err:
+            for file in written:  # never committed: nothing refers to them
+                with contextlib.suppress(OSError):
+                    file.unlink()
+            raise StoreError(
+                f"cannot write the index under {folder}: {err.strerror or err}; the index on disk is unchanged. "
+                "Free space or choose another folder, then ingest again."
+            ) from err
+        if self.path is not None and folder.resolve() == self.path.resolve():
+            self._generation = generation
+        # Earlier generations are unreferenced now, and a temporary file can only be a dead writer's: every
+        # writer of the index holds the folder's exclusive lock.
+        for old in [*(folder / "index").glob("*"), *folder.glob(".*.tmp")]:
+            if old.is_file() and (generation not in old.name or old.name.endswith(".tmp")):
+                with contextlib.suppress(OSError):
+                    old.unlink()
+
+    def _take_in_commits(self) -> None:
+        """Reload the index if another process committed a newer one (the caller holds the folder lock)."""
+        if self.path is None or not (self.path / MANIFEST).is_file():
+            return
+        manifest = _read_manifest(self.path)
+        if manifest["index"] == self._generation:
+            return
+        if manifest["fingerprint"] != self.kv.fingerprint.digest or manifest.get("namespace", "") != self.namespace:
+            raise IndexLoadError(
+                f"another process wrote an index at {self.path} with another model or namespace: "
+                "ingest into another folder"
+            )
+        self.index = _load_index(self.path, manifest)
+        self._generation = manifest["index"]
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Hold the engine's lock and, with a path, the folder's exclusive lock, with the latest commit taken in."""
+        with self._lock:
+            if self.path is None:
+                yield
+                return
+            self.path.mkdir(parents=True, exist_ok=True)
+            with _folder_lock(self.path):
+                self._take_in_commits()
+                yield
+
+    def _key(self, ids: Sequence[int]) -> ChunkKey:
+        """A chunk's store key under this engine's model, prefix and namespace."""
+        return chunk_key(self.kv.fingerprint.digest, self.kv.layout.prefix_ids, ids, salt=self.namespace)
 
     # -- ingestion --------------------------------------------------------------------------------------
 
@@ -220,7 +328,7 @@ class KVRAG:
         """
         t0 = time.perf_counter()
         docs = to_documents(items, metadata)
-        with self._lock:
+        with self._writing():
             records: list[ChunkRecord] = []
             chunk_ids: list[list[int]] = []
             for doc in docs:
@@ -237,12 +345,14 @@ class KVRAG:
                             doc_id=doc.id,
                             text=text,
                             metadata=dict(doc.metadata),
-                            key=self.kv.chunk_key(ids),
+                            key=self._key(ids),
                             n_tokens=len(ids),
                         )
                     )
                     chunk_ids.append(ids)
-            missing = [i for i, r in enumerate(records) if r.key not in self.store]
+            seen: set[str] = set()
+            stored = [r.key in self.store for r in records]
+            missing = [i for i, r in enumerate(records) if not stored[i] and not (r.key in seen or seen.add(r.key))]
             encode_s = self._encode_and_store(
                 [records[i] for i in missing],
                 [chunk_ids[i] for i in missing],
@@ -250,17 +360,23 @@ class KVRAG:
                 on_progress=on_progress,
             )
             vectors = self.embedder.embed([r.text for r in records])
-            for doc in docs:  # re-ingesting a document replaces its chunks (their KV stays stored)
-                self.index.remove_doc(doc.id)
-            self.index.add(records, vectors)
-            if self.path is not None:
-                self.persist()
+            before = self.index
+            self.index = before.copy()
+            try:
+                for doc in docs:  # re-ingesting a document replaces its chunks (their KV stays stored)
+                    self.index.remove_doc(doc.id)
+                self.index.add(records, vectors)
+                if self.path is not None:
+                    self._commit(self.path)
+            except BaseException:
+                self.index = before  # nothing half-added: the index stays as committed
+                raise
         return IngestStats(
             documents=len(docs),
             chunks=len(records),
             tokens=sum(r.n_tokens for r in records),
             encoded=len(missing),
-            store_hits=len(records) - len(missing),
+            store_hits=sum(stored),
             seconds=time.perf_counter() - t0,
             encode_s=encode_s,
         )
@@ -289,18 +405,22 @@ class KVRAG:
                 on_progress(done, len(records))
 
         try:
-            kvs = encode_chunks(
-                self.kv.model,
-                self.kv.prefix,
-                ids,
-                batch_tokens=self.kv.batch_tokens,
-                on_batch=advance,
-                encoder=self.kv.encoder_id,
-            )
+            # A group of about one encoding forward at a time, stored before the next is encoded: ingestion
+            # holds one group's KV in memory, however large the corpus.
+            for group in _groups([len(i) for i in ids], max(self.kv.batch_tokens, 1)):
+                kvs = encode_chunks(
+                    self.kv.model,
+                    self.kv.prefix,
+                    [ids[i] for i in group],
+                    batch_tokens=self.kv.batch_tokens,
+                    on_batch=advance,
+                    encoder=self.kv.encoder_id,
+                )
+                for i, kv in zip(group, kvs):
+                    self.store.put(records[i].key, kv)
+                del kvs
         finally:
             bar.close()
-        for record, kv in zip(records, kvs):
-            self.store.put(record.key, kv)
         return time.perf_counter() - t0
 
     def store_kv(self, texts: Sequence[str], *, progress: bool = False) -> IngestStats:
@@ -312,7 +432,7 @@ class KVRAG:
         t0 = time.perf_counter()
         with self._lock:
             ids = [self.kv.chunk_ids(i, t) for i, t in enumerate(texts)]
-            keys = [self.kv.chunk_key(c) for c in ids]
+            keys = [self._key(c) for c in ids]
             seen: set[str] = set()
             missing = [i for i, k in enumerate(keys) if k not in self.store and not (k in seen or seen.add(k))]
             records = [ChunkRecord(id=f"given#{i}", doc_id="", text=texts[i], key=keys[i]) for i in missing]
@@ -329,14 +449,20 @@ class KVRAG:
 
     def delete(self, doc_id: str) -> int:
         """Remove a document's chunks, vectors and stored KV (unless another chunk shares it); return the count."""
-        with self._lock:
+        with self._writing():
+            before = self.index
+            self.index = before.copy()
             gone = self.index.remove_doc(doc_id)
+            try:
+                if gone and self.path is not None:
+                    self._commit(self.path)
+            except BaseException:
+                self.index = before
+                raise
             live = {r.key for r in self.index.records.values()}
-            for record in gone:
+            for record in gone:  # after the commit: a crash before it leaves the document whole
                 if record.key not in live:
                     self.store.delete(record.key)
-            if gone and self.path is not None:
-                self.persist()
         return len(gone)
 
     # -- retrieval and answers --------------------------------------------------------------------------
@@ -349,6 +475,7 @@ class KVRAG:
             raise EmptyInputError("the question is empty or whitespace only: ask something")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 10_000:
             raise InvalidRequestError(f"top_k must be an int in 1..10000, got {top_k!r}")
+        check_unicode(question, "the question")
         vector = self.embedder.embed([question])[0]
         with self._lock:
             if not len(self.index):
@@ -362,9 +489,7 @@ class KVRAG:
         for i, s in enumerate(sources):
             record = self.index.records.get(s.id)
             keys.append(
-                record.key
-                if record is not None and record.text == s.text
-                else self.kv.chunk_key(self.kv.chunk_ids(i, s.text))
+                record.key if record is not None and record.text == s.text else self._key(self.kv.chunk_ids(i, s.text))
             )
         kvs: list[ChunkKV | None] = [self._load(k) for k in keys]
         misses = [i for i, kv in enumerate(kvs) if kv is None]
@@ -374,7 +499,7 @@ class KVRAG:
                 self.kv.model, self.kv.prefix, ids, batch_tokens=self.kv.batch_tokens, encoder=self.kv.encoder_id
             )
             for i, kv in zip(misses, fresh):
-                kvs[i] = kv
+                kvs[i] = self.store.as_stored(kv)  # as a later hit will read it: the same answer either way
                 try:
                     self.store.put(keys[i], kv)
                 except StoreError as err:
@@ -422,7 +547,7 @@ class KVRAG:
         )
 
     def _answer(self, question: str, sources: list[Source], t0: float, **kwargs: Any) -> Iterator[str | Answer]:
-        with self._lock:  # never held across a yield: the model's own lock guards each forward
+        with self._lock, phase(kwargs.get("phases"), "store load"):  # the lock is never held across a yield
             kvs, hits, encoded = self._chunk_kv(sources)
         retrieve_s = time.perf_counter() - t0
         for item in self.kv.stream(question, kvs, started_at=t0, **kwargs):
@@ -447,7 +572,7 @@ class KVRAG:
             by_key = {r.key: r for r in self.index.records.values()}
         sources = []
         for i, text in enumerate(chunks):
-            record = by_key.get(self.kv.chunk_key(self.kv.chunk_ids(i, text)))
+            record = by_key.get(self._key(self.kv.chunk_ids(i, text)))
             sources.append(
                 Source(
                     id=record.id if record else f"given#{i}",
@@ -495,7 +620,57 @@ class KVRAG:
                 "embedder": self.embedder.source,
                 "chunk_tokens": self.chunk_tokens,
                 "overlap": self.overlap,
+                "namespace": self.namespace,
             }
+
+
+def _groups(lengths: Sequence[int], tokens: int) -> list[list[int]]:
+    """Consecutive chunk indices in groups of about `tokens` tokens (at least one chunk a group)."""
+    groups: list[list[int]] = [[]]
+    total = 0
+    for i, n in enumerate(lengths):
+        if groups[-1] and total + n > tokens:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return [g for g in groups if g]
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path, *, shared: bool = False) -> Iterator[None]:
+    """An advisory lock on an index folder across processes (exclusive to write, shared to read)."""
+    if fcntl is None or not folder.is_dir():
+        yield
+        return
+    with open(folder / LOCK_FILE, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _read_manifest(folder: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise IndexLoadError(
+            f"no kvrag index at {folder}: create one with `kvrag ingest PATH --index {folder}`"
+        ) from None
+    except (OSError, ValueError) as err:
+        raise IndexLoadError(f"the index manifest {folder / MANIFEST} is unreadable ({err}): re-ingest") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != INDEX_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise IndexLoadError(f"{folder} holds index format {found}, this kvrag reads {INDEX_FORMAT}: re-ingest")
+    return manifest
+
+
+def _load_index(folder: Path, manifest: Mapping[str, Any]) -> ChunkIndex:
+    try:
+        return ChunkIndex.load(folder / "index", manifest["dim"], manifest["index"])
+    except (OSError, RuntimeError, ValueError, TypeError, KeyError) as err:
+        raise IndexLoadError(f"the index at {folder} is damaged ({err}): re-ingest into a new folder") from err
 
 
 async def in_thread(make: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:

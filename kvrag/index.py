@@ -1,7 +1,9 @@
 """The chunk index: chunk records, a FAISS inner-product index on normalized embeddings, optional BM25.
 
 Filters on metadata are applied before top-k (FAISS searches only the chunks that match). Saved as
-`faiss.write_index` plus JSON. This module never touches the LM or the KV store.
+safetensors (the vectors and their row ids) plus JSON lines (the records), never in a format that can run
+code when read; the FAISS index is rebuilt from the vectors on load. This module never touches the LM or
+the KV store.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -86,6 +89,16 @@ class ChunkIndex:
             self._bm25 = None
         return gone
 
+    def copy(self) -> ChunkIndex:
+        """An independent copy (records are shared: they are never changed once added)."""
+        import faiss
+
+        other = ChunkIndex.__new__(ChunkIndex)
+        other.dim, other.vectors = self.dim, faiss.clone_index(self.vectors)
+        other.records, other.by_row, other.next_row = dict(self.records), dict(self.by_row), self.next_row
+        other._bm25 = self._bm25
+        return other
+
     def docs(self) -> set[str]:
         return {r.doc_id for r in self.records.values()}
 
@@ -137,33 +150,82 @@ class ChunkIndex:
 
     # -- persistence ------------------------------------------------------------------------------------
 
-    def save(self, folder: Path) -> None:
-        """Write `vectors.faiss` and `chunks.jsonl` under `folder`, each renamed into place."""
-        import faiss
+    def save(self, folder: Path, generation: str = "") -> list[Path]:
+        """Write `vectors[-generation].safetensors` and `chunks[-generation].jsonl` under `folder`; return them.
+
+        Each file is written to a temporary name, fsynced and renamed into place. A caller that commits
+        both at once (the engine's manifest) names a fresh `generation` each time, so a reader never pairs
+        the vectors of one save with the records of another.
+        """
+        from safetensors.numpy import save as np_save
 
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".vectors.{os.getpid()}.tmp"
-        faiss.write_index(self.vectors, str(tmp))
-        os.replace(tmp, folder / "vectors.faiss")
-        tmp = folder / f".chunks.{os.getpid()}.tmp"
-        with tmp.open("w", encoding="utf-8") as f:
-            for r in sorted(self.records.values(), key=lambda r: r.row):
-                f.write(json.dumps(asdict(r), ensure_ascii=False) + "\n")
-        os.replace(tmp, folder / "chunks.jsonl")
+        records = sorted(self.records.values(), key=lambda r: r.row)
+        vectors = np.stack([self.vectors.reconstruct(r.row) for r in records]) if records else None
+        rows = np.array([r.row for r in records], dtype=np.int64)
+        blobs = {
+            _name("vectors", generation, ".safetensors"): np_save(
+                {"vectors": np.zeros((0, self.dim), np.float32) if vectors is None else vectors, "rows": rows},
+                metadata={"dim": str(self.dim), "next_row": str(self.next_row)},
+            ),
+            _name("chunks", generation, ".jsonl"): "".join(
+                json.dumps(asdict(r), ensure_ascii=False) + "\n" for r in records
+            ).encode("utf-8"),
+        }
+        written = []
+        for name, blob in blobs.items():
+            write_atomic(folder / name, blob)
+            written.append(folder / name)
+        return written
 
     @classmethod
-    def load(cls, folder: Path, dim: int) -> ChunkIndex:
-        import faiss
+    def load(cls, folder: Path, dim: int, generation: str = "") -> ChunkIndex:
+        """Read what `save` wrote (only safetensors and JSON); raise ValueError or OSError when it is damaged."""
+        from safetensors.numpy import load as np_load
 
         index = cls(dim)
-        index.vectors = faiss.read_index(str(folder / "vectors.faiss"))
-        with (folder / "chunks.jsonl").open(encoding="utf-8") as f:
+        blob = (folder / _name("vectors", generation, ".safetensors")).read_bytes()
+        try:
+            tensors = np_load(blob)
+        except Exception as err:  # safetensors raises its own error type on damaged bytes
+            raise ValueError(f"the vectors file is not readable safetensors ({err})") from None
+        vectors, rows = tensors["vectors"], tensors["rows"]
+        if vectors.ndim != 2 or vectors.shape[1] != dim or rows.shape != (vectors.shape[0],):
+            raise ValueError(f"vectors of shape {vectors.shape} for {rows.shape} rows and dimension {dim}")
+        with (folder / _name("chunks", generation, ".jsonl")).open(encoding="utf-8") as f:
             for line in f:
                 if line.strip():
                     record = ChunkRecord(**json.loads(line))
                     index.records[record.id] = record
                     index.by_row[record.row] = record.id
+        if sorted(index.by_row) != sorted(rows.tolist()):
+            raise ValueError(f"index at {folder} holds {len(rows)} vectors for {len(index.records)} chunks")
+        if len(rows):
+            index.vectors.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), rows)
         index.next_row = max(index.by_row, default=-1) + 1
-        if index.vectors.ntotal != len(index.records):
-            raise ValueError(f"index at {folder} holds {index.vectors.ntotal} vectors for {len(index.records)} chunks")
         return index
+
+
+def _name(stem: str, generation: str, suffix: str) -> str:
+    return f"{stem}-{generation}{suffix}" if generation else f"{stem}{suffix}"
+
+
+def write_atomic(path: Path, blob: bytes) -> None:
+    """Write `blob` to `path` through a temporary file in the same folder: fsynced, then renamed.
+
+    A reader sees the old file or the new one, never a part; on any error the temporary file is removed
+    and the old file is left as it was.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise

@@ -29,11 +29,12 @@ from kvrag.model import (
     resolve_dtype,
     weights_id as default_weights_id,
 )
-from kvrag.recompute import Stitched, full_prefill, recompute
+from kvrag.recompute import Stitched, Workspace, full_prefill, recompute
 from kvrag.rope import Repositioner
 from kvrag.planner import Decision, as_index, check_request, make_plan
 from kvrag.probe import Probe
 from kvrag.strategies import get_strategy
+from kvrag.timing import Phases, phase
 
 
 _MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
@@ -179,6 +180,7 @@ class KVModel:
         eos_list = eos if isinstance(eos, list) else [eos]
         self.eos_ids = sorted({int(e) for e in [*eos_list, tokenizer.eos_token_id] if e is not None})
         self.lock = model_lock(model)  # one forward at a time on the one model, never held across a yield
+        self.workspace = Workspace()  # stitched-cache buffers reused by `stream` from one answer to the next
 
     @classmethod
     def from_pretrained(
@@ -242,11 +244,16 @@ class KVModel:
         strict: bool = False,
         logits_to_keep: int = 1,
         max_new_tokens: int = 0,
+        phases: Phases | None = None,
+        workspace: Workspace | None = None,
     ) -> Prefilled:
         """Run a strategy's prefill only: what `stream` decodes on, and what the plan was.
 
         Chunks given as text are tokenized; they are encoded only when the plan or its picker reads their
-        KV (full prefill needs their ids alone). That encoding is timed in `encode_s`.
+        KV (full prefill needs their ids alone). That encoding is timed in `encode_s`. `phases`, when
+        given, records where the time went (plan, re-positioning, cache assembly and mask, forward).
+        With a `workspace` the cache is written into its buffers: give them back (`workspace.give_back(
+        prefilled.stitched.cache)`) once nothing reads the cache, and never read it after that.
         """
         if not chunks:
             raise EmptyInputError("no chunks given: pass at least one chunk (text or ChunkKV)")
@@ -281,22 +288,24 @@ class KVModel:
             return kv  # type: ignore[return-value]
 
         with self.lock:
-            probe = Probe(self.model, self.repositioner, self.prefix, chunk_kv, suffix)
-            decision = make_plan(
-                chosen,
-                [len(c) for c in ids],
-                probe,
-                picker=picker,
-                target=target,
-                scores=scores,
-                budget=budget,
-                strict=strict,
-            )
+            with phase(phases, "plan"):
+                probe = Probe(self.model, self.repositioner, self.prefix, chunk_kv, suffix)
+                decision = make_plan(
+                    chosen,
+                    [len(c) for c in ids],
+                    probe,
+                    picker=picker,
+                    target=target,
+                    scores=scores,
+                    budget=budget,
+                    strict=strict,
+                )
             plan = decision.plan
             if plan.full_prefill:
-                stitched = full_prefill(
-                    self.model, self.prompt_ids(question, ids, plan.order), logits_to_keep=logits_to_keep
-                )
+                with phase(phases, "forward"):
+                    stitched = full_prefill(
+                        self.model, self.prompt_ids(question, ids, plan.order), logits_to_keep=logits_to_keep
+                    )
                 stitched.recomputed_tokens = context
             else:
                 kv = probe.chunks
@@ -310,6 +319,9 @@ class KVModel:
                     plan.recompute,
                     suffix,
                     logits_to_keep=logits_to_keep,
+                    room=max_new_tokens,
+                    phases=phases,
+                    workspace=workspace,
                 )
         return Prefilled(
             stitched, decision, probe, context, encoded=int(timing["encoded"]), encode_s=timing["encode_s"]
@@ -332,6 +344,7 @@ class KVModel:
         seed: int | None = None,
         stop: Sequence[str] | str = (),
         started_at: float | None = None,
+        phases: Phases | None = None,
     ) -> Iterator[str | Answer]:
         """Yield the answer's text pieces as they are decoded, then the final `Answer`.
 
@@ -350,6 +363,7 @@ class KVModel:
             strict: never exceed the budget (a long target is recomputed in part; see kvrag.strategies).
             max_new_tokens, temperature, top_p, seed, stop: decoding (temperature 0 is greedy).
             started_at: `time.perf_counter()` when the caller's request began; ttft_s counts from there.
+            phases: records where the time to first token went (see `kvrag.timing`); opt-in.
         """
         t0 = started_at if started_at is not None else time.perf_counter()
         sampling = Sampling(
@@ -370,6 +384,8 @@ class KVModel:
                 budget=budget,
                 strict=strict,
                 max_new_tokens=max_new_tokens,
+                phases=phases,
+                workspace=self.workspace,
             )
         yield from self._decode(
             run.stitched,
@@ -397,6 +413,7 @@ class KVModel:
                 new_tokens=len(tokens),
                 total_s=total,
             ),
+            phases,
         )
 
     def _decode(
@@ -405,8 +422,10 @@ class KVModel:
         sampling: Sampling,
         t0: float,
         make_stats: Callable[[list[int], float, float], AnswerStats],
+        phases: Phases | None = None,
     ) -> Iterator[str | Answer]:
         """Decode after a prefill: text pieces as they become final, then the Answer."""
+        prefilled = time.perf_counter()
         detok = Detokenizer(self.tokenizer, sampling.stop)
         tokens: list[int] = []
         ttft = 0.0
@@ -423,7 +442,10 @@ class KVModel:
         try:
             for token in steps:
                 if not ttft:
-                    ttft = time.perf_counter() - t0
+                    now = time.perf_counter()
+                    ttft = now - t0
+                    if phases is not None:
+                        phases.add("first token", now - prefilled)
                 if token in self.eos_ids:
                     finish = "eos"
                     break
@@ -436,6 +458,7 @@ class KVModel:
                     break
         finally:
             steps.close()
+            self.workspace.give_back(stitched.cache)  # the cache dies with this call: its buffers serve the next
         tail = detok.finish()
         if tail:
             yield tail

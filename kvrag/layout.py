@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrag.errors import EmptyInputError, LayoutError
+from kvrag.errors import EmptyInputError, InvalidRequestError, LayoutError
 
 CONTEXT_HEADER = "Answer the question using the documents below.\n\n"
 QUESTION_TEMPLATE = "Question: {question}\nAnswer:"
@@ -83,13 +83,28 @@ class PromptLayout:
         """A chunk's ids: the stripped text plus a paragraph break, tokenized alone (no BOS)."""
         if not text or not text.strip():
             raise EmptyInputError("a chunk is empty or whitespace only: drop it or give it text")
+        check_unicode(text, "a chunk")
         return self._ids(text.strip() + CHUNK_SEPARATOR)
 
     def suffix_ids(self, question: str) -> list[int]:
         """The question template, the question, the end of the user turn and the assistant header."""
         if not question or not question.strip():
             raise EmptyInputError("the question is empty or whitespace only: ask something")
+        check_unicode(question, "the question")
         head, tail = self._split(question.strip())
         if head != self.prefix_text:
             raise LayoutError("the chat template renders the text before the context differently per question")
         return self._ids(tail)
+
+
+def check_unicode(text: str, what: str) -> str:
+    """Refuse text that cannot be encoded as UTF-8: a lone surrogate, what undecodable bytes become in argv,
+    file names and `errors="surrogateescape"` reads. Tokenizers fail on it with an unrelated message."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidRequestError(
+            f"{what} is not valid Unicode text (a lone surrogate at character {err.start}, from bytes that are "
+            "not UTF-8): decode it as UTF-8 first"
+        ) from None
+    return text

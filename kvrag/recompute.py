@@ -9,14 +9,18 @@ function; it never decides what to recompute.
 
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from kvrag.kv import ChunkKV
 from kvrag.rope import Repositioner
+from kvrag.timing import Phases, phase
 
 
 @dataclass(slots=True)
@@ -28,6 +32,7 @@ class Stitched:
     next_position: int  # logical position of the first generated token (= prompt length)
     recomputed_tokens: int  # context tokens in S
     attentions: tuple[torch.Tensor, ...] | None = None  # per layer [1, heads, Q, K], when asked for
+    key_positions: torch.Tensor | None = None  # [N] logical position of each physical cache slot; None: in order
 
 
 def causal_mask(key_positions: torch.Tensor, query_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -44,6 +49,7 @@ class StitchLayout:
     kept: torch.Tensor  # [T_keep] offsets into the stitched context of tokens whose KV is reused, ascending
     selected: torch.Tensor  # [|S|] offsets of tokens recomputed, ascending
     deltas: torch.Tensor  # [T_ctx] new position minus the position each context token was encoded at
+    shifts: torch.Tensor  # [len(order)] the same, one a chunk (every token of a chunk moves by its chunk's shift)
     key_positions: torch.Tensor  # [P + T_keep + Q] logical position of every key: prefix, reused, then new
     query_positions: torch.Tensor  # [Q] logical positions of the new input: S, then the suffix
     n_ctx: int  # context tokens
@@ -72,33 +78,172 @@ def stitch_layout(
     kept = keep.nonzero().squeeze(1)
     query_positions = torch.cat((selected + P, torch.arange(P + n_ctx, P + n_ctx + suffix_len, device=device)))
     key_positions = torch.cat((torch.arange(P, device=device), kept + P, query_positions))
-    return StitchLayout(kept, selected, deltas, key_positions, query_positions, n_ctx)
+    return StitchLayout(kept, selected, deltas, shifts.to(device), key_positions, query_positions, n_ctx)
 
 
-def stitched_kv(
+class GrowingLayer(DynamicLayer):
+    """A cache layer that appends into room kept after its tokens instead of concatenating.
+
+    Its KV is written once; the model's new tokens and every decoded token are copied into the room, which
+    grows (by half again) only when it runs out. `keys`/`values` are views of the filled part, as in
+    DynamicLayer, so everything that reads a DynamicLayer reads this one.
+    """
+
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None, length: int = 0) -> None:
+        super().__init__()
+        if keys is not None and values is not None:
+            self.device, self.is_initialized = keys.device, True
+            self._keys, self._values = keys, values  # [B, H_kv, capacity, D]
+            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.is_initialized = key_states.device, True
+        self._keys, self._values = key_states[:, :, :0], value_states[:, :, :0]
+        self.keys, self.values = self._keys, self._values
+
+    def _in_room(self, length: int) -> bool:
+        """Whether `keys`/`values` are still the head of the buffers (nothing replaced them) with room for `length`."""
+        return (
+            all(
+                view.data_ptr() == buf.data_ptr() and view.stride() == buf.stride() and view.shape[:2] == buf.shape[:2]
+                for view, buf in ((self.keys, self._keys), (self.values, self._values))
+            )
+            and length <= self._keys.shape[-2]
+        )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, q = self.keys.shape[-2], key_states.shape[-2]
+        if not self._in_room(n + q):
+            capacity = n + q + max(64, (n + q) // 2)
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                buf = old.new_empty((*old.shape[:2], capacity, old.shape[-1]))
+                buf[:, :, :n].copy_(old)
+                setattr(self, f"_{name}", buf)
+        self._keys[:, :, n : n + q].copy_(key_states)
+        self._values[:, :, n : n + q].copy_(value_states)
+        self.keys, self.values = self._keys[:, :, : n + q], self._values[:, :, : n + q]
+        return self.keys, self.values
+
+
+class StitchedCache(DynamicCache):
+    """A DynamicCache of GrowingLayers over [L, B, H_kv, capacity, D] buffers whose first `length` slots are filled."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.layers = [GrowingLayer(keys[i], values[i], length) for i in range(keys.shape[0])]
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # flat storage lent by a Workspace
+
+
+class Workspace:
+    """Cache buffers kept from one request to the next, so a stitched cache is written into memory already mapped.
+
+    Fresh multi-megabyte tensors cost a page fault on every 4 KiB at first touch, which on a CPU is several
+    times the cost of the copy itself. A request takes the buffers (or new ones when they are lent out or
+    too small) and its owner gives them back once nothing reads the cache any more; only then are they
+    written again. Holds one pair of buffers: the largest handed back.
+    """
+
+    def __init__(self) -> None:
+        self._free: tuple[torch.Tensor, torch.Tensor] | None = None  # flat keys and values storage
+        self._lock = threading.Lock()
+
+    def take(
+        self, keys_shape: tuple[int, ...], values_shape: tuple[int, ...], like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Keys and values tensors of these shapes (contents undefined), and the flat buffers they view."""
+        nk, nv = math.prod(keys_shape), math.prod(values_shape)
+        with self._lock:
+            free, self._free = self._free, None
+        fits = (
+            free is not None
+            and free[0].dtype == like.dtype
+            and free[0].device == like.device
+            and free[0].numel() >= nk
+            and free[1].numel() >= nv
+        )
+        if not fits:
+            if free is not None:
+                self.give_back_buffers(free)
+            free = (like.new_empty(nk), like.new_empty(nv))
+        assert free is not None
+        return free[0][:nk].view(keys_shape), free[1][:nv].view(values_shape), free
+
+    def give_back_buffers(self, buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
+        with self._lock:
+            if (
+                self._free is None
+                or buffers[0].numel() + buffers[1].numel() > self._free[0].numel() + self._free[1].numel()
+            ):
+                self._free = buffers
+
+    def give_back(self, cache: DynamicCache) -> None:
+        """Return a StitchedCache's buffers: the caller promises that nothing reads `cache` any more."""
+        buffers = getattr(cache, "buffers", None)
+        if buffers is not None:
+            cache.buffers = None  # type: ignore[attr-defined]
+            self.give_back_buffers(buffers)
+
+
+def stitch_cache(
     repositioner: Repositioner,
     prefix: ChunkKV,
     chunks: Sequence[ChunkKV],
     order: Sequence[int],
+    recompute: Mapping[int, torch.Tensor],
     layout: StitchLayout,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reused KV (prefix, then kept context tokens re-positioned) and the context ids in stitched order.
+    *,
+    room: int,
+    phases: Phases | None = None,
+    workspace: Workspace | None = None,
+) -> StitchedCache:
+    """The reused KV (prefix, then the kept context tokens re-positioned) written once into a cache with `room` free slots.
 
-    Returns keys [L, H_kv, P+T_keep, D], values [L, H_kv, P+T_keep, D_v], context ids [T_ctx].
+    Each chunk's kept keys are rotated by its one shift straight into their slots, every layer and head in
+    one pass; values are copied in. Nothing is concatenated, and the model's new tokens then go into the room.
     """
-    ctx_keys = torch.cat([chunks[c].keys for c in order], dim=2)  # [L, H_kv, T_ctx, D]
-    ctx_values = torch.cat([chunks[c].values for c in order], dim=2)
-    ctx_ids = torch.cat([chunks[c].token_ids for c in order]).to(prefix.keys.device)
-    deltas = layout.deltas
-    if layout.selected.numel():
-        ctx_keys, ctx_values, deltas = ctx_keys[:, :, layout.kept], ctx_values[:, :, layout.kept], deltas[layout.kept]
-    keys = torch.cat((prefix.keys, repositioner.shift(ctx_keys, deltas)), dim=2)
-    values = torch.cat((prefix.values, ctx_values), dim=2)
-    return keys, values, ctx_ids
+    L, H, P, D = prefix.keys.shape
+    n = P + int(layout.kept.numel())
+    shapes = (L, 1, H, n + room, D), (L, 1, H, n + room, prefix.values.shape[-1])  # [L, B=1, H_kv, capacity, D]
+    if workspace is not None:
+        keys, values, buffers = workspace.take(*shapes, prefix.keys)
+    else:
+        keys, values, buffers = prefix.keys.new_empty(shapes[0]), prefix.values.new_empty(shapes[1]), None
+    with phase(phases, "cache assembly and mask"):
+        pieces = []  # (chunk, offsets kept or None for all, slot of its first kept token, kept count)
+        at = P
+        for c in order:
+            kept = None
+            if c in recompute and recompute[c].numel():
+                keep = torch.ones(len(chunks[c]), dtype=torch.bool, device=keys.device)
+                keep[recompute[c].to(keys.device)] = False
+                kept = keep.nonzero().squeeze(1)
+            m = len(chunks[c]) if kept is None else int(kept.numel())
+            pieces.append((chunks[c], kept, at, m))
+            at += m
+    with phase(phases, "re-positioning"):
+        cos, sin = repositioner.angles(layout.shifts.to(keys.device))  # [C, D_rot]: one shift a chunk
+        for j, (chunk, kept, at, m) in enumerate(pieces):
+            if m:
+                src = chunk.keys if kept is None else chunk.keys[:, :, kept]
+                repositioner.rotate_into(keys[:, 0, :, at : at + m], src, cos[j], sin[j])
+    with phase(phases, "cache assembly and mask"):
+        keys[:, 0, :, :P].copy_(prefix.keys)
+        values[:, 0, :, :P].copy_(prefix.values)
+        for chunk, kept, at, m in pieces:
+            if m:
+                values[:, 0, :, at : at + m].copy_(chunk.values if kept is None else chunk.values[:, :, kept])
+        cache = StitchedCache(keys, values, n)
+        cache.buffers = buffers
+        return cache
 
 
 def as_cache(keys: torch.Tensor, values: torch.Tensor, cache_class: type[DynamicCache] = DynamicCache) -> DynamicCache:
-    """A DynamicCache over [L, H_kv, T, D] keys and values (batch of one; views, no copy)."""
+    """A DynamicCache (or subclass) holding [L, H_kv, T, D] keys and values, batch of one."""
     return cache_class(ddp_cache_data=[(keys[i].unsqueeze(0), values[i].unsqueeze(0)) for i in range(keys.shape[0])])
 
 
@@ -113,6 +258,9 @@ def recompute(
     suffix_ids: Sequence[int] | torch.Tensor,
     *,
     logits_to_keep: int = 1,
+    room: int = 0,
+    phases: Phases | None = None,
+    workspace: Workspace | None = None,
     **forward_kwargs: Any,
 ) -> Stitched:
     """Fresh KV for the tokens in S and the suffix, against the reused (re-positioned) KV of the rest.
@@ -126,33 +274,45 @@ def recompute(
         recompute: S, as chunk index -> sorted int64 offsets within that chunk; absent chunks keep all KV.
         suffix_ids: the suffix's token ids, always computed.
         logits_to_keep: how many last positions' logits to return.
+        room: cache slots kept free for tokens decoded after the prompt (more are added when needed).
+        phases: where to record re-positioning, cache assembly and mask, and forward times (opt-in).
+        workspace: where the cache's buffers come from; the caller gives them back when done with the cache.
         forward_kwargs: passed to the model's forward (e.g. output_attentions).
     """
     device = prefix.keys.device
     suffix = torch.as_tensor(suffix_ids, dtype=torch.long, device=device)
     if suffix.numel() == 0:
         raise ValueError("the suffix is empty: the question's tokens are what the logits are read from")
-    layout = stitch_layout(
-        len(prefix), [len(c) for c in chunks], [c.start for c in chunks], order, recompute, len(suffix), device
+    with phase(phases, "cache assembly and mask"):
+        layout = stitch_layout(
+            len(prefix), [len(c) for c in chunks], [c.start for c in chunks], order, recompute, len(suffix), device
+        )
+    n_new = int(layout.query_positions.numel())
+    cache = stitch_cache(
+        repositioner, prefix, chunks, order, recompute, layout, room=n_new + room, phases=phases, workspace=workspace
     )
-    keys, values, ctx_ids = stitched_kv(repositioner, prefix, chunks, order, layout)
-    cache = as_cache(keys, values)
-    input_ids = torch.cat((ctx_ids[layout.selected], suffix)).view(1, -1)  # [1, Q]
-    out = model(
-        input_ids=input_ids,
-        position_ids=layout.query_positions.view(1, -1),
-        attention_mask=causal_mask(layout.key_positions, layout.query_positions, prefix.keys.dtype),
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=logits_to_keep,
-        **forward_kwargs,
-    )
+    with phase(phases, "cache assembly and mask"):
+        ctx_ids = torch.cat([chunks[c].token_ids for c in order]).to(device)
+        input_ids = torch.cat((ctx_ids[layout.selected], suffix)).view(1, -1)  # [1, Q]
+        mask = causal_mask(layout.key_positions, layout.query_positions, prefix.keys.dtype)  # [1, 1, Q, K]
+    with phase(phases, "forward"):
+        out = model(
+            input_ids=input_ids,
+            position_ids=layout.query_positions.view(1, -1),
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **forward_kwargs,
+        )
+        logits = out.logits[0].float()
     return Stitched(
-        logits=out.logits[0].float(),
+        logits=logits,
         cache=cache,
         next_position=len(prefix) + layout.n_ctx + len(suffix),
         recomputed_tokens=int(layout.selected.numel()),
         attentions=getattr(out, "attentions", None),
+        key_positions=layout.key_positions,
     )
 
 

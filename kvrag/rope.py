@@ -25,11 +25,6 @@ def find_rotary(model: torch.nn.Module) -> torch.nn.Module:
     return rotary
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Repositioner:
     """Moves cached keys to new positions with the model's own rotary frequencies."""
 
@@ -58,9 +53,30 @@ class Repositioner:
             A new tensor of keys' shape and dtype; `keys` is not modified.
         """
         cos, sin = self.angles(deltas.to(keys.device))  # [T, D_rot]
-        rot = self.rotary_dim
-        k = keys[..., :rot].float()
-        moved = (k * cos + rotate_half(k) * sin).to(keys.dtype)
-        if rot == keys.shape[-1]:
-            return moved
-        return torch.cat((moved, keys[..., rot:]), dim=-1)
+        out = torch.empty_like(keys)
+        self.rotate_into(out, keys, cos, sin)
+        return out
+
+    def rotate_into(self, out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Write `keys` rotated by the angles (cos, sin) into `out`: one pass over every layer and head.
+
+        Args:
+            out: where the moved keys go, keys' shape (a view into a larger cache is fine); never `keys` itself.
+            keys: [L, H_kv, T, D] post-RoPE keys.
+            cos, sin: float32 angles from `angles`, [T, D_rot] or [D_rot] (one shift for every token).
+        """
+        rot, half = self.rotary_dim, self.rotary_dim // 2
+        k = keys[..., :rot].float()  # a view when keys are float32: no copy
+        # float32 keys are rotated straight into the destination; others in a float32 scratch, cast back once.
+        direct = out.dtype == torch.float32
+        dest = out[..., :rot] if direct else torch.empty_like(k)
+        k1, k2, o1, o2 = k[..., :half], k[..., half:], dest[..., :half], dest[..., half:]
+        # k' = k*cos + rotate_half(k)*sin, rotate_half(k) = (-k2, k1), written half by half without temporaries
+        torch.mul(k1, cos[..., :half], out=o1)
+        o1.addcmul_(k2, sin[..., :half], value=-1)
+        torch.mul(k2, cos[..., half:], out=o2)
+        o2.addcmul_(k1, sin[..., half:])
+        if not direct:
+            out[..., :rot].copy_(dest)
+        if rot < keys.shape[-1]:
+            out[..., rot:].copy_(keys[..., rot:])

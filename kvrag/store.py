@@ -8,8 +8,10 @@ and never decide what to recompute.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from pathlib import Path
@@ -18,8 +20,28 @@ from typing import Any, Iterator
 import torch
 
 from kvrag.codec import check_storage_dtype, decode_entry, encode_entry
-from kvrag.errors import StoreError
+from kvrag.errors import InvalidRequestError, StoreError
 from kvrag.kv import ChunkKV
+
+# A namespace is part of a key prefix and of a SCAN pattern: no glob characters and no ':' (which would let
+# namespace "a" see the entries of namespace "a:b").
+NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+_HEX_KEY = re.compile(r"[0-9a-f]{64}")
+
+
+def check_namespace(namespace: str) -> str:
+    """A namespace (tenant) name: 1-128 letters, digits, '_', '.', '-', starting with a letter or digit."""
+    if not isinstance(namespace, str) or not NAMESPACE.fullmatch(namespace):
+        raise InvalidRequestError(
+            f"invalid namespace {namespace!r}: use 1-128 letters, digits, '_', '.' or '-', starting with a letter "
+            "or digit"
+        )
+    return namespace
+
+
+def redact(url: str) -> str:
+    """A URL with its password replaced by '***', for messages and logs."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
 
 
 class KVStore(ABC):
@@ -42,6 +64,14 @@ class KVStore(ABC):
 
     def check(self) -> None:
         """Raise StoreError now if the store cannot be reached (a server that is down)."""
+
+    def as_stored(self, kv: ChunkKV) -> ChunkKV:
+        """`kv` exactly as a later `get` returns it (after the storage dtype's rounding).
+
+        An answer must not depend on whether a chunk's KV was fresh, in memory or read back: whoever uses
+        KV it just computed and stored uses this form.
+        """
+        return kv
 
     def get(self, key: str) -> ChunkKV | None:
         kv = self._get(key)
@@ -116,10 +146,12 @@ class MemoryStore(KVStore):
                 self._bytes -= old.nbytes
 
     def __contains__(self, key: object) -> bool:
-        return key in self._items
+        with self._lock:
+            return key in self._items
 
     def keys(self) -> Iterator[str]:
-        return iter(list(self._items))
+        with self._lock:  # a copy: another thread may put or evict while the caller iterates
+            return iter(list(self._items))
 
     @property
     def nbytes(self) -> int:
@@ -142,6 +174,17 @@ class _SerializedStore(KVStore):
     def put(self, key: str, kv: ChunkKV) -> None:
         self._write(key, encode_entry(kv, key=key, dtype=self.storage_dtype))
 
+    def as_stored(self, kv: ChunkKV) -> ChunkKV:
+        back = decode_entry(
+            encode_entry(kv, key="0" * 64, dtype=self.storage_dtype),
+            key="0" * 64,
+            encoder=kv.encoder,
+            dtype=kv.keys.dtype,
+            device=kv.keys.device,
+        )
+        assert back is not None
+        return back
+
     @abstractmethod
     def _read(self, key: str) -> bytes | None: ...
 
@@ -157,6 +200,7 @@ class DiskStore(_SerializedStore):
     """
 
     SUFFIX = ".kv.safetensors"
+    STALE_TMP_S = 3600.0  # a temporary file this old belongs to a writer that died (a live one renames in ms)
 
     def __init__(self, root: str | Path, storage_dtype: str = "float16") -> None:
         super().__init__(storage_dtype)
@@ -165,6 +209,17 @@ class DiskStore(_SerializedStore):
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise StoreError(f"cannot create the KV store folder {self.root}: {err.strerror}") from err
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove temporary files left by writers that were killed before their rename (never a live writer's)."""
+        now = time.time()
+        for tmp in self.root.glob("*/.*.tmp"):
+            try:
+                if now - tmp.stat().st_mtime > self.STALE_TMP_S:
+                    tmp.unlink()
+            except OSError:
+                pass
 
     def _path(self, key: str) -> Path:
         if not key or not all(c in "0123456789abcdef" for c in key):
@@ -225,9 +280,15 @@ class RedisStore(_SerializedStore):
     """Entries in a Redis server (redis-py), under `namespace`.
 
     Args:
-        url: a redis:// or rediss:// (TLS) URL; or pass a ready `client`.
-        namespace: a key prefix; separate namespaces never see each other's entries.
-        password, ssl, ssl_ca_certs: forwarded to redis-py.
+        url: a redis:// or rediss:// (TLS) URL; or pass a ready `client`. A password in the URL is never
+            shown in messages.
+        namespace: a key prefix (letters, digits, '_', '.', '-'); separate namespaces never see each other's
+            entries, not even in `keys()`.
+        password: the server's password (`requirepass` or an ACL user's).
+        ssl: connect over TLS, verifying the server's certificate (a redis:// URL becomes rediss://).
+        ssl_ca_certs: the CA bundle that signed the server's certificate.
+        ssl_certfile, ssl_keyfile: a client certificate and key, for servers that require one.
+        socket_timeout: seconds before a connect, read or write counts as a failure.
     """
 
     def __init__(
@@ -240,23 +301,35 @@ class RedisStore(_SerializedStore):
         password: str | None = None,
         ssl: bool | None = None,
         ssl_ca_certs: str | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
         socket_timeout: float = 5.0,
     ) -> None:
         super().__init__(storage_dtype)
         import redis
 
         self._redis = redis
+        check_namespace(namespace)
         kwargs: dict[str, Any] = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
         if password is not None:
             kwargs["password"] = password
         if ssl:
             kwargs["ssl_cert_reqs"] = "required"
-            if ssl_ca_certs:
-                kwargs["ssl_ca_certs"] = ssl_ca_certs
             if url.startswith("redis://"):
                 url = "rediss://" + url[len("redis://") :]
-        self.url = url
-        self.client = client or redis.Redis.from_url(url, **kwargs)
+        if url.startswith("rediss://"):
+            for name, value in (
+                ("ssl_ca_certs", ssl_ca_certs),
+                ("ssl_certfile", ssl_certfile),
+                ("ssl_keyfile", ssl_keyfile),
+            ):
+                if value:
+                    kwargs[name] = value
+        self.url = redact(url)
+        try:
+            self.client = client or redis.Redis.from_url(url, **kwargs)
+        except ValueError as err:
+            raise StoreError(f"invalid Redis URL {self.url}: {err}") from None
         self.prefix = f"kvrag:{namespace}:"
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
@@ -287,7 +360,9 @@ class RedisStore(_SerializedStore):
 
     def keys(self) -> Iterator[str]:
         for raw in self._call("list entries", lambda: list(self.client.scan_iter(match=self.prefix + "*"))):
-            yield raw.decode()[len(self.prefix) :]
+            key = raw.decode(errors="replace")[len(self.prefix) :]
+            if _HEX_KEY.fullmatch(key):  # only kvrag's own entries, never a longer name under the prefix
+                yield key
 
     @property
     def nbytes(self) -> int:
@@ -318,16 +393,22 @@ class TieredStore(KVStore):
                 self.front.put(key, kv)
         return kv
 
+    def as_stored(self, kv: ChunkKV) -> ChunkKV:
+        return self.front.as_stored(self.back.as_stored(kv))
+
     def put(self, key: str, kv: ChunkKV) -> None:
+        # The front holds what the back returns, so a hit in either gives the same answer; it is written
+        # first: with the back down, the next query still finds the entry in front.
+        self.front.put(key, self.back.as_stored(kv))
         self.back.put(key, kv)
-        self.front.put(key, kv)
 
     def delete(self, key: str) -> None:
         self.back.delete(key)
         self.front.delete(key)
 
     def __contains__(self, key: object) -> bool:
-        return key in self.front or key in self.back
+        # Durably stored: the front may hold an entry whose write to a failing back did not happen.
+        return key in self.back
 
     def keys(self) -> Iterator[str]:
         return self.back.keys()

@@ -18,13 +18,13 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, password: str | None = None) -> None:
+    def __init__(self, password: str | None = None, port: int | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             if os.environ.get("CI"):
                 pytest.fail("redis-server is not installed: .ci/run must install Debian's redis-server")
             pytest.skip("redis-server is not installed (apt-get install redis-server)")
-        self.port = free_port()
+        self.port = port or free_port()
         self.password = password
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         if password:

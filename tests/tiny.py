@@ -133,3 +133,27 @@ def in_threads(fn: Callable[[int], Any], n: int) -> list[Any]:
     for t in threads:
         t.join()
     return results
+
+
+class HashEmbedder:
+    """A bag-of-words embedder (hashed words, unit length): fast, deterministic, and a question that shares a
+    rare word with one chunk retrieves it. For tests that need many chunks or fresh processes."""
+
+    DIM = 256
+
+    def __init__(self, name: Any = None, device: str = "cpu") -> None:
+        self.name = name
+        self.source = "hash-bag-of-words"
+
+    def embed(self, texts: Any) -> Any:
+        import re
+        import zlib
+
+        import numpy as np
+
+        out = np.zeros((len(texts), self.DIM), dtype=np.float32)
+        for i, text in enumerate(texts):
+            out[i, 0] = 1e-3  # never the zero vector
+            for word in re.findall(r"\w+", text.lower()):
+                out[i, zlib.crc32(word.encode()) % self.DIM] += 1.0
+        return out / np.linalg.norm(out, axis=1, keepdims=True)

@@ -61,6 +61,7 @@ SKIP = {
 }
 LITERAL = {"doctest", "testcode", "code-block", "parsed-literal"}
 MAX_CODE_LINES = 1  # longer code examples are dropped
+STRICT = True  # an unknown directive is an error (build_api.py turns this off and drops them)
 
 
 def add_code(out, text):
@@ -132,7 +133,7 @@ def render(lines):
                 out.append("Note: " + render(body))
             elif name in LITERAL:
                 add_code(out, "\n".join(body))
-            elif name not in SKIP and not name.startswith("_"):  # _labels
+            elif name not in SKIP and not name.startswith("_") and STRICT:  # _labels
                 raise ValueError(f"unhandled directive {block[0]!r}")
         elif block[0].startswith("+"):  # grid table
             for row in block:
@@ -215,6 +216,11 @@ plain text (markup, index entries, version notes, "see also" boxes and code
 examples longer than one line were removed) and cut into sections
 ("chunks.jsonl") by build_sample.py in this directory. The questions in
 questions.jsonl were written for kvrag.
+
+api_entries.jsonl holds every function and method entry (1,863 of them) of the
+232 library pages whose signatures parse as Python, converted the same way
+by build_api.py in this directory; the study's api_docs questions are
+generated from it.
 
 The Python documentation is distributed under the PSF License Agreement;
 its copyright notice and license terms (copyright.rst, license.rst) follow.

@@ -1,0 +1,219 @@
+"""Benchmark outputs: `run_bench` runs every section in one process and writes bench.json, bench.md and ttft.png.
+
+The markdown holds the tables docs/performance.md quotes; the plot is time to first token against context
+size, one line a strategy and a reference, log scale. Nothing here is asserted in tests but the files'
+structure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrag.bench import (
+    DEFAULT_CONTEXTS,
+    LOWER_BOUND,
+    LOWER_BOUND_SUFFIX,
+    PHASES,
+    TRANSFORMERS,
+    context_texts,
+    ingest_benchmark,
+    ttft_benchmark,
+)
+from kvrag.bench_storage import bytes_per_token, int8_error, read_bandwidth
+from kvrag.embed import Embedder
+from kvrag.engine import KVRAG
+from kvrag.kvmodel import KVModel
+from kvrag.store import MemoryStore
+from kvrag.strategies import STUDY_STRATEGIES
+
+FILES = ("bench.json", "bench.md", "ttft.png")
+BREAKDOWN = ("reuse", "target_recompute")
+
+
+def run_bench(
+    kv: KVModel,
+    out: str | Path,
+    *,
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    chunk_tokens: int = 200,
+    strategies: Sequence[str] = STUDY_STRATEGIES,
+    runs: int = 5,
+    quick: bool = False,
+    command: str = "",
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Every benchmark section in one process; writes FILES into `out` and returns what bench.json holds."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    embedder = Embedder(device=str(kv.prefix.keys.device))
+    rag = KVRAG(kv, embedder=embedder, store=MemoryStore(8 << 30))
+    result: dict[str, Any] = {
+        "command": command,
+        "machine": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "device": str(kv.prefix.keys.device),
+            "torch": torch.__version__,
+            "model": kv.fingerprint.architecture,
+            "weights": kv.fingerprint.weights,
+            "dtype": str(kv.prefix.keys.dtype).removeprefix("torch."),
+        },
+        "budget": 0.05,
+        "runs": runs,
+        "chunk_tokens": chunk_tokens,
+        "strategies": list(strategies),
+    }
+    log(f"time to first token, median of {runs} runs, {torch.get_num_threads()} threads, {kv.prefix.keys.device}")
+    partial = folder / "bench.json"
+    result["ttft"] = ttft_benchmark(
+        kv,
+        rag,
+        contexts=contexts,
+        chunk_tokens=chunk_tokens,
+        strategies=strategies,
+        runs=runs,
+        log=log,
+        on_row=lambda rows: partial.write_text(json.dumps({**result, "ttft": rows, "partial": True}, indent=1)),
+    )
+    log("ingest throughput")
+    result["ingest"] = ingest_benchmark(
+        kv,
+        texts=context_texts(kv, min(contexts) if quick else 2000, chunk_tokens),
+        runs=1 if quick else min(runs, 3),
+        embedder=embedder,
+        print_fn=log,
+    )
+    log("storage")
+    chunks = kv.encode(context_texts(kv, min(max(contexts), 4000), chunk_tokens))
+    result["bytes_per_token"] = bytes_per_token(kv, chunks)
+    result["store_read"] = read_bandwidth(kv, chunks, runs=1 if quick else 3, log=log)
+    log("int8 storage against float16 storage")
+    result["int8"] = int8_error(kv, limit=1 if quick else 4, small=quick)
+    result["seconds"] = time.perf_counter() - started
+    (folder / "bench.json").write_text(json.dumps(result, indent=1))
+    (folder / "bench.md").write_text(markdown(result))
+    plot(result, folder / "ttft.png")
+    return result
+
+
+def _references(row: dict[str, Any]) -> list[str]:
+    return [n for n in (TRANSFORMERS, LOWER_BOUND, LOWER_BOUND_SUFFIX) if n in row["ttft_s"]]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The tables of one run."""
+    rows = result["ttft"]
+    m = result["machine"]
+    lines = [
+        (
+            f"{m['model']} ({m['dtype']}) on {m['device']}, {m['threads']} threads; budget {result['budget']}, "
+            f"chunks of ~{result['chunk_tokens']} tokens, the first chunk as the target; median of {result['runs']} runs."
+        ),
+        "",
+        "### Time to first token (s)",
+        "",
+        "| | " + " | ".join(f"{r['context_tokens']:,} tokens" for r in rows) + " |",
+        "|---|" + "---|" * len(rows),
+    ]
+    names = [*result["strategies"], *_references(rows[0])]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(f"{r['ttft_s'][name]:.3f}" for r in rows) + " |")
+    lines += ["", "### Ratios", "", "| | " + " | ".join(f"{r['context_tokens']:,}" for r in rows) + " |"]
+    lines.append("|---|" + "---|" * len(rows))
+    for name in ("target_recompute", "reuse"):
+        if name not in result["strategies"]:
+            continue
+        bound = LOWER_BOUND if name == "target_recompute" else LOWER_BOUND_SUFFIX
+        lines.append(
+            f"| {name} / {bound} | " + " | ".join(f"{r['ttft_s'][name] / r['ttft_s'][bound]:.2f}" for r in rows) + " |"
+        )
+        for full in ("full_prefill", TRANSFORMERS):
+            if full in rows[0]["ttft_s"]:
+                lines.append(
+                    f"| {full} / {name} | "
+                    + " | ".join(f"{r['ttft_s'][full] / r['ttft_s'][name]:.1f}" for r in rows)
+                    + " |"
+                )
+    lines += ["", "### Where the time to first token goes (s, median of each phase)", ""]
+    lines.append("| strategy | context | " + " | ".join(PHASES) + " | other | ttft | not forward |")
+    lines.append("|---|---|" + "---|" * (len(PHASES) + 3))
+    for name in BREAKDOWN:
+        if name not in result["strategies"]:
+            continue
+        for r in rows:
+            p, ttft = r["phases_s"][name], r["ttft_s"][name]
+            rest = max(0.0, ttft - p["forward"])
+            lines.append(
+                f"| {name} | {r['context_tokens']:,} | "
+                + " | ".join(f"{p[k]:.3f}" for k in (*PHASES, "other"))
+                + f" | {ttft:.3f} | {100 * rest / ttft:.0f}% |"
+            )
+    ing = result["ingest"]
+    lines += [
+        "",
+        f"### Ingest ({ing['chunks']} chunks, {ing['tokens']} tokens, median of {ing['runs']})",
+        "",
+        "| | seconds | tokens/s | x raw |",
+        "|---|---|---|---|",
+    ]
+    for name, s in ing["seconds"].items():
+        lines.append(f"| {name} | {s:.3f} | {ing['tokens_per_s'][name]:.0f} | {ing['x_raw'][name]:.2f} |")
+    lines += ["", "### Store reads (every chunk of a context, `store.get`)", "", "| store | seconds | MB | MB/s |"]
+    lines.append("|---|---|---|---|")
+    for name, s in result["store_read"].items():
+        lines.append(f"| {name} | {s['seconds']:.4f} | {s['stored_mb']:.1f} | {s['mb_per_s']:.0f} |")
+    lines += ["", "### KV bytes a token", "", "| storage | bytes/token |", "|---|---|"]
+    for name, b in result["bytes_per_token"].items():
+        lines.append(f"| {name} | {b:,.0f} |")
+    i8 = result["int8"]
+    lines += [
+        "",
+        f"### int8 against float16 storage: first-token KL over {i8['items']} items ({i8['source']})",
+        "",
+        "| strategy | mean | median | max |",
+        "|---|---|---|---|",
+    ]
+    for name, k in i8["first_token_kl"].items():
+        lines.append(f"| {name} | {k['mean']:.5f} | {k['median']:.5f} | {k['max']:.5f} |")
+    lines += ["", "### Peak memory (high-water mark after each size)", ""]
+    keys = list(rows[0]["peak_memory"])
+    lines.append("| context | " + " | ".join(keys) + " |")
+    lines.append("|---|" + "---|" * len(keys))
+    for r in rows:
+        lines.append(f"| {r['context_tokens']:,} | " + " | ".join(f"{r['peak_memory'][k]:.0f}" for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Time to first token against context size, one line a strategy or reference, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["ttft"]
+    x = [r["context_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for name in [*result["strategies"], *_references(rows[0])]:
+        style = "--" if name in (TRANSFORMERS, LOWER_BOUND, LOWER_BOUND_SUFFIX) else "-"
+        ax.plot(x, [r["ttft_s"][name] for r in rows], style, marker="o", label=name)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    m = result["machine"]
+    ax.set_title(f"{m['model']} {m['dtype']}, {m['device']}, {m['threads']} threads, budget {result['budget']}")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

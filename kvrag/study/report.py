@@ -1,0 +1,265 @@
+"""From study records to results: per family and variant, per strategy row, with intervals and paired tests.
+
+Writes `results.json` (schema in docs/study.md), `table.md` (one table per family and variant, shaped like
+the study's) and two PNG plots (retention by strategy per family; retention against budget).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from kvrag.study.metrics import bootstrap_diff, mcnemar, wilson
+from kvrag.study.runner import BUDGET_FREE, Row, StudyConfig
+
+SCHEMA = "kvrag-study/1"
+BASELINE = "target_recompute"
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    kept = [float(v) for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+def _row_records(records: list[dict[str, Any]], row: Row) -> dict[str, dict[str, Any]]:
+    """item id -> the record of this row (a budget-free strategy's one record serves every budget)."""
+    budget_free = row.strategy in BUDGET_FREE
+    return {
+        r["item"]: r
+        for r in records
+        if r["strategy"] == row.strategy and r["picker"] == row.picker and (budget_free or r["budget"] == row.budget)
+    }
+
+
+def _baseline(rows: Sequence[Row], row: Row) -> Row | None:
+    """The target_recompute row this row is tested against: same picker when there is one, same budget."""
+    candidates = [r for r in rows if r.strategy == BASELINE]
+    for r in candidates:
+        if r.picker == (row.picker or "retriever"):
+            return Row(r.strategy, r.picker, row.budget)
+    return Row(candidates[0].strategy, candidates[0].picker, row.budget) if candidates else None
+
+
+def summarize_group(records: list[dict[str, Any]], rows: Sequence[Row]) -> dict[str, Any]:
+    """Metrics of every row over one group of items."""
+    items: dict[str, dict[str, Any]] = {}
+    for r in records:
+        items.setdefault(r["item"], r)
+    dependent = {i for i, r in items.items() if not r["closed_book_correct"] and r["full_prefill_correct"]}
+    out_rows = []
+    by_row = {row: _row_records(records, row) for row in rows}
+    for row in rows:
+        mine = by_row[row]
+        if not mine:
+            continue
+        right = sum(r["correct"] for r in mine.values())
+        cd = [i for i in mine if i in dependent]
+        kept = sum(mine[i]["correct"] for i in cd)
+        own_cd = [i for i, r in mine.items() if not r["closed_book_correct"] and r["own_order_full_prefill_correct"]]
+        entry: dict[str, Any] = {
+            "label": row.label,
+            "strategy": row.strategy,
+            "picker": row.picker,
+            "budget": row.budget,
+            "budget_free": row.strategy in BUDGET_FREE,
+            "n": len(mine),
+            "accuracy": right / len(mine),
+            "accuracy_ci": wilson(right, len(mine)),
+            "f1": _mean(r["f1"] for r in mine.values()),
+            "n_context_dependent": len(cd),
+            "retention": kept / len(cd) if cd else None,
+            "retention_ci": wilson(kept, len(cd)) if cd else None,
+            "retained": kept,
+            "own_order_full_prefill_accuracy": _mean(r["own_order_full_prefill_correct"] for r in mine.values()),
+            "retention_own_order": _mean(mine[i]["correct"] for i in own_cd),
+            "n_context_dependent_own_order": len(own_cd),
+            "kl": _mean(r["kl"] for r in mine.values()),
+            "kl_median": statistics.median(r["kl"] for r in mine.values()),
+            "gold_ll_delta": _mean(r["gold_ll_delta"] for r in mine.values()),
+            "target_kv_distance": _mean(r["target_kv_distance"] for r in mine.values()),
+            "picker_accuracy": _mean(r["picker_correct"] for r in mine.values()),
+            "recomputed_fraction": _mean(r["recomputed_fraction"] for r in mine.values()),
+            "extra_token_layers": _mean(r["extra_token_layers"] for r in mine.values()),
+            "ttft_s": statistics.median(r["ttft_s"] for r in mine.values()),
+            "full_prefill_ttft_s": statistics.median(r["full_prefill_ttft_s"] for r in mine.values()),
+            "vs_target_recompute": None,
+        }
+        base = _baseline(rows, row)
+        theirs = by_row.get(base) if base else None
+        if theirs is None and base is not None:
+            theirs = _row_records(records, base)
+        if theirs and base != row:
+            paired = [i for i in cd if i in theirs]
+            a, b = [bool(mine[i]["correct"]) for i in paired], [bool(theirs[i]["correct"]) for i in paired]
+            only_this, only_base, p = mcnemar(a, b)
+            both = [i for i in mine if i in theirs]
+            _, _, p_all = mcnemar([bool(mine[i]["correct"]) for i in both], [bool(theirs[i]["correct"]) for i in both])
+            diff = bootstrap_diff([float(x) for x in a], [float(y) for y in b]) if paired else None
+            entry["vs_target_recompute"] = {
+                "baseline": base.label,
+                "n_pairs": len(paired),
+                "only_this": only_this,
+                "only_baseline": only_base,
+                "p_mcnemar": p,
+                "retention_diff": diff[0] if diff else None,
+                "retention_diff_ci": [diff[1], diff[2]] if diff else None,
+                "p_mcnemar_all_items": p_all,
+            }
+        out_rows.append(entry)
+    n = len(items)
+    closed = sum(r["closed_book_correct"] for r in items.values())
+    full = sum(r["full_prefill_correct"] for r in items.values())
+    return {
+        "n": n,
+        "closed_book_accuracy": closed / n if n else None,
+        "closed_book_accuracy_ci": wilson(closed, n),
+        "full_prefill_accuracy": full / n if n else None,
+        "full_prefill_accuracy_ci": wilson(full, n),
+        "n_context_dependent": len(dependent),
+        "rows": out_rows,
+    }
+
+
+def report_rows(config: StudyConfig) -> list[Row]:
+    """The rows of the tables: every run row, budget-free ones repeated at every budget."""
+    rows: list[Row] = []
+    for row in config.rows():
+        budgets = config.budgets if row.strategy in BUDGET_FREE else [row.budget]
+        rows += [Row(row.strategy, row.picker, float(b)) for b in budgets]
+    return rows
+
+
+def summarize(records: list[dict[str, Any]], config: StudyConfig) -> dict[str, Any]:
+    """Groups per family and variant (plus each family's variants together, plus everything)."""
+    rows = report_rows(config)
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        groups[(r["family"], r["variant"] or "all")].append(r)
+    families = {f for f, _ in groups}
+    out = []
+    for family in sorted(families):
+        variants = sorted(v for f, v in groups if f == family)
+        if len(variants) > 1:
+            groups[(family, "all")] = [r for v in variants for r in groups[(family, v)]]
+            variants.append("all")
+        for variant in variants:
+            out.append({"family": family, "variant": variant, **summarize_group(groups[(family, variant)], rows)})
+    overall = summarize_group(records, rows) if records else {"rows": []}
+    if len(families) > 1:
+        out.append({"family": "all", "variant": "all", **overall})
+    strategies = {f"{r['label']} @ {r['budget']:g}": r for r in overall["rows"]}
+    return {"groups": out, "strategies": strategies}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def _num(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """One table per family and variant at every budget."""
+    lines = [f"# kvrag study: {results['model']['name']}", "", f"Command: `{results['command']}`", ""]
+    lines.append(
+        f"{results['data']['items']} items, computed in {results['compute_s'] / 60:.1f} min "
+        f"({results['data']['cached_items']} from the cache of an earlier run), {results['threads']} threads. "
+        "Accuracy and retention in %, with 95% Wilson intervals; retention is over the context-dependent items "
+        "(closed book wrong, full prefill in the given order right). `FP own order`: full prefill in the "
+        "strategy's own order. KL: teacher-forced over the own-order full prefill's answer. `vs TR`: paired "
+        "exact McNemar p on the context-dependent items against target_recompute (same picker)."
+    )
+    for group in results["groups"]:
+        lines += [
+            "",
+            f"## {group['family']} / {group['variant']}",
+            "",
+            f"{group['n']} items; closed book {_pct(group['closed_book_accuracy'])}%, full prefill "
+            f"{_pct(group['full_prefill_accuracy'])}%, {group['n_context_dependent']} context-dependent.",
+            "",
+            "| strategy | budget | accuracy [CI] | retention (kept/n) [CI] | FP own order | KL | Δ log-lik | target KV dist "
+            "| picker acc | recomputed | ttft s | vs TR: +/−, p |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in group["rows"]:
+            ci = r["accuracy_ci"]
+            ret = "-"
+            if r["retention"] is not None:
+                lo, hi = r["retention_ci"]
+                ret = f"{_pct(r['retention'])} ({r['retained']}/{r['n_context_dependent']}) [{_pct(lo)}, {_pct(hi)}]"
+            vs = r["vs_target_recompute"]
+            test = "-" if not vs else f"+{vs['only_this']}/−{vs['only_baseline']}, p={vs['p_mcnemar']:.3g}"
+            lines.append(
+                f"| {r['label']} | {r['budget']:g} | {_pct(r['accuracy'])} [{_pct(ci[0])}, {_pct(ci[1])}] | {ret} "
+                f"| {_pct(r['own_order_full_prefill_accuracy'])} | {_num(r['kl'])} | {_num(r['gold_ll_delta'], 2)} "
+                f"| {_num(r['target_kv_distance'])} | {_pct(r['picker_accuracy'])} | {_pct(r['recomputed_fraction'])} "
+                f"| {_num(r['ttft_s'])} | {test} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict[str, Any], out: Path) -> list[Path]:
+    """retention_by_strategy.png and retention_vs_budget.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [g for g in results["groups"] if g["variant"] == "all" and g["family"] != "all"]
+    groups = groups or [g for g in results["groups"] if g["family"] != "all"] or results["groups"]
+    budgets = sorted({r["budget"] for g in groups for r in g["rows"]})
+    main = 0.05 if 0.05 in budgets else budgets[0] if budgets else 0.05
+    paths = []
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.5), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        rows = [r for r in group["rows"] if r["budget"] == main and r["retention"] is not None]
+        values = [100 * r["retention"] for r in rows]
+        errors = [
+            [100 * (r["retention"] - r["retention_ci"][0]) for r in rows],
+            [100 * (r["retention_ci"][1] - r["retention"]) for r in rows],
+        ]
+        ax.bar(range(len(rows)), values, yerr=errors, capsize=3, color="#4c72b0")
+        ax.set_xticks(range(len(rows)), [r["label"] for r in rows], rotation=60, ha="right", fontsize=8)
+        ax.set_ylim(0, 105)
+        ax.set_title(f"{group['family']} ({group['n_context_dependent']} context-dependent)")
+        ax.set_ylabel(f"retention % at budget {main:g}")
+    fig.tight_layout()
+    paths.append(out / "retention_by_strategy.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.5), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        by_label: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for r in group["rows"]:
+            if r["retention"] is not None:
+                by_label[r["label"]].append((r["budget"], 100 * r["retention"]))
+        for label, points in by_label.items():
+            points.sort()
+            style = "--" if any(r["budget_free"] for r in group["rows"] if r["label"] == label) else "-"
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=label)
+        if len(budgets) > 1:
+            ax.set_xscale("log")
+        ax.set_xlabel("budget (fraction of context tokens)")
+        ax.set_ylabel("retention %")
+        ax.set_ylim(0, 105)
+        ax.set_title(group["family"])
+    if axes[0][-1].get_legend_handles_labels()[0]:
+        axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    paths.append(out / "retention_vs_budget.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write(results: dict[str, Any], out: Path) -> list[Path]:
+    """results.json, table.md and the plots in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "table.md").write_text(markdown(results), encoding="utf-8")
+    return [out / "results.json", out / "table.md", *plots(results, out)]

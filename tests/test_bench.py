@@ -1,0 +1,47 @@
+"""`kvrag bench --quick` on a tiny model folder: every output file is written, with the documented structure.
+
+Structure only: speed figures live in docs/performance.md, never in assertions.
+"""
+
+import json
+
+from tiny import save_tiny
+
+from kvrag.bench import LOWER_BOUND, LOWER_BOUND_SUFFIX, PHASES, TRANSFORMERS
+from kvrag.bench_report import FILES
+from kvrag.cli import main
+
+
+def test_quick_bench_writes_every_output(tmp_path, capsys):
+    model = save_tiny(tmp_path / "model")
+    out = tmp_path / "bench"
+    strategies = ["full_prefill", "reuse", "target_recompute"]
+    code = main(["bench", "--quick", "--model", str(model), "--out", str(out), "--strategies", ",".join(strategies)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "### Time to first token" in printed
+    assert all((out / name).stat().st_size > 0 for name in FILES)
+    assert (out / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads((out / "bench.json").read_text())
+    assert result["strategies"] == strategies and result["runs"] == 1
+    assert [row["context_tokens"] >= size for row, size in zip(result["ttft"], (150, 300))] == [True, True]
+    for row in result["ttft"]:
+        assert set(row["ttft_s"]) == {*strategies, TRANSFORMERS, LOWER_BOUND, LOWER_BOUND_SUFFIX}
+        assert all(t > 0 for t in row["ttft_s"].values())
+        assert set(row["phases_s"]["reuse"]) == {*PHASES, "other"}
+        assert row["phases_s"]["target_recompute"]["forward"] > 0
+        assert row["peak_memory"]["rss_high_water_mb"] > 0
+    assert set(result["ingest"]["x_raw"]) >= {"raw batched forward", "kvrag encode_chunks"}
+    assert {"memory", "disk (float16)", "disk (int8)"} <= set(result["store_read"])
+    per_token = result["bytes_per_token"]
+    assert per_token["int8"] < per_token["float16"] < per_token["float32"]
+    assert result["int8"]["items"] >= 1 and result["int8"]["finite"]
+    assert set(result["int8"]["first_token_kl"]) == {"reuse", "target_recompute"}
+    markdown = (out / "bench.md").read_text()
+    for section in ("Ratios", "Where the time to first token goes", "Ingest", "Store reads", "KV bytes a token"):
+        assert section in markdown
+
+
+def test_bench_rejects_a_context_shorter_than_a_chunk(tmp_path, capsys):
+    code = main(["bench", "--out", str(tmp_path), "--contexts", "100", "--chunk-tokens", "200"])
+    err = capsys.readouterr().err
+    assert code == 2 and "every context at least one chunk long" in err and err.count("\n") == 1

@@ -1,0 +1,309 @@
+"""The study harness: generators, metrics on hand-made cases, the JSONL loader, and quick runs that write
+every output file (a tiny model over a user file; the default model over the built-in sets)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from tiny import FACTS, byte_tokenizer, save_tiny, tiny_model
+
+from kvrag.cli import main
+from kvrag.errors import DocumentError, InvalidRequestError
+from kvrag.kvmodel import KVModel
+from kvrag.recompute import full_prefill
+from kvrag.study import BUILTIN, StudyConfig, StudyRunner, builtin, load_items, load_jsonl
+from kvrag.study.metrics import (
+    bootstrap_diff,
+    contains_answer,
+    correct,
+    kl_topk,
+    mcnemar,
+    normalize,
+    token_f1,
+    topk_logprobs,
+    wilson,
+)
+
+# -- generators ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_builtin_sets_are_deterministic_and_answerable_from_the_target_only(name: str) -> None:
+    items = builtin(name, seed=3, limit=60)
+    assert len(items) == 60
+    assert [i.to_dict() for i in items] == [i.to_dict() for i in builtin(name, seed=3, limit=60)]
+    assert [i.question for i in items] != [i.question for i in builtin(name, seed=4, limit=60)]
+    assert len({i.id for i in items}) == len(items)
+    for item in items:
+        assert 8 <= len(item.chunks) <= 10
+        assert len({c.id for c in item.chunks}) == len(item.chunks)
+        target = item.chunks[item.target_index]
+        assert correct(target.text, item.answers), (item.id, item.answers)
+        for chunk in item.chunks:
+            if chunk.id != item.target:
+                assert not correct(chunk.text, item.answers), (item.id, chunk.id, item.answers)
+        assert not correct(item.question, item.answers)
+    assert len({i.target_index for i in items}) >= 6  # the target's place varies
+
+
+def test_variants_pair_one_question_with_same_kind_and_mixed_distractors() -> None:
+    items = builtin("api_docs", limit=40)
+    for same, mixed in zip(items[::2], items[1::2]):
+        assert (same.variant, mixed.variant) == ("same", "mixed")
+        assert same.question == mixed.question and same.target == mixed.target
+        assert same.target_index == mixed.target_index
+        # same kind: other API entries; mixed: at least one text of another kind (article or chat session)
+        assert all("(" in c.text.split("\n", 1)[0] for c in same.chunks)
+        assert any("(" not in c.text.split("\n", 1)[0] for c in mixed.chunks)
+
+
+def test_chunk_range_scales_contexts_up() -> None:
+    items = builtin("open_qa", limit=10, chunks=(16, 20))
+    assert all(16 <= len(i.chunks) <= 20 for i in items)
+    with pytest.raises(InvalidRequestError, match="MIN-MAX"):
+        builtin("open_qa", chunks=(5, 3))
+    with pytest.raises(InvalidRequestError, match="unknown built-in"):
+        builtin("trivia")
+
+
+def test_load_items_interleaves_sets_so_a_stopped_run_covers_each() -> None:
+    items, problems = load_items("builtin:all", limit=4)
+    assert problems == []
+    assert [i.family for i in items[:3]] == list(BUILTIN)
+    assert sum(i.family == "dialogue" for i in items) == 4
+
+
+# -- metrics -------------------------------------------------------------------------------------------
+
+
+def test_answer_match_is_whole_tokens_after_normalization() -> None:
+    assert contains_answer("The founder of Velloria is Marten Dorek.", "marten dorek")
+    assert not contains_answer("The founder is Marten Dorekson.", "Marten Dorek")
+    assert not contains_answer("It is 170.", "70")
+    assert contains_answer("About 12,000 people live there.", "12000")
+    assert contains_answer("width=70 by default", "70")
+    assert contains_answer("css='calendar.css'", "calendar.css")
+    assert not contains_answer("anything", "...")
+    assert normalize("Ça, c'est 1,234!") == ["ça", "c", "est", "1234"]
+
+
+def test_token_f1_on_hand_made_cases() -> None:
+    assert token_f1("Marten Dorek", ["Marten Dorek"]) == 1.0
+    assert token_f1("The founder is Marten Dorek", ["Marten Dorek"]) == pytest.approx(2 * 0.4 * 1 / 1.4)
+    assert token_f1("nobody", ["Marten Dorek", "nobody"]) == 1.0
+    assert token_f1("", ["x"]) == 0.0
+
+
+def test_intervals_and_paired_tests() -> None:
+    lo, hi = wilson(0, 10)
+    assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-3)
+    lo, hi = wilson(5, 10)
+    assert lo == pytest.approx(0.2366, abs=1e-3) and hi == pytest.approx(0.7634, abs=1e-3)
+    # 6 discordant pairs all one way: p = 2 * 0.5**6
+    assert mcnemar([True] * 6 + [False] * 4, [False] * 6 + [False] * 4) == (6, 0, pytest.approx(0.03125))
+    assert mcnemar([True, False], [True, False]) == (0, 0, 1.0)
+    mean, lo, hi = bootstrap_diff([1.0] * 20, [0.0] * 10 + [1.0] * 10)
+    assert mean == 0.5 and lo < 0.5 < hi
+
+
+def test_topk_kl_matches_full_kl_when_k_covers_the_vocabulary() -> None:
+    torch.manual_seed(0)
+    ref, other = torch.randn(4, 30), torch.randn(4, 30)
+    full = torch.nn.functional.kl_div(
+        torch.log_softmax(other, -1), torch.log_softmax(ref, -1), log_target=True, reduction="none"
+    ).sum(-1)
+    ids, logp = topk_logprobs(ref, k=30)
+    assert kl_topk(ids, logp, other) == pytest.approx(float(full.mean()), rel=1e-4)
+    ids, logp = topk_logprobs(ref, k=5)  # coarse-grained: never above the full KL
+    assert 0 < kl_topk(ids, logp, other) <= float(full.mean()) + 1e-6
+    assert kl_topk(*topk_logprobs(ref, k=5), ref) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_batched_greedy_decoding_equals_decoding_each_prefill_alone(tmp_path) -> None:
+    kv = KVModel(tiny_model("llama"), byte_tokenizer())
+    runner = StudyRunner(kv, None, StudyConfig(max_new_tokens=12), tmp_path)
+    ids = [kv.layout.chunk_ids(text) for text, _ in FACTS[:3]]
+    prompts = [kv.prompt_ids("Who?", ids, order) for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0])]
+    alone = [runner._generate_batch([full_prefill(kv.model, p)])[0] for p in prompts]
+    together = runner._generate_batch([full_prefill(kv.model, p) for p in prompts])
+    assert together == alone
+    assert len({tuple(tokens) for _, tokens in alone}) > 1  # the orders really give different answers
+
+
+# -- the JSONL format ----------------------------------------------------------------------------------
+
+
+def _item(n: int, **changes: object) -> dict:
+    row = {
+        "id": f"q{n}",
+        "family": "facts",
+        "question": "What is the best-known product of Velloria?",
+        "answers": ["blue glass"],
+        "chunks": [
+            {"id": "a", "text": "Dorwick makes copper bells and smoked eel."},
+            {"id": "b", "text": "Velloria is known for blue glass."},
+        ],
+        "target": "b",
+    }
+    row.update(changes)
+    return row
+
+
+def test_loader_skips_bad_lines_and_says_which(tmp_path) -> None:
+    path = tmp_path / "data.jsonl"
+    lines = [
+        json.dumps(_item(1)),
+        "{not json",
+        json.dumps(_item(2, target="zzz")),
+        json.dumps(_item(3, answers=[])),
+        json.dumps(_item(4, answers=["  ", "!"])),
+        json.dumps(["a list"]),
+        json.dumps(_item(5, chunks=[{"id": "b", "text": "   "}])),
+        json.dumps(_item(1)),
+        "",
+        json.dumps(_item(6, variant="mixed")),
+    ]
+    path.write_bytes("\n".join(lines).encode() + b"\n\xff\xfe\n")
+    items, problems = load_jsonl(path)
+    assert [i.id for i in items] == ["q1", "q6"]
+    assert items[1].variant == "mixed" and items[0].target_index == 1
+    expected = {
+        2: "not valid JSON",
+        3: "target 'zzz' is not the id",
+        4: "'answers' holds no answer",
+        5: "'answers' holds no answer",
+        6: "must be a JSON object",
+        7: "has no text",
+        8: "repeats an earlier line",
+        11: "not UTF-8",
+    }
+    assert len(problems) == len(expected)
+    for problem, (line, phrase) in zip(problems, expected.items()):
+        assert problem.startswith(f"{path}:{line}: ") and phrase in problem, problem
+
+
+def test_loader_refuses_a_file_with_nothing_usable(tmp_path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text("{}\n[]\n")
+    with pytest.raises(DocumentError, match=r"no usable study item in .*bad.jsonl: .*:1: 'id' must be"):
+        load_jsonl(path)
+    with pytest.raises(DocumentError, match="cannot read the study data"):
+        load_jsonl(tmp_path / "missing.jsonl")
+
+
+# -- quick runs ----------------------------------------------------------------------------------------
+
+OUTPUTS = ("results.json", "table.md", "retention_by_strategy.png", "retention_vs_budget.png")
+ROW_KEYS = ("accuracy", "retention", "n", "n_context_dependent", "recomputed_fraction", "ttft_s", "picker_accuracy")
+
+
+def _study(capsys, *args: object) -> tuple[int, str]:
+    code = main(["study", *map(str, args)])
+    return code, capsys.readouterr().err
+
+
+def test_cli_study_on_a_user_file_writes_every_output_and_reruns_from_cache(tmp_path, capsys) -> None:
+    model = save_tiny(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    rows = [
+        _item(
+            n,
+            family="facts" if n % 2 else "notes",
+            chunks=[{"id": f"c{k}", "text": f"Fact {k}: town {k} sells item {k * n}."} for k in range(4)],
+            target=f"c{n % 4}",
+            answers=[f"item {(n % 4) * n}"],
+        )
+        for n in range(1, 7)
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
+    out = tmp_path / "run"
+    args = ("--data", data, "--out", out, "--model", model, "--budgets", "0.05,0.5", "--pickers", "oracle")
+    code, err = _study(capsys, *args, "--quiet")
+    assert code == 0, err
+    assert f"skipped {data}:7: not valid JSON" in err
+    for name in OUTPUTS:
+        assert (out / name).stat().st_size > 0, name
+    results = json.loads((out / "results.json").read_text())
+    assert results["schema"] == "kvrag-study/1" and results["data"]["items"] == 6
+    assert results["data"]["skipped"] == [
+        f"{data}:7: not valid JSON (Expecting property name enclosed in double quotes at column 2)"
+    ]
+    assert {(g["family"], g["variant"]) for g in results["groups"]} == {
+        ("facts", "all"),
+        ("notes", "all"),
+        ("all", "all"),
+    }
+    labels = set(results["strategies"])
+    assert "target_recompute (oracle) @ 0.05" in labels and "token_select @ 0.5" in labels
+    for row in results["strategies"].values():
+        assert all(k in row for k in ROW_KEYS)
+        assert row["n"] == 6 and 0 <= row["accuracy"] <= 1 and 0 <= row["recomputed_fraction"] <= 1
+    overall = results["strategies"]
+    assert overall["reuse @ 0.05"]["recomputed_fraction"] == 0
+    assert overall["target_recompute (oracle) @ 0.05"]["picker_accuracy"] == 1.0
+    assert overall["insert_full_kv (oracle) @ 0.05"]["target_kv_distance"] < 1e-3  # the full-prefill slice itself
+    assert (
+        overall["reuse @ 0.05"]["target_kv_distance"] > overall["insert_full_kv (oracle) @ 0.05"]["target_kv_distance"]
+    )
+    # a budget-free strategy ran once and serves both budgets; token_select ran at each
+    records = (out / "cache" / "records.jsonl").read_text().splitlines()
+    assert len(records) == 6 * (len(results["config"]["rows"]))
+    assert "## facts / all" in (out / "table.md").read_text()
+
+    code, err = _study(capsys, *args, "--quiet")  # the rerun finds every record in the cache
+    assert code == 0, err
+    assert (out / "cache" / "records.jsonl").read_text().splitlines() == records
+    assert json.loads((out / "results.json").read_text())["data"]["cached_items"] == 6
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budgets", "0.05,abc"], "--budgets must be a comma-separated list"),
+        (["--budget", "0"], "budget must be a fraction"),
+        (["--budget", "0.1", "--budgets", "0.2"], "not both"),
+        (["--strategies", "reuse,magic"], "unknown strategy 'magic'"),
+        (["--pickers", "psychic"], "unknown picker 'psychic'"),
+        (["--chunks", "8"], "--chunks must be MIN-MAX"),
+        (["--limit", "0"], "--limit must be at least 1"),
+        (["--shard", "2/2"], "--shard must be I/N"),
+        (["--strategies", "reuse:oracle"], "only a strategy that takes any picker"),
+    ],
+)
+def test_cli_study_refuses_bad_arguments_before_loading_a_model(tmp_path, capsys, args, message) -> None:
+    code, err = _study(capsys, "--data", "builtin:open_qa", "--out", tmp_path / "o", *args)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_cli_study_names_a_missing_data_file(tmp_path, capsys) -> None:
+    code, err = _study(capsys, "--data", tmp_path / "nope.jsonl", "--out", tmp_path / "o")
+    assert code == 2 and "cannot read the study data" in err
+
+
+@pytest.mark.slow
+def test_quick_builtin_run_on_the_default_model(tmp_path, capsys) -> None:
+    """`kvrag study --data builtin:all --limit 1` on the embedded model: every file, every family."""
+    out = tmp_path / "run"
+    code, err = _study(
+        capsys,
+        "--data",
+        "builtin:all",
+        "--limit",
+        "2",
+        "--strategies",
+        "reuse,target_recompute",
+        "--out",
+        out,
+        "--quiet",
+    )
+    assert code == 0, err
+    for name in OUTPUTS:
+        assert (out / name).stat().st_size > 0, name
+    results = json.loads((out / "results.json").read_text())
+    families = {g["family"] for g in results["groups"]}
+    assert families == {"api_docs", "open_qa", "dialogue", "all"}
+    tr = results["strategies"]["target_recompute (retriever) @ 0.05"]
+    assert tr["n"] == 3 and 0 < tr["recomputed_fraction"] < 0.5 and math.isfinite(tr["kl"])
