@@ -27,31 +27,45 @@ from kvrag.kvmodel import KVModel
 from kvrag.store import DiskStore, KVStore, MemoryStore, RedisStore
 
 
-@contextmanager
-def redis_server() -> Iterator[str | None]:
-    """A throwaway redis-server on a free loopback port (its URL), or None when no binary is installed."""
+def start_redis(port: int | None = None, password: str | None = None) -> tuple[subprocess.Popen, int] | None:
+    """Start a throwaway redis-server on a loopback port (a free one by default) and wait until it answers.
+
+    Returns the process and its port, or None when no binary is installed or it did not come up.
+    """
     binary = shutil.which("redis-server")
     if binary is None:
+        return None
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    if password:
+        args += ["--requirepass", password]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port, password=password)
+    for _ in range(200):
+        try:
+            client.ping()
+            return proc, port
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.05)
+    proc.terminate()
+    proc.wait(timeout=10)
+    return None
+
+
+@contextmanager
+def redis_server() -> Iterator[str | None]:
+    """A throwaway redis-server on a free loopback port (its URL), or None when none could be started."""
+    started = start_redis()
+    if started is None:
         yield None
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, port = started
     try:
-        import redis
-
-        client = redis.Redis(port=port)
-        for _ in range(200):
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                time.sleep(0.05)
-        else:
-            yield None
-            return
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.terminate()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
-import time
 
 import pytest
+
+from kvrag.bench_storage import start_redis
 
 
 def free_port() -> int:
@@ -24,24 +24,11 @@ class RedisServer:
             if os.environ.get("CI"):
                 pytest.fail("redis-server is not installed: .ci/run must install Debian's redis-server")
             pytest.skip("redis-server is not installed (apt-get install redis-server)")
-        self.port = port or free_port()
         self.password = password
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        if password:
-            args += ["--requirepass", password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        client = redis.Redis(port=self.port, password=password)
-        for _ in range(100):
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                time.sleep(0.05)
-        else:
-            self.stop()
+        started = start_redis(port, password)
+        if started is None:
             pytest.fail("redis-server did not start")
+        self.proc, self.port = started
 
     @property
     def url(self) -> str:
