@@ -292,7 +292,7 @@ def test_quick_builtin_run_on_the_default_model(tmp_path, capsys) -> None:
         "--data",
         "builtin:all",
         "--limit",
-        "2",
+        "1",
         "--strategies",
         "reuse,target_recompute",
         "--out",
