@@ -185,7 +185,12 @@ def markdown(results: dict[str, Any]) -> str:
             "| picker acc | recomputed | ttft s | vs TR: +/−, p |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
+        shown: set[str] = set()
         for r in group["rows"]:
+            if r["budget_free"] and r["label"] in shown:
+                continue  # one line: it ran once and is the same at every budget
+            shown.add(r["label"])
+            budget = "any" if r["budget_free"] else f"{r['budget']:g}"
             ci = r["accuracy_ci"]
             ret = "-"
             if r["retention"] is not None:
@@ -194,7 +199,7 @@ def markdown(results: dict[str, Any]) -> str:
             vs = r["vs_target_recompute"]
             test = "-" if not vs else f"+{vs['only_this']}/−{vs['only_baseline']}, p={vs['p_mcnemar']:.3g}"
             lines.append(
-                f"| {r['label']} | {r['budget']:g} | {_pct(r['accuracy'])} [{_pct(ci[0])}, {_pct(ci[1])}] | {ret} "
+                f"| {r['label']} | {budget} | {_pct(r['accuracy'])} [{_pct(ci[0])}, {_pct(ci[1])}] | {ret} "
                 f"| {_pct(r['own_order_full_prefill_accuracy'])} | {_num(r['kl'])} | {_num(r['gold_ll_delta'], 2)} "
                 f"| {_num(r['target_kv_distance'])} | {_pct(r['picker_accuracy'])} | {_pct(r['recomputed_fraction'])} "
                 f"| {_num(r['ttft_s'])} | {test} |"
