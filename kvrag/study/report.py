@@ -214,8 +214,11 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [g for g in results["groups"] if g["variant"] == "all" and g["family"] != "all"]
-    groups = groups or [g for g in results["groups"] if g["family"] != "all"] or results["groups"]
+    by_family: dict[str, dict[str, Any]] = {}
+    for g in results["groups"]:  # one panel a family: its "all" group, or its only variant
+        if g["family"] != "all" and (g["family"] not in by_family or g["variant"] == "all"):
+            by_family[g["family"]] = g
+    groups = list(by_family.values()) or results["groups"]
     budgets = sorted({r["budget"] for g in groups for r in g["rows"]})
     main = 0.05 if 0.05 in budgets else budgets[0] if budgets else 0.05
     paths = []
@@ -249,6 +252,8 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
             ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=label)
         if len(budgets) > 1:
             ax.set_xscale("log")
+            ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+            ax.minorticks_off()
         ax.set_xlabel("budget (fraction of context tokens)")
         ax.set_ylabel("retention %")
         ax.set_ylim(0, 105)
