@@ -99,7 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     study.add_argument("--budget", type=float, default=None, help="one budget (default 0.05)")
     study.add_argument("--budgets", default=None, help="comma-separated budgets, e.g. 0.01,0.02,0.05,0.1,0.2")
-    study.add_argument("--limit", type=int, default=None, help="items per file or per built-in set")
+    study.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="items per file or per built-in set (default: all of a file, 200 of a built-in set)",
+    )
     study.add_argument("--seed", type=int, default=0, help="seed of the built-in generators")
     study.add_argument("--chunks", default="8-10", help="chunks a built-in question, MIN-MAX (default %(default)s)")
     study.add_argument("--max-new-tokens", type=int, default=32, help="answers also end at a line break")

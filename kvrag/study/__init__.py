@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from kvrag.errors import InvalidRequestError
-from kvrag.study.data import BUILTIN, DEFAULT_CHUNKS, Chunk, StudyItem, builtin, load_jsonl, write_jsonl
+from kvrag.study.data import BUILTIN, BUILTIN_LIMIT, DEFAULT_CHUNKS, Chunk, StudyItem, builtin, load_jsonl, write_jsonl
 from kvrag.study.runner import DEFAULT_PICKERS, DEFAULT_STRATEGIES, StudyConfig, StudyRunner
 
 __all__ = [
@@ -39,13 +39,13 @@ def load_items(
 ) -> tuple[list[StudyItem], list[str]]:
     """Items from "FILE.jsonl", "builtin:NAME[,NAME...]" or "builtin:all", and the problems of skipped lines.
 
-    `limit` is per file or per built-in set. Items of several sets are interleaved, so a run stopped early
-    still covers every set.
+    `limit` is per file or per built-in set (a built-in set gives BUILTIN_LIMIT items when it is None). Items of
+    several sets are interleaved, so a run stopped early still covers every set.
     """
     if data.startswith("builtin:"):
         names = data.removeprefix("builtin:").split(",")
         names = list(BUILTIN) if names == ["all"] else names
-        sets = [builtin(n.strip(), seed=seed, limit=limit, chunks=chunks) for n in names]
+        sets = [builtin(n.strip(), seed=seed, limit=limit or BUILTIN_LIMIT, chunks=chunks) for n in names]
         problems: list[str] = []
     else:
         items, problems = load_jsonl(data)

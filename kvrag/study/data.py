@@ -21,6 +21,7 @@ from kvrag.study.metrics import contains_answer, normalize
 from kvrag.synthetic import dialogue, encyclopedia
 
 BUILTIN = ("api_docs", "open_qa", "dialogue")
+BUILTIN_LIMIT = 200  # items a built-in set gives when no limit is asked for (they are generated lazily)
 DEFAULT_CHUNKS = (8, 10)  # chunks a question: keeps contexts near 1,000-1,300 tokens on the default model
 _API_ENTRIES = Path(__file__).resolve().parent.parent / "data" / "python_docs" / "api_entries.jsonl"
 

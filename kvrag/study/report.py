@@ -181,8 +181,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"{group['n']} items; closed book {_pct(group['closed_book_accuracy'])}%, full prefill "
             f"{_pct(group['full_prefill_accuracy'])}%, {group['n_context_dependent']} context-dependent.",
             "",
-            "| strategy | budget | accuracy [CI] | retention (kept/n) [CI] | FP own order | KL | Δ log-lik | target KV dist "
-            "| picker acc | recomputed | ttft s | vs TR: +/−, p |",
+            "| strategy | budget | accuracy [CI] | retention (kept/n) [CI] | FP own order | KL | Δ log-lik "
+            "| target KV dist | picker acc | recomputed | ttft s | vs TR: +/−, p |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         shown: set[str] = set()

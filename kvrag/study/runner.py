@@ -290,7 +290,6 @@ class StudyRunner:
                         cache=stitched.cache,
                     )
                     row = {"key": _digest(key, name), "item": item.id, "order": name, **ref.to_json()}
-                    self.references[row["key"]] = row
                     references(row)
                     refs[name] = ref
             fresh_refs.clear()
