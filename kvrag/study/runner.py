@@ -343,7 +343,7 @@ class StudyRunner:
                     "kl": kl,
                     "gold_ll": gold_ll,
                     "gold_ll_delta": gold_ll - ref.gold_ll,
-                    "target_kv_distance": self._target_distance(pre.stitched, ref, item, order, target),
+                    "target_kv_distance": self._target_distance(pre.stitched, ref, item.question, ids, order, target),
                     "picked": pre.decision.target,
                     "target": target,
                     "picker_correct": None if pre.decision.target is None else pre.decision.target == target,
@@ -433,20 +433,20 @@ class StudyRunner:
         ]
 
     def _target_distance(
-        self, stitched: Stitched, ref: Reference, item: StudyItem, order: list[int], target: int
+        self,
+        stitched: Stitched,
+        ref: Reference,
+        question: str,
+        ids: list[list[int]],
+        order: list[int],
+        target: int,
     ) -> float:
         """||target KV - its full-prefill KV|| / ||full-prefill KV||, keys and values of every layer together."""
-        lengths = [len(self.kv.chunk_ids(i, c.text)) for i, c in enumerate(item.chunks)]
-        start = len(self.kv.prefix) + sum(lengths[c] for c in order[: order.index(target)])
-        span = torch.arange(start, start + lengths[target])
+        start = len(self.kv.prefix) + sum(len(ids[c]) for c in order[: order.index(target)])
+        span = torch.arange(start, start + len(ids[target]))
         if ref.cache is None:  # the reference came from an earlier run: rebuild its prompt cache
             with self.kv.lock:
-                ref.cache = full_prefill(
-                    self.kv.model,
-                    self.kv.prompt_ids(
-                        item.question, [self.kv.chunk_ids(i, c.text) for i, c in enumerate(item.chunks)], order
-                    ),
-                ).cache
+                ref.cache = full_prefill(self.kv.model, self.kv.prompt_ids(question, ids, order)).cache
         physical = span
         if stitched.key_positions is not None:
             physical = torch.argsort(stitched.key_positions.cpu())[span]
