@@ -112,7 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard",
         default=None,
         metavar="I/N",
-        help="run every N-th item from the I-th (0-based), for parallel runs whose cache/ folders are merged after",
+        help="run every N-th item from the I-th (0-based): shards may share one --out (each appends to its own "
+        "cache files) or run on other machines, their cache/*.jsonl then copied into one folder",
+    )
+    study.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="worker processes, each with its own model and --threads divided among them (default 1; on a CPU, "
+        "one per core is fastest)",
     )
     study.add_argument("--quiet", action="store_true", help="no progress bar")
     _model_args(study)
@@ -304,16 +312,30 @@ def _study(args: argparse.Namespace) -> None:
         if not 0 <= index < count:
             raise InvalidRequestError(f"--shard must be I/N with 0 <= I < N, e.g. 0/2, got {args.shard!r}")
         items = items[index::count]
+    if not 1 <= args.jobs <= 64:
+        raise InvalidRequestError(f"--jobs must be in 1..64, got {args.jobs}")
     for line in problems[:20]:
         print(f"kvrag: skipped {line}", file=sys.stderr)
     print(
         f"kvrag study: {len(items)} items, {len(rows)} strategy rows, budgets {budgets}, "
-        f"{__import__('torch').get_num_threads()} threads",
+        f"{__import__('torch').get_num_threads()} threads, {args.jobs} process(es)",
         file=sys.stderr,
     )
-    kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    load = dict(name_or_path=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    kv = KVModel.from_pretrained(**load)
     command = "kvrag " + " ".join(shlex.quote(a) for a in args.argv)
-    run_study(kv, items, args.out, config=config, problems=problems, command=command, progress=not args.quiet)
+    run_study(
+        kv,
+        items,
+        args.out,
+        config=config,
+        problems=problems,
+        command=command,
+        progress=not args.quiet,
+        jobs=args.jobs,
+        worker_model=load,
+        part=args.shard.replace("/", "of") if args.shard else "",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

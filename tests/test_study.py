@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from tiny import FACTS, byte_tokenizer, save_tiny, tiny_model
 
 from kvrag.cli import main
-from kvrag.errors import DocumentError, InvalidRequestError
+from kvrag.errors import DocumentError, InvalidRequestError, KVRAGError
 from kvrag.kvmodel import KVModel
 from kvrag.recompute import full_prefill
-from kvrag.study import BUILTIN, StudyConfig, StudyRunner, builtin, load_items, load_jsonl
+from kvrag.study import BUILTIN, StudyConfig, StudyRunner, builtin, load_items, load_jsonl, run_study
 from kvrag.study.metrics import (
     bootstrap_diff,
     contains_answer,
@@ -26,6 +27,7 @@ from kvrag.study.metrics import (
     topk_logprobs,
     wilson,
 )
+from kvrag.study.runner import PaddedBatch
 
 # -- generators ----------------------------------------------------------------------------------------
 
@@ -133,6 +135,42 @@ def test_batched_greedy_decoding_equals_decoding_each_prefill_alone(tmp_path) ->
     assert len({tuple(tokens) for _, tokens in alone}) > 1  # the orders really give different answers
 
 
+def test_one_batch_of_prompts_of_different_lengths_decodes_and_forces_as_each_prompt_alone(tmp_path) -> None:
+    """Left padding behind a mask: a short closed-book-like prompt and long ones in one batch give each row's
+    own greedy answer and teacher-forced logits; rows that finish early leave the batch (a smaller copy)."""
+    kv = KVModel(tiny_model("llama"), byte_tokenizer())
+    runner = StudyRunner(kv, None, StudyConfig(max_new_tokens=12), tmp_path)
+    ids = [kv.layout.chunk_ids(text) for text, _ in FACTS[:3]]
+    prompts = [kv.prompt_ids("Who?", ids, [0, 1, 2]), kv.prompt_ids("Who?", [], []), kv.prompt_ids("Who?", ids, [2])]
+    assert len({len(p) for p in prompts}) == 3
+    alone = [runner._generate_batch([full_prefill(kv.model, p)])[0] for p in prompts]
+    prefills = [full_prefill(kv.model, p) for p in prompts]
+    batch = PaddedBatch(kv.model, prefills, room=12)
+    assert runner._generate(batch) == alone
+    forced = [[7, 8, 9, 10], [11], []]
+    for prompt, sequence, logits in zip(prompts, forced, runner._forced(batch, forced)):
+        with torch.inference_mode():
+            whole = kv.model(input_ids=torch.tensor([prompt + sequence])).logits[0, len(prompt) - 1 :]
+        assert logits.shape == whole.shape
+        torch.testing.assert_close(logits, whole.float(), rtol=1e-4, atol=1e-4)
+    for prefill, prompt in zip(prefills, prompts):  # the prefills themselves are untouched
+        assert prefill.cache.get_seq_length() == len(prompt)
+
+
+def test_a_reference_continued_from_a_shared_prefix_equals_its_full_prefill(tmp_path) -> None:
+    kv = KVModel(tiny_model("qwen2"), byte_tokenizer())
+    runner = StudyRunner(kv, None, StudyConfig(), tmp_path)
+    ids = [kv.layout.chunk_ids(text) for text, _ in FACTS[:3]]
+    given, moved = kv.prompt_ids("Who?", ids, [0, 1, 2]), kv.prompt_ids("Who?", ids, [0, 2, 1])
+    shared = len(kv.prefix) + len(ids[0])
+    continued = runner._continue_prefill(full_prefill(kv.model, given).cache, moved, shared)
+    whole = full_prefill(kv.model, moved)
+    torch.testing.assert_close(continued.logits, whole.logits, rtol=1e-4, atol=1e-4)
+    for a, b in zip(continued.cache.layers, whole.cache.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
+
+
 # -- the JSONL format ----------------------------------------------------------------------------------
 
 
@@ -205,8 +243,8 @@ def _study(capsys, *args: object) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def test_cli_study_on_a_user_file_writes_every_output_and_reruns_from_cache(tmp_path, capsys) -> None:
-    model = save_tiny(tmp_path / "model")
+def _user_file(tmp_path) -> Path:
+    """Six items of two families, then a broken line (line 7)."""
     data = tmp_path / "data.jsonl"
     rows = [
         _item(
@@ -219,6 +257,17 @@ def test_cli_study_on_a_user_file_writes_every_output_and_reruns_from_cache(tmp_
         for n in range(1, 7)
     ]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
+    return data
+
+
+def _records(out: Path) -> dict[tuple, dict]:
+    rows = [json.loads(line) for path in (out / "cache").glob("records*.jsonl") for line in path.open()]
+    return {(r["item"], r["strategy"], r["picker"], r["budget"]): r for r in rows}
+
+
+def test_cli_study_on_a_user_file_writes_every_output_and_reruns_from_cache(tmp_path, capsys) -> None:
+    model = save_tiny(tmp_path / "model")
+    data = _user_file(tmp_path)
     out = tmp_path / "run"
     args = ("--data", data, "--out", out, "--model", model, "--budgets", "0.05,0.5", "--pickers", "oracle")
     code, err = _study(capsys, *args, "--quiet")
@@ -259,10 +308,48 @@ def test_cli_study_on_a_user_file_writes_every_output_and_reruns_from_cache(tmp_
     assert json.loads((out / "results.json").read_text())["data"]["cached_items"] == 6
 
 
+def test_cli_study_with_two_worker_processes_gives_the_records_of_one(tmp_path, capsys) -> None:
+    model = save_tiny(tmp_path / "model")
+    data = _user_file(tmp_path)
+    args = ("--data", data, "--model", model, "--strategies", "reuse,target_recompute:oracle,token_select", "--quiet")
+    code, err = _study(capsys, *args, "--out", tmp_path / "one")
+    assert code == 0, err
+    code, err = _study(capsys, *args, "--out", tmp_path / "two", "--jobs", "2", "--threads", "2")
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "two" / "cache").iterdir()) == [
+        "records.0of2.jsonl",
+        "records.1of2.jsonl",
+        "references.0of2.jsonl",
+        "references.1of2.jsonl",
+    ]
+    one, two = _records(tmp_path / "one"), _records(tmp_path / "two")
+    assert one.keys() == two.keys() and len(one) == 6 * 3
+    for key in one:
+        assert (one[key]["text"], one[key]["correct"]) == (two[key]["text"], two[key]["correct"])
+        assert one[key]["kl"] == pytest.approx(two[key]["kl"], abs=1e-4)
+    results = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert results["jobs"] == 2 and results["data"]["items"] == 6
+    single = json.loads((tmp_path / "one" / "results.json").read_text())["strategies"]
+    assert {k: v["accuracy"] for k, v in results["strategies"].items()} == {k: v["accuracy"] for k, v in single.items()}
+
+
+def test_a_failing_worker_stops_the_run_with_a_message_and_keeps_what_finished(tmp_path) -> None:
+    model = save_tiny(tmp_path / "model")
+    kv = KVModel.from_pretrained(model)
+    items, _ = load_items(str(_user_file(tmp_path)))
+    out = tmp_path / "run"
+    with pytest.raises(KVRAGError, match=r"worker \d of 2 failed: .*run the same command again"):
+        run_study(kv, items, out, jobs=2, worker_model={"name_or_path": tmp_path / "missing"}, progress=False)
+    assert not (out / "results.json").exists()
+    with pytest.raises(InvalidRequestError, match="needs worker_model"):
+        run_study(kv, items, out, jobs=2, progress=False)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--budgets", "0.05,abc"], "--budgets must be a comma-separated list"),
+        (["--jobs", "0"], "--jobs must be in 1..64"),
         (["--budget", "0"], "budget must be a fraction"),
         (["--budget", "0.1", "--budgets", "0.2"], "not both"),
         (["--strategies", "reuse,magic"], "unknown strategy 'magic'"),

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from kvrag.errors import InvalidRequestError
+from kvrag.errors import InvalidRequestError, KVRAGError
 from kvrag.study.data import BUILTIN, BUILTIN_LIMIT, DEFAULT_CHUNKS, Chunk, StudyItem, builtin, load_jsonl, write_jsonl
 from kvrag.study.runner import DEFAULT_PICKERS, DEFAULT_STRATEGIES, StudyConfig, StudyRunner
 
@@ -65,10 +65,21 @@ def run_study(
     command: str = "",
     progress: bool = True,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+    jobs: int = 1,
+    worker_model: dict[str, Any] | None = None,
+    part: str = "",
 ) -> dict[str, Any]:
     """Run the study over `items` with model `kv` and write every output file in `out`; return the results.
 
     Finished records are kept in `out/cache/` and reused by a rerun with the same model and settings.
+
+    Args:
+        jobs: worker processes that share the items (every `jobs`-th each), each with its own copy of the model
+            loaded by `KVModel.from_pretrained(**worker_model)` and this process's torch threads divided among
+            them. On a CPU, two processes of one thread get more done than one of two (a decoding step is
+            mostly fixed cost that a second thread does not shorten).
+        worker_model: how a worker loads the model (required when jobs > 1).
+        part: names this process's cache files (`records.PART.jsonl`), for several processes on one `out`.
     """
     import torch
     from tqdm.auto import tqdm
@@ -77,25 +88,40 @@ def run_study(
 
     if not items:
         raise InvalidRequestError("no study items to run: check --data and --limit")
+    if not isinstance(jobs, int) or not 1 <= jobs <= 64:
+        raise InvalidRequestError(f"jobs must be a whole number in 1..64, got {jobs!r}")
+    if jobs > 1 and worker_model is None:
+        raise InvalidRequestError("jobs > 1 needs worker_model: the KVModel.from_pretrained arguments of each worker")
+    if jobs > 1 and embedder is not None:
+        raise InvalidRequestError("jobs > 1 runs the default embedder in every worker: leave embedder unset")
     config = config or StudyConfig()
-    if embedder is None:
-        from kvrag.embed import Embedder
-
-        embedder = Embedder()
     out = Path(out)
-    runner = StudyRunner(kv, embedder, config, out / "cache")
+    threads = torch.get_num_threads()
+    runner = StudyRunner(kv, embedder, config, out / "cache", part=part)
     skipped = list(problems)
     cached = sum(runner.done(i) for i in items)
     t0 = time.perf_counter()
     bar = tqdm(total=len(items), desc="study", unit="item", disable=not progress, initial=0)
 
-    def on_item(item: StudyItem, reason: str | None) -> None:
+    def on_item(item: str, reason: str | None) -> None:
         if reason:
-            skipped.append(f"item {item.id}: {reason}")
+            skipped.append(f"item {item}: {reason}")
         bar.update(1)
 
     try:
-        records = runner.run(items, on_item=on_item)
+        if jobs > 1:
+            todo = [item for item in items if not runner.done(item)]
+            bar.update(len(items) - len(todo))
+            if todo:
+                share = max(1, threads // jobs)
+                _run_workers(todo, out / "cache", config, worker_model or {}, jobs, share, part, on_item)
+            records = StudyRunner(kv, None, config, out / "cache").cached(items)  # what the workers wrote
+        else:
+            if embedder is None:
+                from kvrag.embed import Embedder
+
+                runner.embedder = Embedder()
+            records = runner.run(items, on_item=lambda item, reason: on_item(item.id, reason))
     finally:
         bar.close()
     run_s = time.perf_counter() - t0
@@ -106,7 +132,8 @@ def run_study(
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": {"name": _model_name(kv), "fingerprint": asdict(kv.fingerprint)},
         "config": {**asdict(config), "rows": [r.label for r in config.rows()]},
-        "threads": torch.get_num_threads(),
+        "threads": threads,
+        "jobs": jobs,
         "run_s": run_s,  # this invocation
         "compute_s": sum(per_item.values()),  # every item's first computation, earlier invocations included
         "data": {"items": len({r["item"] for r in records}), "cached_items": cached, "skipped": skipped},
@@ -119,6 +146,100 @@ def run_study(
         log(f"skipped: ... and {len(skipped) - 20} more (all in results.json)")
     log(f"wrote {', '.join(str(p) for p in paths)}")
     return results
+
+
+def _run_workers(
+    items: Sequence[StudyItem],
+    cache: Path,
+    config: StudyConfig,
+    model: dict[str, Any],
+    jobs: int,
+    threads: int,
+    part: str,
+    on_item: Callable[[str, str | None], None],
+) -> None:
+    """Run the items in `jobs` spawned processes, each appending to its own cache files; return when all are done.
+
+    A worker that fails stops the others; what every worker finished stays in the cache for a rerun.
+    """
+    import multiprocessing as mp
+    import queue as queues
+
+    context = mp.get_context("spawn")  # a forked copy of a process that has run OpenMP threads can hang
+    events = context.Queue()
+    workers = [
+        context.Process(
+            target=_work,
+            args=(
+                i,
+                jobs,
+                list(items[i::jobs]),
+                cache,
+                config,
+                model,
+                threads,
+                ".".join(filter(None, [part, f"{i}of{jobs}"])),
+                events,
+            ),
+            daemon=True,
+        )
+        for i in range(jobs)
+    ]
+    for worker in workers:
+        worker.start()
+    finished: set[int] = set()
+    failure = None
+    try:
+        while len(finished) < jobs and failure is None:
+            try:
+                kind, index, detail = events.get(timeout=1.0)
+            except queues.Empty:
+                for i, worker in enumerate(workers):
+                    if i not in finished and not worker.is_alive():
+                        failure = (
+                            f"worker {i} of {jobs} stopped (exit code {worker.exitcode}) before its items were done"
+                        )
+                continue
+            if kind == "item":
+                on_item(*detail)
+            elif kind == "done":
+                finished.add(index)
+            else:
+                failure = f"worker {index} of {jobs} failed: {detail}"
+    finally:
+        for worker in workers:
+            if failure is not None and worker.is_alive():
+                worker.terminate()
+            worker.join()
+    if failure is not None:
+        raise KVRAGError(f"{failure}; every finished item is kept in {cache}: run the same command again to go on")
+
+
+def _work(
+    index: int,
+    jobs: int,
+    items: list[StudyItem],
+    cache: Path,
+    config: StudyConfig,
+    model: dict[str, Any],
+    threads: int,
+    part: str,
+    events: Any,
+) -> None:
+    """One worker process of run_study(jobs=N)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        from kvrag.embed import Embedder
+        from kvrag.kvmodel import KVModel
+
+        runner = StudyRunner(KVModel.from_pretrained(**model), Embedder(), config, cache, part=part)
+        runner.run(items, on_item=lambda item, reason: events.put(("item", index, (item.id, reason))))
+    except BaseException as err:  # reported to the parent, which stops the other workers
+        events.put(("error", index, f"{type(err).__name__}: {err}"))
+        raise
+    events.put(("done", index, None))
 
 
 def _model_name(kv: Any) -> str:

@@ -8,9 +8,11 @@ For each item the runner measures, through the same `KVModel.prefill` users run:
   prefill of its own order, teacher-forced over that reference's answer, the gold log-likelihood change,
   how far the true target's KV lies from its full-prefill KV, the picked target, the recomputed fraction
   and the prefill time.
-Every finished record is appended to `records.jsonl` (references to `references.jsonl`) in the cache folder
-at once, keyed by model, settings and item content: a rerun redoes nothing it already has, and a run that is
-stopped loses only the item in progress. Summaries are computed by kvrag.study.report.
+The new prefills of an item (references and rows) are decoded as one batch, and teacher-forced in one
+forward each for the KL and the gold answer (`PaddedBatch`). Every finished record is appended to
+`records[.PART].jsonl` (references to `references[.PART].jsonl`) in the cache folder at once, keyed by model,
+settings and item content: a rerun redoes nothing it already has, and a run that is stopped loses only the
+item in progress. Summaries are computed by kvrag.study.report.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from kvrag.errors import ContextOverflowError, InvalidRequestError
 from kvrag.kv import ChunkKV
 from kvrag.kvmodel import KVModel
 from kvrag.pickers import get_picker
-from kvrag.recompute import Stitched, full_prefill
+from kvrag.recompute import Stitched, StitchedCache, full_prefill
 from kvrag.strategies import get_strategy
 from kvrag.study.data import StudyItem
 from kvrag.study.metrics import correct, kl_topk, token_f1, topk_logprobs
@@ -50,7 +52,7 @@ DEFAULT_PICKERS = ("retriever",)
 # Strategies whose plan does not depend on the budget when run non-strict (a target is recomputed whole):
 # run once an item and reported at every budget.
 BUDGET_FREE = frozenset({"full_prefill", "reuse", "reorder", "insert_full_kv", "target_recompute", "attention_select"})
-RECORDS, REFERENCES = "records.jsonl", "references.jsonl"
+RECORDS, REFERENCES = "records", "references"  # cache/records[.PART].jsonl, one file a writing process
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +108,7 @@ class Reference:
     correct: bool
     f1: float
     gold_ll: float
-    ttft_s: float
+    ttft_s: float | None  # None: its prefill continued another order's (see StudyRunner._item)
     top_ids: list[list[int]]
     top_logp: list[list[float]]
     cache: Any = None  # the prompt's cache, while this process holds it (for KV distances)
@@ -118,17 +120,6 @@ class Reference:
 REFERENCE_FIELDS = ("text", "tokens", "correct", "f1", "gold_ll", "ttft_s", "top_ids", "top_logp")
 
 
-def as_batch_cache(caches: Sequence[Any]) -> DynamicCache:
-    """One cache of batch len(caches) from batch-one caches of equal length (copies)."""
-    layers = zip(*(c.layers for c in caches))
-    return DynamicCache(
-        ddp_cache_data=[
-            (torch.cat([layer.keys for layer in group]), torch.cat([layer.values for layer in group]))
-            for group in layers
-        ]
-    )
-
-
 def _crop(cache: Any, n: int) -> None:
     """Drop every cached token after the first n (transformers 5 crops by a negative count)."""
     extra = cache.get_seq_length() - n
@@ -136,14 +127,94 @@ def _crop(cache: Any, n: int) -> None:
         cache.crop(-extra)
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens two sequences share from their start."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _log_likelihood(logits: torch.Tensor, tokens: list[int]) -> float:
+    """Sum of log p(token) over teacher-forced logits whose row i predicts tokens[i]."""
+    logp = torch.log_softmax(logits[: len(tokens)], dim=-1)
+    return float(logp[torch.arange(len(tokens)), torch.tensor(tokens, device=logp.device)].sum())
+
+
+class PaddedBatch:
+    """Prefills of any prompt lengths as one batch cache: each row's KV right-aligned (left padding) behind a
+    mask, with room after it, so decoding and teacher forcing run every row in one forward a step.
+
+    Positions stay each row's own (its prompt length onwards); the padding is zeros that the mask hides.
+    """
+
+    def __init__(self, model: torch.nn.Module, prefills: Sequence[Stitched], room: int) -> None:
+        self.model = model
+        lengths = [p.next_position for p in prefills]
+        self.size, self.width = len(prefills), max(lengths)
+        first = prefills[0].cache.layers
+        k0, v0 = first[0].keys, first[0].values
+        self.device = k0.device
+        shape = (len(first), self.size, k0.shape[1], self.width + room)
+        keys, values = k0.new_empty((*shape, k0.shape[-1])), v0.new_empty((*shape, v0.shape[-1]))
+        for b, (prefill, n) in enumerate(zip(prefills, lengths)):
+            pad = self.width - n
+            keys[:, b, :, :pad] = 0
+            values[:, b, :, :pad] = 0
+            for i, layer in enumerate(prefill.cache.layers):
+                if layer.keys.shape[-2] != n:
+                    raise ValueError(f"a prefill's cache holds {layer.keys.shape[-2]} tokens, not its {n}")
+                keys[i, b, :, pad : self.width] = layer.keys[0]
+                values[i, b, :, pad : self.width] = layer.values[0]
+        self.cache = StitchedCache(keys, values, self.width)
+        self.positions = torch.tensor(lengths, device=self.device)
+        self.mask = None
+        if min(lengths) < self.width:
+            slots = torch.arange(self.width, device=self.device)
+            self.mask = (slots >= (self.width - self.positions)[:, None]).long()
+        self.last_logits = torch.stack([p.logits[-1] for p in prefills]).float()
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, step: int) -> torch.Tensor:
+        """[B, T, V] logits of `ids` [B, T], which follow `step` tokens already appended after every prompt."""
+        t = ids.shape[1]
+        positions = self.positions[:, None] + step + torch.arange(t, device=self.device)
+        mask = None
+        if self.mask is not None:
+            mask = torch.cat([self.mask, self.mask.new_ones((self.size, step + t))], dim=1)
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True)
+        return out.logits.float()
+
+    def subset(self, rows: Sequence[int], step: int) -> PaddedBatch:
+        """A batch of these rows only (a copy), with the `step` tokens appended to each so far."""
+        index = torch.tensor(rows, device=self.device)
+        new = object.__new__(PaddedBatch)
+        new.model, new.device, new.size, new.width = self.model, self.device, len(rows), self.width
+        layers, n = self.cache.layers, self.width + step
+        buffers = []
+        for name in ("_keys", "_values"):
+            first = getattr(layers[0], name)  # [B, H_kv, capacity, D]: the new batch keeps the same room
+            buffer = first.new_empty((len(layers), len(rows), *first.shape[1:]))
+            for i, layer in enumerate(layers):
+                torch.index_select(getattr(layer, name)[:, :, :n], 0, index, out=buffer[i, :, :, :n])
+            buffers.append(buffer)
+        new.cache = StitchedCache(*buffers, n)
+        new.positions, new.last_logits = self.positions[index], self.last_logits[index]
+        new.mask = None if self.mask is None else self.mask[index]
+        if new.mask is not None and bool(new.mask.all()):
+            new.mask = None  # no row left is padded
+        return new
+
+    def reset(self) -> None:
+        """Drop every token appended after the prompts."""
+        _crop(self.cache, self.width)
+
+
 def _digest(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def _read_jsonl(path: Path) -> dict[str, dict[str, Any]]:
-    """key -> row of an append-only cache file; a line cut short by a killed process is ignored."""
+def _read_jsonl(folder: Path, name: str) -> dict[str, dict[str, Any]]:
+    """key -> row of the append-only cache files `name*.jsonl`; a line cut short by a killed process is ignored."""
     rows: dict[str, dict[str, Any]] = {}
-    if path.is_file():
+    for path in sorted(folder.glob(f"{name}*.jsonl")):
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 row = json.loads(line)
@@ -175,14 +246,19 @@ class StudyRunner:
         embedder: scores chunks against the question (any object with `embed(texts) -> [N, d]` unit rows).
         config: strategies, pickers, budgets, generation length.
         cache_dir: where records and references are appended (kept between runs).
+        part: names the files this runner appends to (`records.PART.jsonl`), so that several processes can share
+            one cache folder; every `records*.jsonl` in it is read.
     """
 
-    def __init__(self, kv: KVModel, embedder: Any, config: StudyConfig, cache_dir: str | Path) -> None:
+    def __init__(
+        self, kv: KVModel, embedder: Any, config: StudyConfig, cache_dir: str | Path, *, part: str = ""
+    ) -> None:
         self.kv, self.embedder, self.config = kv, embedder, config
         self.rows = config.rows()
         self.cache_dir = Path(cache_dir)
-        self.records = _read_jsonl(self.cache_dir / RECORDS)
-        self.references = _read_jsonl(self.cache_dir / REFERENCES)
+        self.records = _read_jsonl(self.cache_dir, RECORDS)
+        self.references = _read_jsonl(self.cache_dir, REFERENCES)
+        self.files = [self.cache_dir / f"{name}{'.' + part if part else ''}.jsonl" for name in (RECORDS, REFERENCES)]
         self._kv_cache: OrderedDict[str, ChunkKV] = OrderedDict()  # chunk text -> KV, LRU
         self._vectors: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.settings = _digest(kv.fingerprint.digest, kv.layout.prefix_ids, config.max_new_tokens, config.kl_top_k, 2)
@@ -201,6 +277,11 @@ class StudyRunner:
     def done(self, item: StudyItem) -> bool:
         return all(self.record_key(item, row) in self.records for row in self.rows)
 
+    def cached(self, items: Iterable[StudyItem]) -> list[dict[str, Any]]:
+        """The records the cache holds for these items (what `run` returns, without running anything)."""
+        keys = (self.record_key(item, row) for item in items for row in self.rows)
+        return [self.records[key] for key in keys if key in self.records]
+
     # -- running ---------------------------------------------------------------------------------------
 
     def run(
@@ -212,7 +293,7 @@ class StudyRunner:
         `on_item(item, reason)`; `on_item(item, None)` follows every item that finished.
         """
         out: list[dict[str, Any]] = []
-        records, references = _Append(self.cache_dir / RECORDS), _Append(self.cache_dir / REFERENCES)
+        records, references = (_Append(path) for path in self.files)
         try:
             for item in items:
                 try:
@@ -245,13 +326,21 @@ class StudyRunner:
         gold = list(kv.tokenizer(item.answers[0].strip(), add_special_tokens=False)["input_ids"])
         given = list(range(len(ids)))
         refs: dict[str, Reference] = {}
-        fresh_refs: dict[str, tuple[Stitched, float]] = {}  # name -> prefill, its time to the first token
+        fresh_refs: dict[str, tuple[Stitched, float | None]] = {}  # name -> prefill, its time to the first token
 
         def order_name(order: Sequence[int] | None) -> str:
             return "closed" if order is None else ",".join(map(str, order))
 
+        # (token ids, cache) of full prefills made for this item, which a reference can continue from
+        sources: list[tuple[list[int], Any]] = []
+
         def prefill_reference(order: Sequence[int] | None) -> None:
-            """The reference's prefill, or its cached result (a rerun)."""
+            """The reference's prefill, or its cached result (a rerun).
+
+            A prompt that starts with the same tokens as a full prefill already made for this item (another
+            order's reference, or an oracle strategy's full prefill) continues that prefill's cache from
+            where they part: prefix caching, the same attention to rounding. Only a prefill of the whole
+            prompt is timed."""
             name = order_name(order)
             if name in refs or name in fresh_refs:
                 return
@@ -259,43 +348,27 @@ class StudyRunner:
             if cached is not None:
                 refs[name] = Reference(**{k: cached[k] for k in REFERENCE_FIELDS})
                 return
-            prompt = self._closed_book_ids(item.question) if order is None else kv.prompt_ids(item.question, ids, order)
+            if order is None:
+                prompt = self._closed_book_ids(item.question)
+            else:
+                prompt = kv.prompt_ids(item.question, ids, order)
+            shared, source = max(
+                ((_common_prefix(prompt, i), c) for i, c in sources), key=lambda s: s[0], default=(0, None)
+            )
+            shared = min(shared, len(prompt) - 1)  # at least the last token is run, for its logits
             with kv.lock:
                 t0 = time.perf_counter()
-                stitched = full_prefill(kv.model, prompt)
+                if shared:
+                    stitched = self._continue_prefill(source, prompt, shared)
+                else:
+                    stitched = full_prefill(kv.model, prompt)
                 int(torch.argmax(stitched.logits[-1]))
-            fresh_refs[name] = stitched, time.perf_counter() - t0
-
-        def finish_references() -> None:
-            """Generate every new reference's answer (batched per prompt length), then score and cache it."""
-            by_length: dict[int, list[str]] = {}
-            for name, (stitched, _) in fresh_refs.items():
-                by_length.setdefault(stitched.next_position, []).append(name)
-            for names in by_length.values():
-                answers = self._generate_batch([fresh_refs[name][0] for name in names])
-                for name, (text, tokens) in zip(names, answers):
-                    stitched, ttft = fresh_refs[name]
-                    n = stitched.next_position
-                    logits = self._teacher_forced(stitched, tokens[:-1], n)
-                    top_ids, top_logp = topk_logprobs(logits[: len(tokens)], self.config.kl_top_k)
-                    ref = Reference(
-                        text,
-                        tokens,
-                        correct(text, item.answers),
-                        token_f1(text, item.answers),
-                        self._gold_ll(stitched, gold, n),
-                        ttft,
-                        top_ids,
-                        top_logp,
-                        cache=stitched.cache,
-                    )
-                    row = {"key": _digest(key, name), "item": item.id, "order": name, **ref.to_json()}
-                    references(row)
-                    refs[name] = ref
-            fresh_refs.clear()
+            fresh_refs[name] = (stitched, None if shared else time.perf_counter() - t0)
+            if order is not None:  # (the closed book shares no more than a template's first tokens)
+                sources.append((prompt, stitched.cache))
 
         prefill_reference(None)
-        prefill_reference(given)
+        prefill_reference(given)  # the first order: always a whole prefill, timed (every row's full_prefill_ttft_s)
         todo = [(row, self.record_key(item, row)) for row in self.rows]
         out = [self.records[k] for _, k in todo if k in self.records]
         todo = [(row, k) for row, k in todo if k not in self.records]
@@ -316,16 +389,42 @@ class StudyRunner:
                 )
                 int(torch.argmax(pre.stitched.logits[-1]))  # the first token, as a user's ttft counts it
                 runs.append((pre, time.perf_counter() - t0))
+                if pre.probe.last_full_prefill is not None:
+                    sources.append(pre.probe.last_full_prefill)
                 prefill_reference(pre.decision.plan.order)
-        finish_references()
+
+        # One batch for every new prefill, references and strategies together: the greedy answers, then the
+        # teacher-forced passes (each over its own-order reference's answer, and over the gold answer).
+        ref_names = list(fresh_refs)
+        prefills = [fresh_refs[name][0] for name in ref_names] + [pre.stitched for pre, _ in runs]
+        answers: list[tuple[str, list[int]]] = []
+        forced: list[torch.Tensor] = []
+        gold_logits: list[torch.Tensor] = []
+        if prefills:
+            batch = self._batch(prefills)
+            answers = self._generate(batch)
+            for name, (text, tokens) in zip(ref_names, answers):
+                refs[name] = Reference(
+                    text, tokens, correct(text, item.answers), token_f1(text, item.answers), 0.0,
+                    fresh_refs[name][1], [], [], cache=fresh_refs[name][0].cache,
+                )  # fmt: skip
+            own = [refs[name] for name in ref_names] + [refs[order_name(pre.decision.plan.order)] for pre, _ in runs]
+            forced = self._forced(batch, [ref.tokens[:-1] for ref in own])
+            gold_logits = self._forced(batch, [gold[:-1]] * len(prefills))
+            del batch
+        for i, name in enumerate(ref_names):
+            ref = refs[name]
+            ref.top_ids, ref.top_logp = topk_logprobs(forced[i][: len(ref.tokens)], self.config.kl_top_k)
+            ref.gold_ll = _log_likelihood(gold_logits[i], gold)
+            references({"key": _digest(key, name), "item": item.id, "order": name, **ref.to_json()})
+        fresh_refs.clear()
         closed, base = refs["closed"], refs[order_name(given)]
         fresh = []
-        for (row, rkey), (pre, ttft) in zip(todo, runs):
+        for i, ((row, rkey), (pre, ttft), (text, _)) in enumerate(zip(todo, runs, answers[len(ref_names) :])):
             order = list(pre.decision.plan.order)
             ref = refs[order_name(order)]
-            n = pre.stitched.next_position
-            kl = kl_topk(ref.top_ids, ref.top_logp, self._teacher_forced(pre.stitched, ref.tokens[:-1], n))
-            gold_ll = self._gold_ll(pre.stitched, gold, n)
+            j = len(ref_names) + i
+            gold_ll = _log_likelihood(gold_logits[j], gold)
             fresh.append(
                 {
                     "key": rkey,
@@ -340,7 +439,7 @@ class StudyRunner:
                     "budget": row.budget,
                     "own_order": order,
                     "own_order_full_prefill_correct": ref.correct,
-                    "kl": kl,
+                    "kl": kl_topk(ref.top_ids, ref.top_logp, forced[j]),
                     "gold_ll": gold_ll,
                     "gold_ll_delta": gold_ll - ref.gold_ll,
                     "target_kv_distance": self._target_distance(pre.stitched, ref, item.question, ids, order, target),
@@ -352,11 +451,12 @@ class StudyRunner:
                     else 0.0,
                     "extra_token_layers": pre.probe.extra_token_layers,
                     "ttft_s": ttft,
-                    "full_prefill_ttft_s": ref.ttft_s,
+                    "full_prefill_ttft_s": base.ttft_s,  # the given order's: every order's prompt is as long
+                    "text": text,
+                    "correct": correct(text, item.answers),
+                    "f1": token_f1(text, item.answers),
                 }
             )
-        for record, (text, _) in zip(fresh, self._generate_batch([pre.stitched for pre, _ in runs])):
-            record.update(text=text, correct=correct(text, item.answers), f1=token_f1(text, item.answers))
         seconds = time.perf_counter() - started
         for record in fresh:  # the item's compute time, references included, on each of its new records
             record["item_s"] = seconds
@@ -377,60 +477,71 @@ class StudyRunner:
         return list(tok(f"Question: {question.strip()}\nAnswer:")["input_ids"])
 
     @torch.inference_mode()
-    def _teacher_forced(self, stitched: Stitched, tokens: list[int], n: int) -> torch.Tensor:
-        """[1 + len(tokens), V] logits: the prefill's last row, then one row per forced token; cache kept at n."""
-        rows = [stitched.logits[-1:].float()]
-        if tokens:
-            device = stitched.logits.device
-            out = self.kv.model(
-                input_ids=torch.tensor([tokens], device=device),
-                position_ids=torch.arange(n, n + len(tokens), device=device).view(1, -1),
-                cache=stitched.cache,
-                use_cache=True,
-            )
-            _crop(stitched.cache, n)
-            rows.append(out.logits[0].float())
-        return torch.cat(rows)
+    def _continue_prefill(self, source: Any, prompt: list[int], shared: int) -> Stitched:
+        """A full prefill of `prompt` whose first `shared` tokens are those of the prompt of `source` (a full
+        prefill's cache): their KV is copied from it, the rest is one forward over it."""
+        cache = DynamicCache(
+            ddp_cache_data=[
+                (layer.keys[:, :, :shared].clone(), layer.values[:, :, :shared].clone()) for layer in source.layers
+            ]
+        )
+        device = source.layers[0].keys.device
+        out = self.kv.model(
+            input_ids=torch.tensor([prompt[shared:]], device=device),
+            position_ids=torch.arange(shared, len(prompt), device=device).view(1, -1),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return Stitched(logits=out.logits[0].float(), cache=cache, next_position=len(prompt), recomputed_tokens=0)
 
-    def _gold_ll(self, stitched: Stitched, gold: list[int], n: int) -> float:
-        """Log-likelihood of the gold answer's tokens as the reply."""
-        logits = self._teacher_forced(stitched, gold[:-1], n)
-        logp = torch.log_softmax(logits, dim=-1)
-        return float(logp[torch.arange(len(gold)), torch.tensor(gold)].sum())
+    def _batch(self, prefills: Sequence[Stitched]) -> PaddedBatch:
+        return PaddedBatch(self.kv.model, prefills, room=self.config.max_new_tokens)
 
-    @torch.inference_mode()
-    def _generate_batch(self, prefills: list[Stitched]) -> list[tuple[str, list[int]]]:
-        """Greedy answers of prefills of one prompt length, decoded together as one batch: each up to its first
-        line break or EOS, with the tokens forced for the KL (the stopping token included)."""
-        if not prefills:
-            return []
-        n = prefills[0].next_position
-        caches = [p.cache for p in prefills]
-        batch = as_batch_cache(caches)
-        logits = torch.stack([p.logits[-1] for p in prefills])
-        device = logits.device
-        tokens: list[list[int]] = [[] for _ in prefills]
-        done = [False] * len(prefills)
+    def _generate_batch(self, prefills: Sequence[Stitched]) -> list[tuple[str, list[int]]]:
+        """Greedy answers of prefills (of any prompt lengths), decoded together as one batch."""
+        return self._generate(self._batch(prefills)) if prefills else []
+
+    def _generate(self, batch: PaddedBatch) -> list[tuple[str, list[int]]]:
+        """Each row's greedy answer, up to its first line break or EOS: the text, and the tokens (the stopping
+        token included) that the teacher-forced passes then force."""
+        logits = batch.last_logits
+        tokens: list[list[int]] = [[] for _ in range(batch.size)]
+        done = [False] * batch.size
+        active, live = batch, list(range(batch.size))  # the rows still decoding, and the row of each in `batch`
         for step in range(self.config.max_new_tokens):
             picks = logits.argmax(-1)
-            for b, token in enumerate(picks.tolist()):
+            for b, token in zip(live, picks.tolist()):
                 if not done[b]:
                     tokens[b].append(token)
                     done[b] = token in self.stop_ids
             if all(done) or step + 1 == self.config.max_new_tokens:
                 break
+            going = [i for i, b in enumerate(live) if not done[b]]
+            # A step reads every row's KV: once the finished rows would cost more over the steps left than
+            # copying the others out (about two steps' reading of each), go on with a copy of the rest.
+            if (len(live) - len(going)) * (self.config.max_new_tokens - step - 1) > 2 * len(going):
+                active, live, picks = active.subset(going, step), [live[i] for i in going], picks[going]
             with self.kv.lock:
-                out = self.kv.model(
-                    input_ids=picks.view(-1, 1),
-                    position_ids=torch.full((len(prefills), 1), n + step, device=device),
-                    cache=batch,
-                    use_cache=True,
-                )
-            logits = out.logits[:, -1].float()
+                logits = active.forward(picks.view(-1, 1), step)[:, -1]
+        batch.reset()
         return [
             (self.kv.tokenizer.decode([t for t in ts if t not in self.stop_ids], skip_special_tokens=True).strip(), ts)
             for ts in tokens
         ]
+
+    def _forced(self, batch: PaddedBatch, sequences: Sequence[list[int]]) -> list[torch.Tensor]:
+        """Teacher forcing, all rows in one forward: per row, [1 + len(sequence), V] logits (the prefill's last
+        row, then one row per forced token)."""
+        width = max(map(len, sequences))
+        rows = [batch.last_logits[b : b + 1] for b in range(batch.size)]
+        if not width:
+            return rows
+        padded = [s + [s[-1] if s else 0] * (width - len(s)) for s in sequences]  # after each row's end: unread
+        with self.kv.lock:
+            logits = batch.forward(torch.tensor(padded, device=batch.device), 0)
+        batch.reset()
+        return [torch.cat([rows[b], logits[b, : len(s)]]) for b, s in enumerate(sequences)]
 
     def _target_distance(
         self,
