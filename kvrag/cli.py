@@ -304,6 +304,7 @@ def _study(args: argparse.Namespace) -> None:
     )
     rows = config.rows()  # checks every strategy and picker name before the model loads
     items, problems = load_items(args.data, limit=args.limit, seed=args.seed, chunks=(lo, hi))
+    index = count = 0
     if args.shard:
         try:
             index, count = (int(x) for x in args.shard.split("/"))
@@ -334,7 +335,7 @@ def _study(args: argparse.Namespace) -> None:
         progress=not args.quiet,
         jobs=args.jobs,
         worker_model=load,
-        part=args.shard.replace("/", "of") if args.shard else "",
+        part=f"shard{index}of{count}" if args.shard else "",
     )
 
 

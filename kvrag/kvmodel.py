@@ -246,6 +246,7 @@ class KVModel:
         max_new_tokens: int = 0,
         phases: Phases | None = None,
         workspace: Workspace | None = None,
+        keep_probe_prefill: bool = False,
     ) -> Prefilled:
         """Run a strategy's prefill only: what `stream` decodes on, and what the plan was.
 
@@ -254,6 +255,8 @@ class KVModel:
         given, records where the time went (plan, re-positioning, cache assembly and mask, forward).
         With a `workspace` the cache is written into its buffers: give them back (`workspace.give_back(
         prefilled.stitched.cache)`) once nothing reads the cache, and never read it after that.
+        `keep_probe_prefill` keeps an oracle strategy's full prefill on `prefilled.probe.last_full_prefill`
+        (the study continues its references from it).
         """
         if not chunks:
             raise EmptyInputError("no chunks given: pass at least one chunk (text or ChunkKV)")
@@ -289,7 +292,9 @@ class KVModel:
 
         with self.lock:
             with phase(phases, "plan"):
-                probe = Probe(self.model, self.repositioner, self.prefix, chunk_kv, suffix)
+                probe = Probe(
+                    self.model, self.repositioner, self.prefix, chunk_kv, suffix, keep_full_prefill=keep_probe_prefill
+                )
                 decision = make_plan(
                     chosen,
                     [len(c) for c in ids],

@@ -51,6 +51,8 @@ class Probe:
         prefix: ChunkKV,
         chunks: Sequence[ChunkKV] | Callable[[], Sequence[ChunkKV]],
         suffix_ids: Sequence[int],
+        *,
+        keep_full_prefill: bool = False,
     ) -> None:
         self.model = model
         self.repositioner = repositioner
@@ -60,8 +62,9 @@ class Probe:
         self.num_layers = int(model.config.num_hidden_layers)
         self.extra_token_layers = 0
         self.extra_work: list[str] = []
-        # the latest oracle full prefill (its token ids and cache), for a caller that prefills the same tokens
-        # again (the study's references); held as long as this probe
+        # with keep_full_prefill, the latest oracle full prefill (its token ids and cache), for a caller that
+        # prefills the same tokens again (the study's references); held as long as this probe
+        self.keep_full_prefill = keep_full_prefill
         self.last_full_prefill: tuple[list[int], DynamicCache] | None = None
 
     @property
@@ -146,7 +149,8 @@ class Probe:
         ids = torch.cat([self.prefix.token_ids.to(device)] + [self.chunks[c].token_ids.to(device) for c in upto])
         cache = DynamicCache()
         self.model(input_ids=ids.view(1, -1), cache=cache, use_cache=True, logits_to_keep=1)
-        self.last_full_prefill = ids.tolist(), cache
+        if self.keep_full_prefill:
+            self.last_full_prefill = ids.tolist(), cache
         begin = len(ids) - len(self.chunks[chunk])
         keys, values = stacked_kv(cache, 0, begin, len(ids))
         self.extra_token_layers += len(ids) * self.num_layers

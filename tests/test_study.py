@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import FACTS, byte_tokenizer, save_tiny, tiny_model
+from tiny import FACTS, HashEmbedder, byte_tokenizer, save_tiny, tiny_model
 
 from kvrag.cli import main
 from kvrag.errors import DocumentError, InvalidRequestError, KVRAGError
@@ -317,10 +317,10 @@ def test_cli_study_with_two_worker_processes_gives_the_records_of_one(tmp_path, 
     code, err = _study(capsys, *args, "--out", tmp_path / "two", "--jobs", "2", "--threads", "2")
     assert code == 0, err
     assert sorted(p.name for p in (tmp_path / "two" / "cache").iterdir()) == [
-        "records.0of2.jsonl",
-        "records.1of2.jsonl",
-        "references.0of2.jsonl",
-        "references.1of2.jsonl",
+        "records.job0of2.jsonl",
+        "records.job1of2.jsonl",
+        "references.job0of2.jsonl",
+        "references.job1of2.jsonl",
     ]
     one, two = _records(tmp_path / "one"), _records(tmp_path / "two")
     assert one.keys() == two.keys() and len(one) == 6 * 3
@@ -333,7 +333,7 @@ def test_cli_study_with_two_worker_processes_gives_the_records_of_one(tmp_path, 
     assert {k: v["accuracy"] for k, v in results["strategies"].items()} == {k: v["accuracy"] for k, v in single.items()}
 
 
-def test_a_failing_worker_stops_the_run_with_a_message_and_keeps_what_finished(tmp_path) -> None:
+def test_a_failing_or_mismatched_worker_stops_the_run_with_a_message(tmp_path) -> None:
     model = save_tiny(tmp_path / "model")
     kv = KVModel.from_pretrained(model)
     items, _ = load_items(str(_user_file(tmp_path)))
@@ -341,8 +341,27 @@ def test_a_failing_worker_stops_the_run_with_a_message_and_keeps_what_finished(t
     with pytest.raises(KVRAGError, match=r"worker \d of 2 failed: .*run the same command again"):
         run_study(kv, items, out, jobs=2, worker_model={"name_or_path": tmp_path / "missing"}, progress=False)
     assert not (out / "results.json").exists()
+    other = tmp_path / "other"  # the same architecture, other weights: records under another settings key
+    tiny_model("llama", seed=1).save_pretrained(other)
+    byte_tokenizer().save_pretrained(other)
+    config = StudyConfig(strategies=("reuse",))
+    with pytest.raises(KVRAGError, match="loaded a different model or settings"):
+        run_study(kv, items[:2], out, config=config, jobs=2, worker_model={"name_or_path": other}, progress=False)
     with pytest.raises(InvalidRequestError, match="needs worker_model"):
         run_study(kv, items, out, jobs=2, progress=False)
+
+
+def test_a_record_after_a_line_cut_short_is_read_back(tmp_path) -> None:
+    """A killed writer leaves half a line; the next run's records still start on lines of their own."""
+    kv = KVModel(tiny_model("llama"), byte_tokenizer())
+    items, _ = load_items(str(_user_file(tmp_path)))
+    config = StudyConfig(strategies=("reuse",))
+    StudyRunner(kv, HashEmbedder(), config, tmp_path / "cache").run(items[:1])
+    records = tmp_path / "cache" / "records.jsonl"
+    records.write_text(records.read_text() + '{"key": "half a rec')
+    StudyRunner(kv, HashEmbedder(), config, tmp_path / "cache").run(items[1:2])
+    runner = StudyRunner(kv, HashEmbedder(), config, tmp_path / "cache")
+    assert runner.done(items[0]) and runner.done(items[1])
 
 
 @pytest.mark.parametrize(

@@ -79,7 +79,8 @@ def run_study(
             them. On a CPU, two processes of one thread get more done than one of two (a decoding step is
             mostly fixed cost that a second thread does not shorten).
         worker_model: how a worker loads the model (required when jobs > 1).
-        part: names this process's cache files (`records.PART.jsonl`), for several processes on one `out`.
+        part: names this process's cache files (`records.PART.jsonl`), for several processes on one `out`;
+            workers add `jobIofN`.
     """
     import torch
     from tqdm.auto import tqdm
@@ -113,8 +114,10 @@ def run_study(
             todo = [item for item in items if not runner.done(item)]
             bar.update(len(items) - len(todo))
             if todo:
-                share = max(1, threads // jobs)
-                _run_workers(todo, out / "cache", config, worker_model or {}, jobs, share, part, on_item)
+                workers = min(jobs, len(todo))
+                share = max(1, threads // workers)
+                model = worker_model or {}
+                _run_workers(todo, out / "cache", config, model, runner.settings, workers, share, part, on_item)
             records = StudyRunner(kv, None, config, out / "cache").cached(items)  # what the workers wrote
         else:
             if embedder is None:
@@ -153,6 +156,7 @@ def _run_workers(
     cache: Path,
     config: StudyConfig,
     model: dict[str, Any],
+    settings: str,
     jobs: int,
     threads: int,
     part: str,
@@ -160,7 +164,8 @@ def _run_workers(
 ) -> None:
     """Run the items in `jobs` spawned processes, each appending to its own cache files; return when all are done.
 
-    A worker that fails stops the others; what every worker finished stays in the cache for a rerun.
+    A worker that fails stops the others, and so does any error or interruption here; a worker whose parent
+    is gone stops after its item in progress. What every worker finished stays in the cache for a rerun.
     """
     import multiprocessing as mp
     import queue as queues
@@ -172,13 +177,12 @@ def _run_workers(
             target=_work,
             args=(
                 i,
-                jobs,
                 list(items[i::jobs]),
                 cache,
                 config,
                 model,
                 threads,
-                ".".join(filter(None, [part, f"{i}of{jobs}"])),
+                ".".join(filter(None, [part, f"job{i}of{jobs}"])),
                 events,
             ),
             daemon=True,
@@ -189,26 +193,40 @@ def _run_workers(
         worker.start()
     finished: set[int] = set()
     failure = None
+
+    def handle(kind: str, index: int, detail: Any) -> None:
+        nonlocal failure
+        if kind == "item":
+            on_item(*detail)
+        elif kind == "done" and detail != settings:
+            failure = (
+                f"worker {index} of {jobs} loaded a different model or settings than this process "
+                f"(worker_model must load the model given to run_study)"
+            )
+        elif kind == "done":
+            finished.add(index)
+        elif failure is None:
+            failure = f"worker {index} of {jobs} failed: {detail}"
+
     try:
         while len(finished) < jobs and failure is None:
             try:
-                kind, index, detail = events.get(timeout=1.0)
+                handle(*events.get(timeout=1.0))
+                continue
             except queues.Empty:
-                for i, worker in enumerate(workers):
-                    if i not in finished and not worker.is_alive():
+                pass
+            for i, worker in enumerate(workers):
+                if i not in finished and not worker.is_alive():
+                    try:  # what it said before it stopped comes first
+                        while failure is None and i not in finished:
+                            handle(*events.get(timeout=0.5))
+                    except queues.Empty:
                         failure = (
                             f"worker {i} of {jobs} stopped (exit code {worker.exitcode}) before its items were done"
                         )
-                continue
-            if kind == "item":
-                on_item(*detail)
-            elif kind == "done":
-                finished.add(index)
-            else:
-                failure = f"worker {index} of {jobs} failed: {detail}"
     finally:
         for worker in workers:
-            if failure is not None and worker.is_alive():
+            if len(finished) < jobs and worker.is_alive():
                 worker.terminate()
             worker.join()
     if failure is not None:
@@ -217,7 +235,6 @@ def _run_workers(
 
 def _work(
     index: int,
-    jobs: int,
     items: list[StudyItem],
     cache: Path,
     config: StudyConfig,
@@ -226,20 +243,29 @@ def _work(
     part: str,
     events: Any,
 ) -> None:
-    """One worker process of run_study(jobs=N)."""
+    """One worker process of run_study(jobs=N): reports each item, then "done" with its settings digest."""
+    import multiprocessing as mp
+
     import torch
 
     torch.set_num_threads(threads)
+    parent = mp.parent_process()
+
+    def on_item(item: StudyItem, reason: str | None) -> None:
+        events.put(("item", index, (item.id, reason)))
+        if parent is not None and not parent.is_alive():
+            raise SystemExit("the study's parent process is gone")
+
     try:
         from kvrag.embed import Embedder
         from kvrag.kvmodel import KVModel
 
         runner = StudyRunner(KVModel.from_pretrained(**model), Embedder(), config, cache, part=part)
-        runner.run(items, on_item=lambda item, reason: events.put(("item", index, (item.id, reason))))
+        runner.run(items, on_item=on_item)
     except BaseException as err:  # reported to the parent, which stops the other workers
         events.put(("error", index, f"{type(err).__name__}: {err}"))
         raise
-    events.put(("done", index, None))
+    events.put(("done", index, runner.settings))
 
 
 def _model_name(kv: Any) -> str:

@@ -228,7 +228,14 @@ def _read_jsonl(folder: Path, name: str) -> dict[str, dict[str, Any]]:
 class _Append:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        cut = False
+        if path.is_file() and path.stat().st_size:
+            with path.open("rb") as existing:
+                existing.seek(-1, 2)
+                cut = existing.read(1) != b"\n"
         self.file = path.open("a", encoding="utf-8")
+        if cut:  # a line cut short by a killed process: end it, so the next record is a line of its own
+            self.file.write("\n")
 
     def __call__(self, row: dict[str, Any]) -> None:
         self.file.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -386,6 +393,7 @@ class StudyRunner:
                     target=target,
                     scores=scores,
                     budget=row.budget,
+                    keep_probe_prefill=True,
                 )
                 int(torch.argmax(pre.stitched.logits[-1]))  # the first token, as a user's ttft counts it
                 runs.append((pre, time.perf_counter() - t0))
