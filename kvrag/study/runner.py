@@ -411,11 +411,19 @@ class StudyRunner:
         if prefills:
             batch = self._batch(prefills)
             answers = self._generate(batch)
-            for name, (text, tokens) in zip(ref_names, answers):
+            for name, (text, tokens) in zip(ref_names, answers):  # scored below, once the passes are done
+                prefill, ttft = fresh_refs[name]
                 refs[name] = Reference(
-                    text, tokens, correct(text, item.answers), token_f1(text, item.answers), 0.0,
-                    fresh_refs[name][1], [], [], cache=fresh_refs[name][0].cache,
-                )  # fmt: skip
+                    text=text,
+                    tokens=tokens,
+                    correct=correct(text, item.answers),
+                    f1=token_f1(text, item.answers),
+                    gold_ll=0.0,
+                    ttft_s=ttft,
+                    top_ids=[],
+                    top_logp=[],
+                    cache=prefill.cache,
+                )
             own = [refs[name] for name in ref_names] + [refs[order_name(pre.decision.plan.order)] for pre, _ in runs]
             forced = self._forced(batch, [ref.tokens[:-1] for ref in own])
             gold_logits = self._forced(batch, [gold[:-1]] * len(prefills))
