@@ -344,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         _run(args)
-    except (KVRAGError, ValueError, OSError) as err:
+    except (KVRAGError, OSError) as err:  # a user's mistake or the world's; anything else is a bug: a traceback
         print(f"kvrag: error: {err}", file=sys.stderr)
         return 2
     return 0

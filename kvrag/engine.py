@@ -304,7 +304,7 @@ class KVRAG:
 
     def _key(self, ids: Sequence[int]) -> ChunkKey:
         """A chunk's store key under this engine's model, prefix and namespace."""
-        return chunk_key(self.kv.fingerprint.digest, self.kv.layout.prefix_ids, ids, salt=self.namespace)
+        return chunk_key(self.kv.fingerprint.digest, self.kv.chunk_prefix_ids, ids, salt=self.namespace)
 
     # -- ingestion --------------------------------------------------------------------------------------
 
@@ -410,7 +410,7 @@ class KVRAG:
             for group in _groups([len(i) for i in ids], max(self.kv.batch_tokens, 1)):
                 kvs = encode_chunks(
                     self.kv.model,
-                    self.kv.prefix,
+                    self.kv.chunk_prefix,
                     [ids[i] for i in group],
                     batch_tokens=self.kv.batch_tokens,
                     on_batch=advance,
@@ -496,7 +496,7 @@ class KVRAG:
         if misses:
             ids = [self.kv.chunk_ids(i, sources[i].text) for i in misses]
             fresh = encode_chunks(
-                self.kv.model, self.kv.prefix, ids, batch_tokens=self.kv.batch_tokens, encoder=self.kv.encoder_id
+                self.kv.model, self.kv.chunk_prefix, ids, batch_tokens=self.kv.batch_tokens, encoder=self.kv.encoder_id
             )
             for i, kv in zip(misses, fresh):
                 kvs[i] = self.store.as_stored(kv)  # as a later hit will read it: the same answer either way

@@ -36,7 +36,7 @@ class ChunkRecord:
     row: int = -1  # FAISS id
 
 
-def _words(text: str) -> list[str]:
+def words(text: str) -> list[str]:
     return re.findall(r"\w+", text.lower())
 
 
@@ -141,9 +141,9 @@ class ChunkIndex:
 
         ordered = sorted(self.records.values(), key=lambda r: r.row)
         if self._bm25 is None:
-            self._bm25 = (BM25Okapi([_words(r.text) or ["<empty>"] for r in ordered]), ordered)
+            self._bm25 = (BM25Okapi([words(r.text) or ["<empty>"] for r in ordered]), ordered)
         bm25, records = self._bm25
-        scores = bm25.get_scores(_words(question))
+        scores = bm25.get_scores(words(question))
         allowed = set(allowed_rows)
         ranked = sorted((i for i, r in enumerate(records) if r.row in allowed), key=lambda i: -scores[i])
         return [(records[i], float(scores[i])) for i in ranked]

@@ -37,6 +37,10 @@ from kvrag.strategies import get_strategy
 from kvrag.timing import Phases, phase
 
 
+# A neutral text for `KVModel(lead=...)`: what a chunk is encoded behind so that its first tokens do not act as
+# the opening of the context (an attention sink) once it is stitched behind other chunks.
+DEFAULT_LEAD = "The passages below come from several documents, one after another, each on its own topic."
+
 _MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
 _MODEL_LOCKS_GUARD = threading.Lock()
 # Attention implementations that honour a custom 4-D additive mask (flash attention reads it as padding).
@@ -144,6 +148,9 @@ class KVModel:
             loaded (see `kvrag.model.weights_id`).
         layout: how prompts are split; by default the tokenizer's chat template.
         batch_tokens: rows x padded length per encoding forward.
+        lead: text every chunk is encoded behind, after the prefix, and that never enters a prompt: a chunk's
+            KV then never believes it opens the context (see `DEFAULT_LEAD`). "" (the default) encodes each
+            chunk right behind the prefix. A chunk's KV, and its store key, depend on the lead.
 
     Example:
         >>> kv = KVModel.from_pretrained()                      # the embedded default, offline
@@ -159,6 +166,7 @@ class KVModel:
         weights_id: str | None = None,
         layout: PromptLayout | None = None,
         batch_tokens: int = DEFAULT_BATCH_TOKENS,
+        lead: str = "",
     ) -> None:
         check_architecture(model.config)
         attention = getattr(model.config, "_attn_implementation", "sdpa")
@@ -175,7 +183,12 @@ class KVModel:
         self.batch_tokens = batch_tokens
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.prefix = encode_prefix(model, self.layout.prefix_ids)
-        self.encoder_id = encoder_id(self.fingerprint.digest, self.layout.prefix_ids)
+        self.lead = lead
+        lead_ids = self.layout.chunk_ids(lead) if lead.strip() else []
+        # what every chunk is encoded behind: the prefix, then the lead's ids (the lead's KV is never stitched)
+        self.chunk_prefix_ids = [*self.layout.prefix_ids, *lead_ids]
+        self.chunk_prefix = encode_prefix(model, self.chunk_prefix_ids) if lead_ids else self.prefix
+        self.encoder_id = encoder_id(self.fingerprint.digest, self.chunk_prefix_ids)
         eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
         eos_list = eos if isinstance(eos, list) else [eos]
         self.eos_ids = sorted({int(e) for e in [*eos_list, tokenizer.eos_token_id] if e is not None})
@@ -209,18 +222,33 @@ class KVModel:
         )
         return cls(model, tokenizer, weights_id=weights, **kwargs)
 
+    def with_lead(self, lead: str = "") -> KVModel:
+        """The same model, tokenizer and layout, with chunks encoded behind `lead` (see the class's Args)."""
+        if lead == self.lead:
+            return self
+        return KVModel(
+            self.model,
+            self.tokenizer,
+            weights_id=self.fingerprint.weights,
+            layout=self.layout,
+            batch_tokens=self.batch_tokens,
+            lead=lead,
+        )
+
     # -- encoding ---------------------------------------------------------------------------------------
 
     def encode(self, texts: Sequence[str]) -> list[ChunkKV]:
         """Encode chunk texts behind the prefix at the canonical start; one ChunkKV per text."""
         ids = [self.chunk_ids(i, t) for i, t in enumerate(texts)]
         with self.lock:
-            return encode_chunks(self.model, self.prefix, ids, batch_tokens=self.batch_tokens, encoder=self.encoder_id)
+            return encode_chunks(
+                self.model, self.chunk_prefix, ids, batch_tokens=self.batch_tokens, encoder=self.encoder_id
+            )
 
     def chunk_key(self, chunk: ChunkKV | Sequence[int]) -> ChunkKey:
         """The store key of a chunk under this model, dtype and prefix."""
         ids = chunk.token_ids.tolist() if isinstance(chunk, ChunkKV) else list(chunk)
-        return chunk_key(self.fingerprint.digest, self.layout.prefix_ids, ids)
+        return chunk_key(self.fingerprint.digest, self.chunk_prefix_ids, ids)
 
     # -- answering --------------------------------------------------------------------------------------
 
@@ -280,7 +308,7 @@ class KVModel:
             fresh = iter(
                 encode_chunks(
                     self.model,
-                    self.prefix,
+                    self.chunk_prefix,
                     [ids[i] for i in texts],
                     batch_tokens=self.batch_tokens,
                     encoder=self.encoder_id,
@@ -293,7 +321,15 @@ class KVModel:
         with self.lock:
             with phase(phases, "plan"):
                 probe = Probe(
-                    self.model, self.repositioner, self.prefix, chunk_kv, suffix, keep_full_prefill=keep_probe_prefill
+                    self.model,
+                    self.repositioner,
+                    self.prefix,
+                    chunk_kv,
+                    suffix,
+                    keep_full_prefill=keep_probe_prefill,
+                    question=question,
+                    texts=lambda: [c if isinstance(c, str) else self.tokenizer.decode(c.token_ids) for c in chunks],
+                    chunk_prefix=self.chunk_prefix,
                 )
                 decision = make_plan(
                     chosen,
@@ -306,6 +342,7 @@ class KVModel:
                     strict=strict,
                 )
             plan = decision.plan
+            context = sum(len(ids[c]) for c in plan.order)  # a plan may leave chunks out of the prompt
             if plan.full_prefill:
                 with phase(phases, "forward"):
                     stitched = full_prefill(
@@ -327,6 +364,7 @@ class KVModel:
                     room=max_new_tokens,
                     phases=phases,
                     workspace=workspace,
+                    key_scale=plan.key_scale,
                 )
         return Prefilled(
             stitched, decision, probe, context, encoded=int(timing["encoded"]), encode_s=timing["encode_s"]

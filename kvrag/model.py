@@ -201,7 +201,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
         "bf16": torch.bfloat16,
     }
     if dtype not in names:
-        raise ValueError(f"unknown dtype '{dtype}': use one of {', '.join(names)} or 'auto'")
+        raise InvalidRequestError(f"unknown dtype '{dtype}': use one of {', '.join(names)} or 'auto'")
     return names[dtype]
 
 

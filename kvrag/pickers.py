@@ -2,6 +2,11 @@
 
 - `retriever`: the highest retrieval score; with no scores, the first chunk of a list ranked best-first.
 - `attention`: the chunk that receives the most of the question's attention over the reused cache.
+- `likelihood`: the chunk behind which the model finds the question most likely (one batched pass of the
+  suffix over every chunk's stored KV): the model itself reads "I adopted a dog" and "my neighbour has a
+  dog" differently where an embedding may not.
+- `lexical`: the retriever's ranking fused with BM25 over the chunks' words (reciprocal rank).
+- `fused`: the retriever's, BM25's and the likelihood ranking fused (reciprocal rank).
 - `oracle`: the known target (studies), given by the caller.
 """
 
@@ -10,9 +15,11 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from kvrag.errors import InvalidRequestError
+from kvrag.index import words
 from kvrag.probe import Probe
 
 Picker = Callable[[int, "Sequence[float] | None", "int | None", Probe], int]
+RRF_K = 60  # reciprocal-rank fusion constant, as in the engine's hybrid retrieval
 
 
 def _retriever(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> int:
@@ -23,13 +30,58 @@ def _attention(n: int, scores: Sequence[float] | None, target: int | None, probe
     return int(probe.chunk_attention(list(range(n))).argmax())
 
 
+def _likelihood(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> int:
+    return int(probe.question_likelihood().argmax())
+
+
+def _ranks(values: Sequence[float]) -> list[int]:
+    """Rank of each entry, 0 for the highest (ties: the earlier chunk first)."""
+    order = sorted(range(len(values)), key=lambda i: (-values[i], i))
+    ranks = [0] * len(values)
+    for rank, i in enumerate(order):
+        ranks[i] = rank
+    return ranks
+
+
+def _bm25(probe: Probe) -> list[float]:
+    from rank_bm25 import BM25Okapi
+
+    chunks = [words(t) or ["<empty>"] for t in probe.texts]
+    return [float(s) for s in BM25Okapi(chunks).get_scores(words(probe.question))]
+
+
+def _fuse(rankings: Sequence[Sequence[float]]) -> int:
+    fused = [0.0] * len(rankings[0])
+    for values in rankings:
+        for i, rank in enumerate(_ranks(values)):
+            fused[i] += 1.0 / (RRF_K + rank + 1)
+    return max(range(len(fused)), key=lambda i: (fused[i], -i))
+
+
+def _lexical(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> int:
+    dense = list(scores) if scores is not None else [float(-i) for i in range(n)]  # a ranked list: its order
+    return _fuse([dense, _bm25(probe)])
+
+
+def _fused(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> int:
+    dense = list(scores) if scores is not None else [float(-i) for i in range(n)]
+    return _fuse([dense, _bm25(probe), probe.question_likelihood().tolist()])
+
+
 def _oracle(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> int:
     if target is None:
         raise InvalidRequestError("the oracle picker needs the known target: pass target=<chunk index>")
     return target
 
 
-PICKERS: dict[str, Picker] = {"retriever": _retriever, "attention": _attention, "oracle": _oracle}
+PICKERS: dict[str, Picker] = {
+    "retriever": _retriever,
+    "attention": _attention,
+    "likelihood": _likelihood,
+    "lexical": _lexical,
+    "fused": _fused,
+    "oracle": _oracle,
+}
 
 
 def get_picker(name: str) -> Picker:

@@ -99,11 +99,16 @@ def make_plan(
 def check_plan(plan: Plan, lengths: Sequence[int], name: str) -> Plan:
     """A plan whose order is a permutation and whose S holds each in-range offset once, sorted."""
     n = len(lengths)
-    if sorted(plan.order) != list(range(n)):
-        raise InvalidRequestError(f"strategy '{name}' returned order {plan.order}, not a permutation of 0..{n - 1}")
+    order = [operator.index(c) for c in plan.order]
+    if not order or len(set(order)) != len(order) or not all(0 <= c < n for c in order):
+        raise InvalidRequestError(
+            f"strategy '{name}' returned order {plan.order}: give each chunk of 0..{n - 1} at most once, "
+            "at least one (a chunk left out is dropped from the prompt)"
+        )
+    plan.order = order
     for c, offsets in list(plan.recompute.items()):
-        if not 0 <= c < n:
-            raise InvalidRequestError(f"strategy '{name}' recomputes chunk {c}, not in 0..{n - 1}")
+        if c not in order:
+            raise InvalidRequestError(f"strategy '{name}' recomputes chunk {c}, which is not in its order {order}")
         offsets = torch.unique(torch.as_tensor(offsets, dtype=torch.long))  # sorted, once each
         if offsets.numel() and (offsets[0] < 0 or offsets[-1] >= lengths[c]):
             raise InvalidRequestError(f"strategy '{name}' recomputes offsets outside chunk {c} (length {lengths[c]})")
@@ -114,4 +119,7 @@ def check_plan(plan: Plan, lengths: Sequence[int], name: str) -> Plan:
     for c, kv in plan.replace.items():
         if not 0 <= c < n or len(kv) != lengths[c]:
             raise InvalidRequestError(f"strategy '{name}' replaces chunk {c} with KV of the wrong length")
+    for c, scale in plan.key_scale.items():
+        if c not in order or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise InvalidRequestError(f"strategy '{name}' scales chunk {c}'s keys by {scale!r}: give chunks of its order a positive factor")
     return plan

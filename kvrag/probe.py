@@ -1,9 +1,10 @@
 """Measurements a plan or a picker may ask of the model, each costed in token-layers.
 
-A probe belongs to one request: the prefix, the chunks' KV and the suffix. It answers three questions:
+A probe belongs to one request: the prefix, the chunks' KV and the suffix. It answers four questions:
 how far each context token's reused KV is from fresh KV at a check layer (token_select), how much of the
-question's attention each chunk receives over the reused cache (the attention picker), and what a chunk's
-KV is in a full prefill of a given order (the insert_full_kv oracle). It never decides anything.
+question's attention each chunk receives over the reused cache (the attention picker), how likely the
+question is behind each chunk alone (the likelihood picker), and what a chunk's KV is in a full prefill of
+a given order (the insert_full_kv oracle). It never decides anything.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
+from kvrag.batch import PaddedBatch
 from kvrag.encode import stacked_kv
 from kvrag.kv import ChunkKV
 from kvrag.recompute import as_cache, recompute
@@ -53,6 +55,9 @@ class Probe:
         suffix_ids: Sequence[int],
         *,
         keep_full_prefill: bool = False,
+        question: str = "",
+        texts: Callable[[], Sequence[str]] | None = None,
+        chunk_prefix: ChunkKV | None = None,
     ) -> None:
         self.model = model
         self.repositioner = repositioner
@@ -66,6 +71,15 @@ class Probe:
         # prefills the same tokens again (the study's references); held as long as this probe
         self.keep_full_prefill = keep_full_prefill
         self.last_full_prefill: tuple[list[int], DynamicCache] | None = None
+        self.chunk_prefix = chunk_prefix or prefix  # what the chunks were encoded behind (the prefix and a lead)
+        self.question = question  # the question's text and the chunks' texts, for pickers that read words
+        self._texts = texts
+
+    @property
+    def texts(self) -> list[str]:
+        if self._texts is None:
+            raise ValueError("this probe was made without the chunks' texts")
+        return list(self._texts())
 
     @property
     def chunks(self) -> list[ChunkKV]:
@@ -140,6 +154,30 @@ class Probe:
             f"question attention: {len(self.suffix_ids)} suffix tokens through {self.num_layers} layers"
         )
         return per_chunk
+
+    @torch.inference_mode()
+    def question_likelihood(self) -> torch.Tensor:
+        """Per chunk, the mean log-probability of the suffix's tokens read behind the prefix and that chunk alone.
+
+        Every chunk's stored KV already sits right after the prefix, so the suffix goes in as one batch (one
+        row a chunk, left-padded) over those caches: nothing is re-positioned or recomputed. The suffix's
+        first token is predicted by the chunk's last, which is not run again, so it is not scored. Cost: the
+        suffix through every layer, once a chunk.
+        """
+        chunks = self.chunks
+        if len(self.suffix_ids) < 2:
+            return torch.zeros(len(chunks))  # nothing to score: every chunk is as likely
+        suffix = torch.tensor(self.suffix_ids, device=self.prefix.keys.device)
+        batch = PaddedBatch.of_chunks(self.model, self.chunk_prefix, chunks, room=len(suffix))
+        logits = batch.forward(suffix.expand(len(chunks), -1), 0)  # [C, S, V]
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        picked = logp.gather(-1, suffix[1:].expand(len(chunks), -1).unsqueeze(-1)).squeeze(-1)  # [C, S-1]
+        self.extra_token_layers += len(chunks) * len(suffix) * self.num_layers
+        self.extra_work.append(
+            f"question likelihood: {len(suffix)} suffix tokens behind each of {len(chunks)} chunks, "
+            f"{self.num_layers} layers"
+        )
+        return picked.mean(-1).cpu()
 
     @torch.inference_mode()
     def full_prefill_kv(self, order: Sequence[int], chunk: int) -> ChunkKV:

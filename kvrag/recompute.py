@@ -200,12 +200,15 @@ def stitch_cache(
     room: int,
     phases: Phases | None = None,
     workspace: Workspace | None = None,
+    key_scale: Mapping[int, float] | None = None,
 ) -> StitchedCache:
     """The reused KV (prefix, then the kept context tokens re-positioned) written once into a cache with `room` free slots.
 
     Each chunk's kept keys are rotated by its one shift straight into their slots, every layer and head in
     one pass; values are copied in. Nothing is concatenated, and the model's new tokens then go into the room.
+    `key_scale` multiplies a chunk's reused keys by a factor (an attention temperature on that chunk).
     """
+    key_scale = key_scale or {}
     L, H, P, D = prefix.keys.shape
     n = P + int(layout.kept.numel())
     shapes = (L, 1, H, n + room, D), (L, 1, H, n + room, prefix.values.shape[-1])  # [L, B=1, H_kv, capacity, D]
@@ -214,7 +217,7 @@ def stitch_cache(
     else:
         keys, values, buffers = prefix.keys.new_empty(shapes[0]), prefix.values.new_empty(shapes[1]), None
     with phase(phases, "cache assembly and mask"):
-        pieces = []  # (chunk, offsets kept or None for all, slot of its first kept token, kept count)
+        pieces = []  # (chunk index, offsets kept or None for all, slot of its first kept token, kept count)
         at = P
         for c in order:
             kept = None
@@ -223,20 +226,22 @@ def stitch_cache(
                 keep[recompute[c].to(keys.device)] = False
                 kept = keep.nonzero().squeeze(1)
             m = len(chunks[c]) if kept is None else int(kept.numel())
-            pieces.append((chunks[c], kept, at, m))
+            pieces.append((c, kept, at, m))
             at += m
     with phase(phases, "re-positioning"):
         cos, sin = repositioner.angles(layout.shifts.to(keys.device))  # [C, D_rot]: one shift a chunk
-        for j, (chunk, kept, at, m) in enumerate(pieces):
+        for j, (c, kept, at, m) in enumerate(pieces):
             if m:
-                src = chunk.keys if kept is None else chunk.keys[:, :, kept]
+                src = chunks[c].keys if kept is None else chunks[c].keys[:, :, kept]
                 repositioner.rotate_into(keys[:, 0, :, at : at + m], src, cos[j], sin[j])
+                if key_scale.get(c, 1.0) != 1.0:
+                    keys[:, 0, :, at : at + m].mul_(key_scale[c])
     with phase(phases, "cache assembly and mask"):
         keys[:, 0, :, :P].copy_(prefix.keys)
         values[:, 0, :, :P].copy_(prefix.values)
-        for chunk, kept, at, m in pieces:
+        for c, kept, at, m in pieces:
             if m:
-                values[:, 0, :, at : at + m].copy_(chunk.values if kept is None else chunk.values[:, :, kept])
+                values[:, 0, :, at : at + m].copy_(chunks[c].values if kept is None else chunks[c].values[:, :, kept])
         cache = StitchedCache(keys, values, n)
         cache.buffers = buffers
         return cache
@@ -261,6 +266,7 @@ def recompute(
     room: int = 0,
     phases: Phases | None = None,
     workspace: Workspace | None = None,
+    key_scale: Mapping[int, float] | None = None,
     **forward_kwargs: Any,
 ) -> Stitched:
     """Fresh KV for the tokens in S and the suffix, against the reused (re-positioned) KV of the rest.
@@ -277,6 +283,7 @@ def recompute(
         room: cache slots kept free for tokens decoded after the prompt (more are added when needed).
         phases: where to record re-positioning, cache assembly and mask, and forward times (opt-in).
         workspace: where the cache's buffers come from; the caller gives them back when done with the cache.
+        key_scale: chunk index -> factor on that chunk's reused keys (an attention temperature; see Plan).
         forward_kwargs: passed to the model's forward (e.g. output_attentions).
     """
     device = prefix.keys.device
@@ -289,7 +296,16 @@ def recompute(
         )
     n_new = int(layout.query_positions.numel())
     cache = stitch_cache(
-        repositioner, prefix, chunks, order, recompute, layout, room=n_new + room, phases=phases, workspace=workspace
+        repositioner,
+        prefix,
+        chunks,
+        order,
+        recompute,
+        layout,
+        room=n_new + room,
+        phases=phases,
+        workspace=workspace,
+        key_scale=key_scale,
     )
     with phase(phases, "cache assembly and mask"):
         ctx_ids = torch.cat([chunks[c].token_ids for c in order]).to(device)

@@ -51,10 +51,14 @@ class Plan:
     recompute: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk index -> sorted offsets in S
     replace: dict[int, ChunkKV] = field(default_factory=dict)  # chunk index -> KV used instead of the stored one
     full_prefill: bool = False  # run one plain forward over the whole prompt instead (the reference)
+    # chunk index -> factor on its reused keys (1 / attention temperature): every query's logits on that chunk's
+    # stored tokens are multiplied by it, in the prefill and in decoding alike (APE-style); recomputed tokens
+    # and the prefix are never scaled
+    key_scale: dict[int, float] = field(default_factory=dict)
 
     def recomputed_tokens(self, lengths: Sequence[int]) -> int:
         if self.full_prefill:
-            return sum(lengths)
+            return sum(lengths[c] for c in self.order)
         return sum(int(s.numel()) for s in self.recompute.values())
 
 
@@ -82,7 +86,18 @@ STUDY_STRATEGIES = (
     "token_select",
     "attention_select",
     "hybrid",
+    "target_in_place",
+    "target_first",
+    "target_spread",
+    "top2_recompute",
+    "tempered",
+    "target_tempered",
+    "full_prefill_top1",
+    "full_prefill_top3",
 )
+# Attention temperature on reused chunks for the tempered strategies: their keys are multiplied by 1 / T.
+# T < 1 sharpens the question's attention on stored chunks (APE reports T near 0.9 on Llama-3-8B).
+TEMPER_T = 0.9
 
 
 def register_strategy(
@@ -122,6 +137,14 @@ def given_order(request: PlanRequest) -> list[int]:
 def target_last(request: PlanRequest) -> list[int]:
     target = _target(request)
     return [i for i in range(len(request.lengths)) if i != target] + [target]
+
+
+def by_score(request: PlanRequest) -> list[int]:
+    """Chunk indices best first: by retrieval score, or the given order when the list is ranked best-first."""
+    n = len(request.lengths)
+    if request.scores is None:
+        return list(range(n))
+    return sorted(range(n), key=lambda i: (-request.scores[i], i))  # type: ignore[index]
 
 
 def _target(request: PlanRequest) -> int:
@@ -281,3 +304,99 @@ def _hybrid(request: PlanRequest) -> Plan:
     recompute = top_deviation(request, order, left, exclude=[target])
     recompute[target] = target_tokens
     return Plan(order=order, recompute=recompute)
+
+
+# -- beyond the study's recipe ------------------------------------------------------------------------------
+
+
+@register_strategy(
+    "target_in_place",
+    needs_target=True,
+    description="recompute the picked target where it stands (no move) against the reused cache",
+)
+def _target_in_place(request: PlanRequest) -> Plan:
+    return Plan(order=given_order(request), recompute={_target(request): _target_tokens(request)})
+
+
+@register_strategy(
+    "target_first",
+    needs_target=True,
+    description="move the picked target first, right after the prefix, and recompute it",
+)
+def _target_first(request: PlanRequest) -> Plan:
+    target = _target(request)
+    order = [target] + [i for i in range(len(request.lengths)) if i != target]
+    return Plan(order=order, recompute={target: _target_tokens(request)})
+
+
+@register_strategy(
+    "target_spread",
+    needs_target=True,
+    description="target_recompute, plus the budget spread over the first tokens of every other chunk (EPIC-style)",
+)
+def _target_spread(request: PlanRequest) -> Plan:
+    plan = _spread(request)  # the budget on the distractors' first tokens, where a lone chunk's false sink sits
+    plan.order = target_last(request)
+    plan.recompute[_target(request)] = _target_tokens(request)
+    return plan
+
+
+@register_strategy(
+    "top2_recompute",
+    needs_target=True,
+    description="the picked target and the next best-scored chunk moved next to the question, both recomputed",
+)
+def _top2_recompute(request: PlanRequest) -> Plan:
+    target = _target(request)
+    second = next((i for i in by_score(request) if i != target), None)
+    if second is None:
+        return _target_recompute(request)
+    rest = [i for i in range(len(request.lengths)) if i not in (target, second)]
+    lengths = request.lengths
+    return Plan(
+        order=[*rest, second, target],
+        recompute={target: _target_tokens(request), second: torch.arange(lengths[second])},
+    )
+
+
+def _tempered(plan: Plan, n: int, skip: int | None = None) -> Plan:
+    """The plan with every chunk's stored keys tempered, but the `skip` chunk's (the repaired target)."""
+    plan.key_scale = {c: 1.0 / TEMPER_T for c in plan.order if c != skip}
+    return plan
+
+
+@register_strategy(
+    "tempered",
+    description=f"reuse with an attention temperature T={TEMPER_T} on every stored chunk (APE-style), no recompute",
+)
+def _tempered_reuse(request: PlanRequest) -> Plan:
+    return _tempered(Plan(order=given_order(request)), len(request.lengths))
+
+
+@register_strategy(
+    "target_tempered",
+    needs_target=True,
+    description=f"target_recompute, with an attention temperature T={TEMPER_T} on the other chunks' stored KV",
+)
+def _target_tempered(request: PlanRequest) -> Plan:
+    return _tempered(_target_recompute(request), len(request.lengths), skip=_target(request))
+
+
+def _top_k_full_prefill(request: PlanRequest, k: int) -> Plan:
+    keep = set(by_score(request)[:k])
+    return Plan(order=[i for i in range(len(request.lengths)) if i in keep], full_prefill=True)
+
+
+@register_strategy(
+    "full_prefill_top1", description="baseline: full prefill over the best-scored chunk alone, nothing reused"
+)
+def _full_prefill_top1(request: PlanRequest) -> Plan:
+    return _top_k_full_prefill(request, 1)
+
+
+@register_strategy(
+    "full_prefill_top3",
+    description="baseline: full prefill over the three best-scored chunks (in the given order), nothing reused",
+)
+def _full_prefill_top3(request: PlanRequest) -> Plan:
+    return _top_k_full_prefill(request, 3)

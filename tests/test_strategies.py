@@ -12,7 +12,7 @@ from kvrag.kv import ChunkKV
 from kvrag.planner import check_plan, make_plan
 from kvrag.probe import Probe
 from kvrag.recompute import causal_mask, full_prefill, stitch_layout
-from kvrag.strategies import STUDY_STRATEGIES, PlanRequest, get_strategy
+from kvrag.strategies import STUDY_STRATEGIES, TEMPER_T, Plan, PlanRequest, get_strategy
 
 CHUNKS = [
     "Alpha station logs the weather every hour.",
@@ -43,7 +43,8 @@ def test_every_study_strategy_is_registered_and_runs(kv, enc):
     assert set(STUDY) <= set(STRATEGIES)
     for name in STUDY:
         a = kv.answer(Q, enc, strategy=name, target=4, budget=0.2, max_new_tokens=2)
-        assert a.stats.strategy == name and sorted(a.stats.order) == list(range(5))
+        kept = {"full_prefill_top1": 1, "full_prefill_top3": 3}.get(name, 5)  # the baselines drop chunks
+        assert a.stats.strategy == name and len(set(a.stats.order)) == len(a.stats.order) == kept
 
 
 def test_reuse_recomputes_nothing(kv, enc):
@@ -186,7 +187,7 @@ def test_pickers_and_their_errors(kv, enc):
     a = kv.answer(Q, enc, picker="retriever", scores=[0, 1.0, 0, 0, 0], target=4, max_new_tokens=1)
     assert a.stats.target == 1 and a.stats.target_given == 4 and a.stats.target_correct is False
     assert kv.answer(Q, enc, target=2, max_new_tokens=1).stats.picker == "oracle"
-    with pytest.raises(InvalidRequestError, match="unknown picker 'best': use one of attention, oracle, retriever"):
+    with pytest.raises(InvalidRequestError, match="unknown picker 'best': use one of attention, fused, lexical, likelihood, oracle, retriever"):
         kv.answer(Q, enc, picker="best", max_new_tokens=1)
     with pytest.raises(InvalidRequestError, match="oracle picker needs the known target"):
         kv.answer(Q, enc, picker="oracle", max_new_tokens=1)
@@ -206,13 +207,29 @@ def test_a_plan_with_bad_offsets_is_refused():
             [3],
             "x",
         )
-    with pytest.raises(InvalidRequestError, match="not a permutation"):
+    with pytest.raises(InvalidRequestError, match="at most once"):
         check_plan(get_strategy("reuse").build(PlanRequest([3, 2], None, 0.5)).__class__(order=[0, 0]), [3, 2], "x")
+    with pytest.raises(InvalidRequestError, match="not in its order"):
+        check_plan(Plan(order=[1], recompute={0: torch.tensor([0])}), [3, 2], "x")
+    with pytest.raises(InvalidRequestError, match="positive factor"):
+        check_plan(Plan(order=[0, 1], key_scale={1: 0.0}), [3, 2], "x")
 
 
 # -- property tests ---------------------------------------------------------------------------------------
 
-PROBE_FREE = ["reuse", "reorder", "spread", "spread_chunks", "target_recompute"]
+PROBE_FREE = [
+    "reuse",
+    "reorder",
+    "spread",
+    "spread_chunks",
+    "target_recompute",
+    "target_in_place",
+    "target_first",
+    "target_spread",
+    "top2_recompute",
+    "tempered",
+    "target_tempered",
+]
 
 
 @st.composite
@@ -253,8 +270,25 @@ def test_plans_are_valid_and_keep_their_budget(req):
             if req["strict"]
             else req["lengths"][decision.target]
         )
-    if req["name"] in ("reuse", "reorder"):
+    if req["name"] in ("reuse", "reorder", "tempered"):
         assert recomputed == 0
+    if req["name"] == "tempered":
+        assert set(plan.key_scale) == set(range(len(req["lengths"])))
+    target, lengths = decision.target, req["lengths"]
+    if target is None:
+        return
+    whole = min(lengths[target], decision.budget_tokens) if req["strict"] else lengths[target]
+    if req["name"] == "target_in_place":
+        assert plan.order == list(range(len(lengths))) and list(plan.recompute) == ([target] if whole else [])
+    if req["name"] == "target_first":
+        assert plan.order[0] == target and recomputed == whole
+    if req["name"] == "target_spread":
+        assert plan.order[-1] == target and recomputed - whole <= decision.budget_tokens
+        assert all(s.tolist() == list(range(len(s))) for c, s in plan.recompute.items() if c != target)
+    if req["name"] == "top2_recompute" and len(lengths) > 1:
+        assert plan.order[-1] == target and set(plan.recompute) == set(plan.order[-2:]) - ({target} if not whole else set())
+    if req["name"] == "target_tempered":
+        assert set(plan.key_scale) == set(range(len(lengths))) - {target}
 
 
 @given(st.data())
@@ -307,3 +341,149 @@ def test_probes_work_on_every_architecture(arch):
     mass = Probe(model, rep, prefix, chunks, [1, 2, 3]).chunk_attention([2, 0, 1])
     assert mass.shape == (3,) and (mass > 0).all() and mass.sum() < 1
     assert model.config._attn_implementation == "sdpa"
+
+
+# -- beyond the study's recipe ------------------------------------------------------------------------------
+
+
+def test_target_in_place_and_first_keep_or_move_the_target(kv, enc):
+    in_place = kv.prefill(Q, enc, strategy="target_in_place", target=2).decision.plan
+    assert in_place.order == [0, 1, 2, 3, 4] and in_place.recompute[2].tolist() == list(range(len(enc[2])))
+    first = kv.prefill(Q, enc, strategy="target_first", target=2).decision.plan
+    assert first.order == [2, 0, 1, 3, 4] and list(first.recompute) == [2]
+
+
+def test_top2_moves_the_two_best_last_and_recomputes_both(kv, enc):
+    run = kv.prefill(Q, enc, strategy="top2_recompute", scores=[0.1, 0.7, 0.2, 0.9, 0.3])
+    plan = run.decision.plan
+    assert plan.order == [0, 2, 4, 1, 3] and run.decision.target == 3
+    assert run.stitched.recomputed_tokens == len(enc[1]) + len(enc[3])
+
+
+def test_target_spread_adds_the_budget_on_the_other_chunks_first_tokens(kv, enc):
+    run = kv.prefill(Q, enc, strategy="target_spread", target=4, budget=0.2)
+    plan, budget = run.decision.plan, run.decision.budget_tokens
+    assert plan.order[-1] == 4 and run.stitched.recomputed_tokens == len(enc[4]) + budget
+    assert all(plan.recompute[c].tolist() == list(range(len(plan.recompute[c]))) for c in range(4) if c in plan.recompute)
+
+
+def test_tempered_scales_the_reused_keys_and_nothing_else(kv, enc):
+    reuse = kv.prefill(Q, enc, strategy="reuse").stitched
+    tempered = kv.prefill(Q, enc, strategy="tempered").stitched
+    P, n = len(kv.prefix), sum(len(c) for c in enc)
+    for a, b in zip(reuse.cache.layers, tempered.cache.layers):
+        assert torch.equal(a.keys[:, :, :P], b.keys[:, :, :P]) and torch.equal(a.values[:, :, : P + n], b.values[:, :, : P + n])
+        assert torch.allclose(a.keys[:, :, P : P + n] / TEMPER_T, b.keys[:, :, P : P + n], rtol=1e-6, atol=1e-6)
+    run = kv.prefill(Q, enc, strategy="target_tempered", target=1)
+    assert 1 in run.decision.plan.recompute and 1 not in run.decision.plan.key_scale
+    assert not torch.allclose(reuse.logits, tempered.logits)
+
+
+def test_a_key_scale_of_one_is_plain_reuse(kv, enc):
+    from kvrag.strategies import register_strategy
+
+    @register_strategy("unit_scale_test")
+    def _unit(request):
+        return Plan(order=list(range(len(request.lengths))), key_scale={c: 1.0 for c in range(len(request.lengths))})
+
+    try:
+        same = kv.prefill(Q, enc, strategy="unit_scale_test").stitched.logits
+        assert torch.equal(same, kv.prefill(Q, enc, strategy="reuse").stitched.logits)
+    finally:
+        del STRATEGIES["unit_scale_test"]
+
+
+def test_full_prefill_baselines_run_the_best_chunks_alone(kv, enc):
+    scores = [0.1, 0.7, 0.2, 0.9, 0.3]
+    top1 = kv.prefill(Q, enc, strategy="full_prefill_top1", scores=scores)
+    ids = [c.token_ids.tolist() for c in enc]
+    with torch.inference_mode():
+        want = kv.model(input_ids=torch.tensor([kv.prompt_ids(Q, ids, [3])]), logits_to_keep=1).logits[0, -1]
+    assert top1.decision.plan.order == [3] and torch.equal(top1.stitched.logits[-1], want.float())
+    assert top1.context_tokens == len(enc[3]) == top1.stitched.recomputed_tokens
+    top3 = kv.prefill(Q, enc, strategy="full_prefill_top3", scores=scores).decision.plan
+    assert top3.order == [1, 3, 4]  # the three best, in the given order
+    answer = kv.answer(Q, enc, strategy="full_prefill_top1", scores=scores, max_new_tokens=1)
+    assert answer.stats.prompt_tokens == len(kv.prompt_ids(Q, ids, [3]))
+
+
+def test_a_plan_that_leaves_chunks_out_stitches_the_rest_exactly(kv, enc):
+    """Reuse over a subset order equals full prefill over that subset when the chunks' KV is exact."""
+    from kvrag.strategies import register_strategy
+
+    ids = [c.token_ids.tolist() for c in enc]
+    order = [4, 1]
+    ref = full_prefill(kv.model, kv.prompt_ids(Q, ids, order))
+    P, exact, pos = len(kv.prefix), list(enc), len(kv.prefix)
+    for c in order:
+        k, v = stacked_kv(ref.cache, 0, pos, pos + len(enc[c]))
+        exact[c] = ChunkKV(enc[c].token_ids, k, v, start=pos, encoder=enc[c].encoder)
+        pos += len(enc[c])
+
+    @register_strategy("subset_test")
+    def _subset(request):
+        return Plan(order=order)
+
+    try:
+        run = kv.prefill(Q, exact, strategy="subset_test")
+        assert (run.stitched.logits[-1] - ref.logits[-1]).abs().max() < 1e-4
+        assert run.context_tokens == len(enc[4]) + len(enc[1]) and P == len(kv.prefix)
+    finally:
+        del STRATEGIES["subset_test"]
+
+
+def test_the_likelihood_picker_scores_each_chunk_as_a_plain_forward_would(kv, enc):
+    probe = kv.prefill(Q, enc, strategy="target_recompute", picker="likelihood").probe
+    got = probe.question_likelihood()
+    suffix = kv.layout.suffix_ids(Q)
+    for c, chunk in enumerate(enc):
+        ids = kv.layout.prefix_ids + chunk.token_ids.tolist() + suffix
+        with torch.inference_mode():
+            logits = kv.model(input_ids=torch.tensor([ids])).logits[0].float()
+        logp = torch.log_softmax(logits[-len(suffix) : -1], -1)
+        want = logp.gather(-1, torch.tensor(suffix[1:]).view(-1, 1)).mean()
+        assert abs(float(got[c]) - float(want)) < 1e-4
+    run = kv.prefill(Q, enc, strategy="target_recompute", picker="likelihood")
+    assert run.decision.target == int(got.argmax()) and run.decision.picker == "likelihood"
+    layers = kv.model.config.num_hidden_layers
+    assert run.probe.extra_token_layers == len(enc) * len(suffix) * layers
+
+
+def test_the_lexical_picker_fuses_the_question_words_with_the_scores(kv, enc):
+    # dense scores tie chunks 2 and 4; only chunk 4 shares the question's words ("archive", "open")
+    run = kv.prefill(Q, enc, strategy="target_recompute", picker="lexical", scores=[0.1, 0.1, 0.5, 0.1, 0.5])
+    assert run.decision.target == 4
+    fused = kv.prefill(Q, enc, strategy="target_recompute", picker="fused", scores=[0.1, 0.1, 0.5, 0.1, 0.5])
+    assert fused.decision.target in range(5) and fused.probe.extra_token_layers > 0
+
+
+def test_a_lead_is_encoded_before_every_chunk_and_never_enters_the_prompt(kv):
+    from kvrag.kvmodel import DEFAULT_LEAD
+
+    led = kv.with_lead(DEFAULT_LEAD)
+    chunks = led.encode(CHUNKS)
+    behind = led.chunk_prefix_ids
+    assert len(behind) > len(kv.prefix) and chunks[0].start == len(behind)
+    with torch.inference_mode():
+        ref = full_prefill(kv.model, behind + chunks[2].token_ids.tolist())
+    k, v = stacked_kv(ref.cache, 0, len(behind), len(behind) + len(chunks[2]))
+    assert (chunks[2].keys - k).abs().max() < 1e-5 and (chunks[2].values - v).abs().max() < 1e-5
+    # every context token recomputed: full prefill of the prompt without the lead, whatever the KV believed
+    from kvrag.strategies import register_strategy
+
+    @register_strategy("all_tokens_test")
+    def _all(request):
+        return Plan(order=list(range(len(request.lengths))), recompute={c: torch.arange(n) for c, n in enumerate(request.lengths)})
+
+    try:
+        run = led.prefill(Q, chunks, strategy="all_tokens_test")
+        ids = [c.token_ids.tolist() for c in chunks]
+        want = full_prefill(kv.model, kv.prompt_ids(Q, ids, range(5)))
+        assert (run.stitched.logits[-1] - want.logits[-1]).abs().max() < 1e-4
+    finally:
+        del STRATEGIES["all_tokens_test"]
+    assert led.encoder_id != kv.encoder_id and led.chunk_key(chunks[0]) != kv.chunk_key(chunks[0])
+    with pytest.raises(InvalidRequestError, match="encoded by another model, dtype or prompt prefix"):
+        kv.prefill(Q, chunks)
+    assert led.answer(Q, chunks, target=4, max_new_tokens=2).stats.recomputed_tokens == len(chunks[4])
+    assert led.prefill(Q, chunks, picker="likelihood").decision.target in range(5)

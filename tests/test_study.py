@@ -27,7 +27,7 @@ from kvrag.study.metrics import (
     topk_logprobs,
     wilson,
 )
-from kvrag.study.runner import PaddedBatch
+from kvrag.batch import PaddedBatch
 
 # -- generators ----------------------------------------------------------------------------------------
 
@@ -145,7 +145,7 @@ def test_one_batch_of_prompts_of_different_lengths_decodes_and_forces_as_each_pr
     assert len({len(p) for p in prompts}) == 3
     alone = [runner._generate_batch([full_prefill(kv.model, p)])[0] for p in prompts]
     prefills = [full_prefill(kv.model, p) for p in prompts]
-    batch = PaddedBatch(kv.model, prefills, room=12)
+    batch = PaddedBatch.of_prefills(kv.model, prefills, room=12)
     assert runner._generate(batch) == alone
     forced = [[7, 8, 9, 10], [11], []]
     for prompt, sequence, logits in zip(prompts, forced, runner._forced(batch, forced)):
@@ -234,7 +234,13 @@ def test_loader_refuses_a_file_with_nothing_usable(tmp_path) -> None:
 
 # -- quick runs ----------------------------------------------------------------------------------------
 
-OUTPUTS = ("results.json", "table.md", "retention_by_strategy.png", "retention_vs_budget.png")
+OUTPUTS = (
+    "results.json",
+    "table.md",
+    "retention_by_strategy.png",
+    "agreement_by_strategy.png",
+    "retention_vs_budget.png",
+)
 ROW_KEYS = ("accuracy", "retention", "n", "n_context_dependent", "recomputed_fraction", "ttft_s", "picker_accuracy")
 
 
@@ -364,6 +370,54 @@ def test_a_record_after_a_line_cut_short_is_read_back(tmp_path) -> None:
     assert runner.done(items[0]) and runner.done(items[1])
 
 
+def test_a_rerun_with_every_row_cached_runs_no_forward_even_without_references(tmp_path) -> None:
+    """Resuming reads records; an item whose rows are all there is never prefilled again, references included."""
+    kv = KVModel(tiny_model("llama"), byte_tokenizer())
+    items, _ = load_items(str(_user_file(tmp_path)))
+    config = StudyConfig(strategies=("full_prefill", "reuse", "target_recompute"), budgets=(0.1,))
+    cache = tmp_path / "cache"
+    first = StudyRunner(kv, HashEmbedder(), config, cache).run(items)
+    lines = (cache / "records.jsonl").read_text().splitlines()
+    (cache / "records.jsonl").write_text("\n".join(lines[:-2]) + "\n")  # the last item lost two rows
+    for path in cache.glob("references*.jsonl"):
+        path.unlink()
+    calls = []
+    hook = kv.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        runner = StudyRunner(kv, HashEmbedder(), config, cache)
+        assert [runner.done(i) for i in items] == [True] * 5 + [False]
+        again = runner.run(items[:5])
+        assert calls == [] and again == first[: len(again)]
+        runner.run(items[5:])
+        assert calls  # the item with missing rows is computed
+    finally:
+        hook.remove()
+    assert StudyRunner(kv, HashEmbedder(), config, cache).done(items[5])
+
+
+def test_agreement_with_full_prefill_is_measured_without_gold_and_full_prefill_agrees_with_itself(tmp_path) -> None:
+    kv = KVModel(tiny_model("llama"), byte_tokenizer())
+    items, _ = load_items(str(_user_file(tmp_path)))
+    config = StudyConfig(
+        strategies=("full_prefill", "reuse", "full_prefill_top1", "target_recompute:oracle@lead"), budgets=(0.1,)
+    )
+    results = run_study(kv, items, tmp_path / "run", config=config, embedder=HashEmbedder(), progress=False)
+    rows = results["strategies"]
+    full = rows["full_prefill @ 0.1"]
+    assert full["agreement"] == 1.0 and full["agreement_ci"][1] == 1.0 and full["agreed"] == full["n"] == 6
+    assert "target_recompute (oracle) +lead @ 0.1" in rows
+    for row in rows.values():
+        assert 0 <= row["agreement"] <= 1 and row["n_agreement"] == 6
+    records = _records(tmp_path / "run")
+    for r in records.values():
+        assert r["agrees"] == (normalize(r["text"]) == normalize(r["full_prefill_text"]))
+    top1 = [r for r in records.values() if r["strategy"] == "full_prefill_top1"]
+    assert all(len(r["own_order"]) == 1 for r in top1)
+    assert (tmp_path / "run" / "agreement_by_strategy.png").stat().st_size > 0
+    assert "agrees with FP" in (tmp_path / "run" / "table.md").read_text()
+    assert wilson(6, 6)[1] == 1.0 and wilson(0, 6)[0] == 0.0
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -377,6 +431,7 @@ def test_a_record_after_a_line_cut_short_is_read_back(tmp_path) -> None:
         (["--limit", "0"], "--limit must be at least 1"),
         (["--shard", "2/2"], "--shard must be I/N"),
         (["--strategies", "reuse:oracle"], "only a strategy that takes any picker"),
+        (["--strategies", "reuse@zip"], "the only encoding a row may name is @lead"),
     ],
 )
 def test_cli_study_refuses_bad_arguments_before_loading_a_model(tmp_path, capsys, args, message) -> None:

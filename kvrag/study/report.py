@@ -30,7 +30,10 @@ def _row_records(records: list[dict[str, Any]], row: Row) -> dict[str, dict[str,
     return {
         r["item"]: r
         for r in records
-        if r["strategy"] == row.strategy and r["picker"] == row.picker and (budget_free or r["budget"] == row.budget)
+        if r["strategy"] == row.strategy
+        and r["picker"] == row.picker
+        and bool(r.get("lead")) == row.lead
+        and (budget_free or r["budget"] == row.budget)
     }
 
 
@@ -56,6 +59,7 @@ def summarize_group(records: list[dict[str, Any]], rows: Sequence[Row]) -> dict[
         if not mine:
             continue
         right = sum(r["correct"] for r in mine.values())
+        agreed = [bool(r["agrees"]) for r in mine.values() if r.get("agrees") is not None]  # older records lack it
         cd = [i for i in mine if i in dependent]
         kept = sum(mine[i]["correct"] for i in cd)
         own_cd = [i for i, r in mine.items() if not r["closed_book_correct"] and r["own_order_full_prefill_correct"]]
@@ -65,10 +69,17 @@ def summarize_group(records: list[dict[str, Any]], rows: Sequence[Row]) -> dict[
             "picker": row.picker,
             "budget": row.budget,
             "budget_free": row.strategy in BUDGET_FREE,
+            "lead": row.lead,
             "n": len(mine),
             "accuracy": right / len(mine),
             "accuracy_ci": wilson(right, len(mine)),
             "f1": _mean(r["f1"] for r in mine.values()),
+            # how often the answer is full prefill's (given order), normalized as scoring is: no gold needed
+            "agreement": sum(agreed) / len(agreed) if agreed else None,
+            "agreement_ci": wilson(sum(agreed), len(agreed)) if agreed else None,
+            "agreed": sum(agreed),
+            "n_agreement": len(agreed),
+            "agreement_own_order": _mean(r.get("agrees_own_order") for r in mine.values()),
             "n_context_dependent": len(cd),
             "retention": kept / len(cd) if cd else None,
             "retention_ci": wilson(kept, len(cd)) if cd else None,
@@ -79,7 +90,7 @@ def summarize_group(records: list[dict[str, Any]], rows: Sequence[Row]) -> dict[
             "kl": _mean(r["kl"] for r in mine.values()),
             "kl_median": statistics.median(r["kl"] for r in mine.values()),
             "gold_ll_delta": _mean(r["gold_ll_delta"] for r in mine.values()),
-            "target_kv_distance": _mean(r["target_kv_distance"] for r in mine.values()),
+            "target_kv_distance": _mean(r.get("target_kv_distance") for r in mine.values()),
             "picker_accuracy": _mean(r["picker_correct"] for r in mine.values()),
             "recomputed_fraction": _mean(r["recomputed_fraction"] for r in mine.values()),
             "extra_token_layers": _mean(r["extra_token_layers"] for r in mine.values()),
@@ -98,6 +109,8 @@ def summarize_group(records: list[dict[str, Any]], rows: Sequence[Row]) -> dict[
             both = [i for i in mine if i in theirs]
             _, _, p_all = mcnemar([bool(mine[i]["correct"]) for i in both], [bool(theirs[i]["correct"]) for i in both])
             diff = bootstrap_diff([float(x) for x in a], [float(y) for y in b]) if paired else None
+            agree = [i for i in both if mine[i].get("agrees") is not None and theirs[i].get("agrees") is not None]
+            _, _, p_agree = mcnemar([bool(mine[i]["agrees"]) for i in agree], [bool(theirs[i]["agrees"]) for i in agree])
             entry["vs_target_recompute"] = {
                 "baseline": base.label,
                 "n_pairs": len(paired),
@@ -107,14 +120,17 @@ def summarize_group(records: list[dict[str, Any]], rows: Sequence[Row]) -> dict[
                 "retention_diff": diff[0] if diff else None,
                 "retention_diff_ci": [diff[1], diff[2]] if diff else None,
                 "p_mcnemar_all_items": p_all,
+                "p_mcnemar_agreement": p_agree if agree else None,
             }
         out_rows.append(entry)
     n = len(items)
-    closed = sum(r["closed_book_correct"] for r in items.values())
+    closed_agrees = [bool(r["closed_book_agrees"]) for r in items.values() if r.get("closed_book_agrees") is not None]
     full = sum(r["full_prefill_correct"] for r in items.values())
+    closed = sum(r["closed_book_correct"] for r in items.values())
     return {
         "n": n,
         "closed_book_accuracy": closed / n if n else None,
+        "closed_book_agreement": sum(closed_agrees) / len(closed_agrees) if closed_agrees else None,
         "closed_book_accuracy_ci": wilson(closed, n),
         "full_prefill_accuracy": full / n if n else None,
         "full_prefill_accuracy_ci": wilson(full, n),
@@ -128,7 +144,7 @@ def report_rows(config: StudyConfig) -> list[Row]:
     rows: list[Row] = []
     for row in config.rows():
         budgets = config.budgets if row.strategy in BUDGET_FREE else [row.budget]
-        rows += [Row(row.strategy, row.picker, float(b)) for b in budgets]
+        rows += [Row(row.strategy, row.picker, float(b), row.lead) for b in budgets]
     return rows
 
 
@@ -178,12 +194,13 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             f"## {group['family']} / {group['variant']}",
             "",
-            f"{group['n']} items; closed book {_pct(group['closed_book_accuracy'])}%, full prefill "
-            f"{_pct(group['full_prefill_accuracy'])}%, {group['n_context_dependent']} context-dependent.",
+            f"{group['n']} items; closed book {_pct(group['closed_book_accuracy'])}% (agrees with full prefill "
+            f"{_pct(group.get('closed_book_agreement'))}%), full prefill {_pct(group['full_prefill_accuracy'])}%, "
+            f"{group['n_context_dependent']} context-dependent.",
             "",
-            "| strategy | budget | accuracy [CI] | retention (kept/n) [CI] | FP own order | KL | Δ log-lik "
-            "| target KV dist | picker acc | recomputed | ttft s | vs TR: +/−, p |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| strategy | budget | accuracy [CI] | retention (kept/n) [CI] | agrees with FP [CI] | FP own order | KL "
+            "| Δ log-lik | target KV dist | picker acc | recomputed | ttft s | vs TR: +/−, p | p agree |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         shown: set[str] = set()
         for r in group["rows"]:
@@ -198,17 +215,48 @@ def markdown(results: dict[str, Any]) -> str:
                 ret = f"{_pct(r['retention'])} ({r['retained']}/{r['n_context_dependent']}) [{_pct(lo)}, {_pct(hi)}]"
             vs = r["vs_target_recompute"]
             test = "-" if not vs else f"+{vs['only_this']}/−{vs['only_baseline']}, p={vs['p_mcnemar']:.3g}"
+            p_agree = "-" if not vs or vs.get("p_mcnemar_agreement") is None else f"{vs['p_mcnemar_agreement']:.3g}"
+            agree = "-"
+            if r.get("agreement") is not None:
+                lo, hi = r["agreement_ci"]
+                agree = f"{_pct(r['agreement'])} [{_pct(lo)}, {_pct(hi)}]"
             lines.append(
-                f"| {r['label']} | {budget} | {_pct(r['accuracy'])} [{_pct(ci[0])}, {_pct(ci[1])}] | {ret} "
+                f"| {r['label']} | {budget} | {_pct(r['accuracy'])} [{_pct(ci[0])}, {_pct(ci[1])}] | {ret} | {agree} "
                 f"| {_pct(r['own_order_full_prefill_accuracy'])} | {_num(r['kl'])} | {_num(r['gold_ll_delta'], 2)} "
                 f"| {_num(r['target_kv_distance'])} | {_pct(r['picker_accuracy'])} | {_pct(r['recomputed_fraction'])} "
-                f"| {_num(r['ttft_s'])} | {test} |"
+                f"| {_num(r['ttft_s'])} | {test} | {p_agree} |"
             )
     return "\n".join(lines) + "\n"
 
 
+def bars(groups: Sequence[dict[str, Any]], metric: str, budget: float, path: Path) -> Path:
+    """One panel a group: `metric` ("retention" or "agreement") of every row at `budget`, with its 95% interval."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.5), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        rows = [r for r in group["rows"] if r["budget"] == budget and r.get(metric) is not None]
+        values = [100 * r[metric] for r in rows]
+        # an interval's bound can sit a rounding error inside its point: never a negative bar
+        errors = [
+            [max(0.0, 100 * (r[metric] - r[f"{metric}_ci"][0])) for r in rows],
+            [max(0.0, 100 * (r[f"{metric}_ci"][1] - r[metric])) for r in rows],
+        ]
+        ax.bar(range(len(rows)), values, yerr=errors, capsize=3, color="#4c72b0")
+        ax.set_xticks(range(len(rows)), [r["label"] for r in rows], rotation=60, ha="right", fontsize=8)
+        ax.set_ylim(0, 105)
+        count = group.get("n_context_dependent") if metric == "retention" else group.get("n")
+        what = "context-dependent" if metric == "retention" else "items"
+        ax.set_title(f"{group['family']} ({count} {what})")
+        ax.set_ylabel(f"{metric} % at budget {budget:g}" + (" (with full prefill)" if metric == "agreement" else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plots(results: dict[str, Any], out: Path) -> list[Path]:
-    """retention_by_strategy.png and retention_vs_budget.png."""
+    """retention_by_strategy.png, agreement_by_strategy.png and retention_vs_budget.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -221,25 +269,10 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     groups = list(by_family.values()) or results["groups"]
     budgets = sorted({r["budget"] for g in groups for r in g["rows"]})
     main = 0.05 if 0.05 in budgets else budgets[0] if budgets else 0.05
-    paths = []
-    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.5), squeeze=False)
-    for ax, group in zip(axes[0], groups):
-        rows = [r for r in group["rows"] if r["budget"] == main and r["retention"] is not None]
-        values = [100 * r["retention"] for r in rows]
-        errors = [
-            [100 * (r["retention"] - r["retention_ci"][0]) for r in rows],
-            [100 * (r["retention_ci"][1] - r["retention"]) for r in rows],
-        ]
-        ax.bar(range(len(rows)), values, yerr=errors, capsize=3, color="#4c72b0")
-        ax.set_xticks(range(len(rows)), [r["label"] for r in rows], rotation=60, ha="right", fontsize=8)
-        ax.set_ylim(0, 105)
-        ax.set_title(f"{group['family']} ({group['n_context_dependent']} context-dependent)")
-        ax.set_ylabel(f"retention % at budget {main:g}")
-    fig.tight_layout()
-    paths.append(out / "retention_by_strategy.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
+    paths = [
+        bars(groups, "retention", main, out / "retention_by_strategy.png"),
+        bars(groups, "agreement", main, out / "agreement_by_strategy.png"),
+    ]
     fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.5), squeeze=False)
     for ax, group in zip(axes[0], groups):
         by_label: dict[str, list[tuple[float, float]]] = defaultdict(list)

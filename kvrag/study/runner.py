@@ -28,16 +28,18 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from transformers import DynamicCache
 
+from kvrag.batch import PaddedBatch
 from kvrag.errors import ContextOverflowError, InvalidRequestError
 from kvrag.kv import ChunkKV
-from kvrag.kvmodel import KVModel
+from kvrag.kvmodel import DEFAULT_LEAD, KVModel
 from kvrag.pickers import get_picker
-from kvrag.recompute import Stitched, StitchedCache, full_prefill
+from kvrag.recompute import Stitched, full_prefill
 from kvrag.strategies import get_strategy
 from kvrag.study.data import StudyItem
-from kvrag.study.metrics import correct, kl_topk, token_f1, topk_logprobs
+from kvrag.study.metrics import correct, kl_topk, normalize, token_f1, topk_logprobs
 
-# "name:picker" runs a target strategy with that picker only; a bare target strategy runs once per --pickers
+# "name:picker" runs a target strategy with that picker only; a bare target strategy runs once per --pickers;
+# "name@lead" (after any picker) runs it over chunks encoded behind the neutral lead (KVModel(lead=...))
 DEFAULT_STRATEGIES = (
     "reuse",
     "reorder",
@@ -51,7 +53,23 @@ DEFAULT_STRATEGIES = (
 DEFAULT_PICKERS = ("retriever",)
 # Strategies whose plan does not depend on the budget when run non-strict (a target is recomputed whole):
 # run once an item and reported at every budget.
-BUDGET_FREE = frozenset({"full_prefill", "reuse", "reorder", "insert_full_kv", "target_recompute", "attention_select"})
+BUDGET_FREE = frozenset(
+    {
+        "full_prefill",
+        "full_prefill_top1",
+        "full_prefill_top3",
+        "reuse",
+        "reorder",
+        "insert_full_kv",
+        "target_recompute",
+        "attention_select",
+        "target_in_place",
+        "target_first",
+        "top2_recompute",
+        "tempered",
+        "target_tempered",
+    }
+)
 RECORDS, REFERENCES = "records", "references"  # cache/records[.PART].jsonl, one file a writing process
 
 
@@ -62,10 +80,12 @@ class Row:
     strategy: str
     picker: str | None
     budget: float
+    lead: bool = False  # chunks encoded behind the neutral lead instead of right behind the prefix
 
     @property
     def label(self) -> str:
-        return self.strategy + (f" ({self.picker})" if self.picker and self.strategy != "attention_select" else "")
+        label = self.strategy + (f" ({self.picker})" if self.picker and self.strategy != "attention_select" else "")
+        return label + (" +lead" if self.lead else "")
 
 
 @dataclass(slots=True)
@@ -82,7 +102,10 @@ class StudyConfig:
             get_picker(picker)
         rows = []
         for spec in self.strategies:
-            name, _, fixed = spec.partition(":")
+            body, _, encoding = spec.partition("@")
+            if encoding not in ("", "lead"):
+                raise InvalidRequestError(f"'{spec}': the only encoding a row may name is @lead")
+            name, _, fixed = body.partition(":")
             strategy = get_strategy(name)
             pickers: list[str | None] = [None]
             if fixed:
@@ -95,7 +118,9 @@ class StudyConfig:
             elif strategy.needs_target:
                 pickers = list(self.pickers)
             budgets = self.budgets[:1] if name in BUDGET_FREE else self.budgets
-            rows += [Row(name, p, float(b)) for p in pickers for b in budgets if Row(name, p, float(b)) not in rows]
+            lead = encoding == "lead"
+            new = [Row(name, p, float(b), lead) for p in pickers for b in budgets]
+            rows += [row for row in new if row not in rows]
         return rows
 
 
@@ -120,13 +145,6 @@ class Reference:
 REFERENCE_FIELDS = ("text", "tokens", "correct", "f1", "gold_ll", "ttft_s", "top_ids", "top_logp")
 
 
-def _crop(cache: Any, n: int) -> None:
-    """Drop every cached token after the first n (transformers 5 crops by a negative count)."""
-    extra = cache.get_seq_length() - n
-    if extra > 0:
-        cache.crop(-extra)
-
-
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many tokens two sequences share from their start."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -136,75 +154,6 @@ def _log_likelihood(logits: torch.Tensor, tokens: list[int]) -> float:
     """Sum of log p(token) over teacher-forced logits whose row i predicts tokens[i]."""
     logp = torch.log_softmax(logits[: len(tokens)], dim=-1)
     return float(logp[torch.arange(len(tokens)), torch.tensor(tokens, device=logp.device)].sum())
-
-
-class PaddedBatch:
-    """Prefills of any prompt lengths as one batch cache: each row's KV right-aligned (left padding) behind a
-    mask, with room after it, so decoding and teacher forcing run every row in one forward a step.
-
-    Positions stay each row's own (its prompt length onwards); the padding is zeros that the mask hides.
-    """
-
-    def __init__(self, model: torch.nn.Module, prefills: Sequence[Stitched], room: int) -> None:
-        self.model = model
-        lengths = [p.next_position for p in prefills]
-        self.size, self.width = len(prefills), max(lengths)
-        first = prefills[0].cache.layers
-        k0, v0 = first[0].keys, first[0].values
-        self.device = k0.device
-        shape = (len(first), self.size, k0.shape[1], self.width + room)
-        keys, values = k0.new_empty((*shape, k0.shape[-1])), v0.new_empty((*shape, v0.shape[-1]))
-        for b, (prefill, n) in enumerate(zip(prefills, lengths)):
-            pad = self.width - n
-            keys[:, b, :, :pad] = 0
-            values[:, b, :, :pad] = 0
-            for i, layer in enumerate(prefill.cache.layers):
-                if layer.keys.shape[-2] != n:
-                    raise ValueError(f"a prefill's cache holds {layer.keys.shape[-2]} tokens, not its {n}")
-                keys[i, b, :, pad : self.width] = layer.keys[0]
-                values[i, b, :, pad : self.width] = layer.values[0]
-        self.cache = StitchedCache(keys, values, self.width)
-        self.positions = torch.tensor(lengths, device=self.device)
-        self.mask = None
-        if min(lengths) < self.width:
-            slots = torch.arange(self.width, device=self.device)
-            self.mask = (slots >= (self.width - self.positions)[:, None]).long()
-        self.last_logits = torch.stack([p.logits[-1] for p in prefills]).float()
-
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, step: int) -> torch.Tensor:
-        """[B, T, V] logits of `ids` [B, T], which follow `step` tokens already appended after every prompt."""
-        t = ids.shape[1]
-        positions = self.positions[:, None] + step + torch.arange(t, device=self.device)
-        mask = None
-        if self.mask is not None:
-            mask = torch.cat([self.mask, self.mask.new_ones((self.size, step + t))], dim=1)
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True)
-        return out.logits.float()
-
-    def subset(self, rows: Sequence[int], step: int) -> PaddedBatch:
-        """A batch of these rows only (a copy), with the `step` tokens appended to each so far."""
-        index = torch.tensor(rows, device=self.device)
-        new = object.__new__(PaddedBatch)
-        new.model, new.device, new.size, new.width = self.model, self.device, len(rows), self.width
-        layers, n = self.cache.layers, self.width + step
-        buffers = []
-        for name in ("_keys", "_values"):
-            first = getattr(layers[0], name)  # [B, H_kv, capacity, D]: the new batch keeps the same room
-            buffer = first.new_empty((len(layers), len(rows), *first.shape[1:]))
-            for i, layer in enumerate(layers):
-                torch.index_select(getattr(layer, name)[:, :, :n], 0, index, out=buffer[i, :, :, :n])
-            buffers.append(buffer)
-        new.cache = StitchedCache(*buffers, n)
-        new.positions, new.last_logits = self.positions[index], self.last_logits[index]
-        new.mask = None if self.mask is None else self.mask[index]
-        if new.mask is not None and bool(new.mask.all()):
-            new.mask = None  # no row left is padded
-        return new
-
-    def reset(self) -> None:
-        """Drop every token appended after the prompts."""
-        _crop(self.cache, self.width)
 
 
 def _digest(*parts: Any) -> str:
@@ -266,7 +215,8 @@ class StudyRunner:
         self.records = _read_jsonl(self.cache_dir, RECORDS)
         self.references = _read_jsonl(self.cache_dir, REFERENCES)
         self.files = [self.cache_dir / f"{name}{'.' + part if part else ''}.jsonl" for name in (RECORDS, REFERENCES)]
-        self._kv_cache: OrderedDict[str, ChunkKV] = OrderedDict()  # chunk text -> KV, LRU
+        self._kv_cache: OrderedDict[tuple[str, str], ChunkKV] = OrderedDict()  # (encoder, chunk text) -> KV, LRU
+        self._lead_kv: KVModel | None = None
         self._vectors: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.settings = _digest(kv.fingerprint.digest, kv.layout.prefix_ids, config.max_new_tokens, config.kl_top_k, 2)
         vocab = kv.tokenizer.get_vocab().values()
@@ -279,6 +229,8 @@ class StudyRunner:
         return _digest(self.settings, item.to_dict())
 
     def record_key(self, item: StudyItem, row: Row) -> str:
+        if row.lead:
+            return _digest(self.item_key(item), row.strategy, row.picker, row.budget, "lead")
         return _digest(self.item_key(item), row.strategy, row.picker, row.budget)
 
     def done(self, item: StudyItem) -> bool:
@@ -318,6 +270,11 @@ class StudyRunner:
         return out
 
     def _item(self, item: StudyItem, records: _Append, references: _Append) -> list[dict[str, Any]]:
+        todo = [(row, self.record_key(item, row)) for row in self.rows]
+        out = [self.records[k] for _, k in todo if k in self.records]
+        todo = [(row, k) for row, k in todo if k not in self.records]
+        if not todo:  # every row is in the cache: nothing to prefill, not even a reference
+            return out
         kv = self.kv
         texts = [c.text for c in item.chunks]
         ids = [kv.chunk_ids(i, t) for i, t in enumerate(texts)]
@@ -376,30 +333,27 @@ class StudyRunner:
 
         prefill_reference(None)
         prefill_reference(given)  # the first order: always a whole prefill, timed (every row's full_prefill_ttft_s)
-        todo = [(row, self.record_key(item, row)) for row in self.rows]
-        out = [self.records[k] for _, k in todo if k in self.records]
-        todo = [(row, k) for row, k in todo if k not in self.records]
         runs = []
-        if todo:
-            scores = self._scores(item.question, texts)
-            chunk_kv = self._chunk_kv(texts)
-            for row, _ in todo:
-                t0 = time.perf_counter()
-                pre = kv.prefill(
-                    item.question,
-                    chunk_kv,
-                    strategy=row.strategy,
-                    picker=row.picker,
-                    target=target,
-                    scores=scores,
-                    budget=row.budget,
-                    keep_probe_prefill=True,
-                )
-                int(torch.argmax(pre.stitched.logits[-1]))  # the first token, as a user's ttft counts it
-                runs.append((pre, time.perf_counter() - t0))
-                if pre.probe.last_full_prefill is not None:
-                    sources.append(pre.probe.last_full_prefill)
-                prefill_reference(pre.decision.plan.order)
+        scores = self._scores(item.question, texts)
+        for row, _ in todo:
+            model = self._model(row.lead)
+            chunk_kv = self._chunk_kv(texts, model)
+            t0 = time.perf_counter()
+            pre = model.prefill(
+                item.question,
+                chunk_kv,
+                strategy=row.strategy,
+                picker=row.picker,
+                target=target,
+                scores=scores,
+                budget=row.budget,
+                keep_probe_prefill=True,
+            )
+            int(torch.argmax(pre.stitched.logits[-1]))  # the first token, as a user's ttft counts it
+            runs.append((pre, time.perf_counter() - t0))
+            if pre.probe.last_full_prefill is not None:
+                sources.append(pre.probe.last_full_prefill)
+            prefill_reference(pre.decision.plan.order)
 
         # One batch for every new prefill, references and strategies together: the greedy answers, then the
         # teacher-forced passes (each over its own-order reference's answer, and over the gold answer).
@@ -449,12 +403,18 @@ class StudyRunner:
                     "variant": item.variant,
                     "kind": item.kind,
                     "closed_book_correct": closed.correct,
+                    "closed_book_agrees": normalize(closed.text) == normalize(base.text),
                     "full_prefill_correct": base.correct,
                     "strategy": row.strategy,
                     "picker": row.picker,
                     "budget": row.budget,
+                    "lead": row.lead,
                     "own_order": order,
                     "own_order_full_prefill_correct": ref.correct,
+                    "full_prefill_text": base.text,
+                    # the answer a user would have got from full prefill over the same chunks, normalized as scoring
+                    "agrees": normalize(text) == normalize(base.text),
+                    "agrees_own_order": normalize(text) == normalize(ref.text),
                     "kl": kl_topk(ref.top_ids, ref.top_logp, forced[j]),
                     "gold_ll": gold_ll,
                     "gold_ll_delta": gold_ll - ref.gold_ll,
@@ -512,7 +472,7 @@ class StudyRunner:
         return Stitched(logits=out.logits[0].float(), cache=cache, next_position=len(prompt), recomputed_tokens=0)
 
     def _batch(self, prefills: Sequence[Stitched]) -> PaddedBatch:
-        return PaddedBatch(self.kv.model, prefills, room=self.config.max_new_tokens)
+        return PaddedBatch.of_prefills(self.kv.model, prefills, room=self.config.max_new_tokens)
 
     def _generate_batch(self, prefills: Sequence[Stitched]) -> list[tuple[str, list[int]]]:
         """Greedy answers of prefills (of any prompt lengths), decoded together as one batch."""
@@ -567,8 +527,11 @@ class StudyRunner:
         ids: list[list[int]],
         order: list[int],
         target: int,
-    ) -> float:
-        """||target KV - its full-prefill KV|| / ||full-prefill KV||, keys and values of every layer together."""
+    ) -> float | None:
+        """||target KV - its full-prefill KV|| / ||full-prefill KV||, keys and values of every layer together
+        (None when the plan left the target out of the prompt)."""
+        if target not in order:
+            return None
         start = len(self.kv.prefix) + sum(len(ids[c]) for c in order[: order.index(target)])
         span = torch.arange(start, start + len(ids[target]))
         if ref.cache is None:  # the reference came from an earlier run: rebuild its prompt cache
@@ -585,16 +548,26 @@ class StudyRunner:
                 norm += float(y.pow(2).sum())
         return (diff / norm) ** 0.5 if norm else 0.0
 
-    def _chunk_kv(self, texts: list[str]) -> list[ChunkKV]:
-        missing = [t for t in dict.fromkeys(texts) if t not in self._kv_cache]
+    def _model(self, lead: bool) -> KVModel:
+        """The study's model, or the same model encoding chunks behind the neutral lead."""
+        if not lead:
+            return self.kv
+        if self._lead_kv is None:
+            self._lead_kv = self.kv.with_lead(DEFAULT_LEAD)
+        return self._lead_kv
+
+    def _chunk_kv(self, texts: list[str], model: KVModel | None = None) -> list[ChunkKV]:
+        model = model or self.kv
+        keys = [(model.encoder_id, t) for t in texts]
+        missing = [k for k in dict.fromkeys(keys) if k not in self._kv_cache]
         if missing:
-            for text, chunk in zip(missing, self.kv.encode(missing)):
-                self._kv_cache[text] = chunk
-        for text in texts:
-            self._kv_cache.move_to_end(text)
+            for key, chunk in zip(missing, model.encode([t for _, t in missing])):
+                self._kv_cache[key] = chunk
+        for key in keys:
+            self._kv_cache.move_to_end(key)
         while len(self._kv_cache) > 400:  # about 2 GB of fp32 KV on the default model
             self._kv_cache.popitem(last=False)
-        return [self._kv_cache[t] for t in texts]
+        return [self._kv_cache[k] for k in keys]
 
     def _scores(self, question: str, texts: list[str]) -> list[float]:
         missing = [t for t in dict.fromkeys(texts) if t not in self._vectors]
