@@ -71,7 +71,9 @@ class PaddedBatch:
         for prefill in prefills:
             layers = prefill.cache.layers
             if layers[0].keys.shape[-2] != prefill.next_position:
-                raise ValueError(f"a prefill's cache holds {layers[0].keys.shape[-2]} tokens, not its {prefill.next_position}")
+                raise ValueError(
+                    f"a prefill's cache holds {layers[0].keys.shape[-2]} tokens, not its {prefill.next_position}"
+                )
             rows.append([(layer.keys[0], layer.values[0]) for layer in layers])
         return cls(model, rows, room, torch.stack([p.logits[-1] for p in prefills]).float())
 

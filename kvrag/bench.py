@@ -270,7 +270,8 @@ def ingest_benchmark(
     results = {
         "raw batched forward": _median_time(lambda: raw_forward(kv, ids), runs),
         "kvrag encode_chunks": _median_time(
-            lambda: encode_chunks(kv.model, kv.chunk_prefix, ids, batch_tokens=kv.batch_tokens, encoder=kv.encoder_id), runs
+            lambda: encode_chunks(kv.model, kv.chunk_prefix, ids, batch_tokens=kv.batch_tokens, encoder=kv.encoder_id),
+            runs,
         ),
     }
 

@@ -7,7 +7,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvrag import __version__
 from kvrag.errors import InvalidRequestError, KVRAGError
@@ -24,6 +24,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvrag.study.agreement import DEFAULT_BUDGETS, DEFAULT_CANDIDATES, DEFAULT_FLOOR
+
     parser = argparse.ArgumentParser(
         prog="kvrag", description="Reuse attention (KV) state in retrieval-augmented generation."
     )
@@ -51,9 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     ask = sub.add_parser("ask", help="answer a question from an index folder")
     ask.add_argument("question")
     ask.add_argument("--index", required=True, type=Path)
-    ask.add_argument("--strategy", default="target_recompute")
-    ask.add_argument("--picker", default=None, help="retriever, attention or oracle")
-    ask.add_argument("--budget", type=float, default=0.05)
+    ask.add_argument(
+        "--strategy", default=None, help="default: the index's tuned default (kvrag tune), else target_recompute"
+    )
+    ask.add_argument("--picker", default=None, help="retriever, attention, likelihood, lexical, fused or oracle")
+    ask.add_argument("--budget", type=float, default=None, help="default: the tuned default's, else 0.05")
     ask.add_argument("--top-k", type=int, default=5)
     ask.add_argument("--hybrid", action="store_true", help="fuse dense and BM25 rankings")
     ask.add_argument("--max-new-tokens", type=int, default=256)
@@ -62,6 +66,34 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--redis", default=None, metavar="URL", help="read chunk KV from Redis (as given to ingest)")
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--threads", type=int, default=None)
+
+    for name, what in (
+        ("agree", "how often each strategy's answer is full prefill's, on an index and a file of your questions"),
+        (
+            "tune",
+            "measure agreement (as kvrag agree), choose the fastest strategy above a floor, save it as the index's default",
+        ),
+    ):
+        tune = sub.add_parser(name, help=what)
+        tune.add_argument("--index", required=True, type=Path)
+        tune.add_argument("--questions", required=True, type=Path, help="one question a line (a query log)")
+        tune.add_argument("--out", required=True, type=Path, help="where results.json, table.md, agreement.png go")
+        tune.add_argument(
+            "--candidates",
+            default=",".join(DEFAULT_CANDIDATES),
+            help="comma-separated strategies, NAME:PICKER fixes a picker (default: %(default)s)",
+        )
+        tune.add_argument(
+            "--budgets", default=",".join(map(str, DEFAULT_BUDGETS)), help="budgets of budgeted strategies"
+        )
+        tune.add_argument("--floor", type=float, default=DEFAULT_FLOOR, help="agreement to reach (default 0.9)")
+        tune.add_argument("--top-k", type=int, default=5)
+        tune.add_argument("--limit", type=int, default=None, help="the first N questions only")
+        tune.add_argument("--max-new-tokens", type=int, default=32, help="answers also end at a line break")
+        tune.add_argument("--redis", default=None, metavar="URL", help="read chunk KV from Redis (as given to ingest)")
+        tune.add_argument("--device", default="cpu")
+        tune.add_argument("--threads", type=int, default=None)
+        tune.add_argument("--quiet", action="store_true", help="no progress bar")
 
     bench = sub.add_parser("bench-ingest", help="ingest throughput beside the model's raw batched forward")
     _model_args(bench)
@@ -90,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument(
         "--strategies",
         default=None,
-        help="comma-separated; NAME:PICKER fixes a target strategy's picker (default: reuse,reorder,insert_full_kv,"
-        "spread,target_recompute,target_recompute:oracle,token_select,attention_select); full prefill and closed "
-        "book are always measured",
+        help="comma-separated; NAME:PICKER fixes a target strategy's picker, NAME@lead encodes its chunks behind a "
+        "neutral lead (default: full_prefill_top1,full_prefill_top3,reuse,reorder,insert_full_kv,spread,"
+        "target_recompute,target_recompute:oracle,token_select,attention_select); full prefill and closed book are "
+        "always measured",
     )
     study.add_argument(
         "--pickers", default="retriever", help="pickers of target strategies given without one (default: %(default)s)"
@@ -205,6 +238,9 @@ def _run(args: argparse.Namespace) -> None:
     if args.command == "info":
         print(json.dumps(rag.info(), indent=1))
         return
+    if args.command in ("agree", "tune"):
+        _tune(args, rag)
+        return
     kwargs = dict(
         strategy=args.strategy,
         picker=args.picker,
@@ -275,6 +311,36 @@ def _bench(args: argparse.Namespace) -> None:
         print(json.dumps(result))
     else:
         print((args.out / "bench.md").read_text())
+
+
+def _tune(args: argparse.Namespace, rag: Any) -> None:
+    from kvrag.study.agreement import candidates, read_questions, run_tune
+
+    configs = candidates(_csv(args.candidates, str, "--candidates"), _csv(args.budgets, float, "--budgets"))
+    questions = read_questions(args.questions)[: args.limit] if args.limit is None or args.limit >= 1 else []
+    if not questions:
+        raise InvalidRequestError(f"--limit must be at least 1, got {args.limit}")
+    results = run_tune(
+        rag,
+        questions,
+        args.out,
+        configs=configs,
+        floor=args.floor,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        save=args.command == "tune",
+        command="kvrag " + " ".join(shlex.quote(a) for a in args.argv),
+        progress=not args.quiet,
+    )
+    c = results["choice"]
+    picker = f" ({c['picker']})" if c["picker"] else ""
+    where = f"; saved as the default of {args.index}" if results.get("saved") else ""
+    floor = "" if c["reached_floor"] else f" (no candidate reached {100 * args.floor:.0f}%)"
+    print(
+        f"{len(questions)} questions: {c['strategy']}{picker} at budget {c['budget']:g}, agreement "
+        f"{100 * c['agreement']:.1f}%, {c['ttft_s']:.3f} s to the first token{floor}{where}; "
+        f"table in {args.out / 'table.md'}"
+    )
 
 
 def _study(args: argparse.Namespace) -> None:

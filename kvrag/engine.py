@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Se
 
 from kvrag.documents import Item, split_text, to_documents
 from kvrag.embed import Embedder
+from kvrag.defaults import load_default
 from kvrag.encode import encode_chunks
 from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError, StoreError
 from kvrag.index import ChunkIndex, ChunkRecord, Filters, write_atomic
@@ -116,6 +117,11 @@ class KVRAG:
         self.chunk_tokens, self.overlap = chunk_tokens, overlap
         self.model_source = model_source
         self._generation = generation  # the committed index generation this engine's index reflects
+        # the strategy, picker and budget a query runs with when it names no strategy: `kvrag tune`'s choice
+        # saved with the index, else target_recompute at 0.05
+        self.defaults: dict[str, Any] | None = None
+        if self.path is not None:
+            self.defaults = load_default(self.path)
         self._lock: threading.RLock = kv.lock  # one lock: the model, the index and the store change together
 
     # -- construction -----------------------------------------------------------------------------------
@@ -522,15 +528,19 @@ class KVRAG:
         self,
         question: str,
         *,
-        strategy: str = "target_recompute",
-        budget: float = 0.05,
+        strategy: str | None = None,
+        budget: float | None = None,
         top_k: int = 5,
         filters: Filters | None = None,
         picker: str | None = None,
         hybrid: bool = False,
         **generation: Any,
     ) -> Iterator[str | Answer]:
-        """Retrieve, then yield the answer's text pieces as decoded, then the final Answer (with sources)."""
+        """Retrieve, then yield the answer's text pieces as decoded, then the final Answer (with sources).
+
+        With no `strategy`, the index's tuned default runs (`kvrag tune`), else target_recompute; a `budget` or
+        `picker` left out comes with that default.
+        """
         t0 = time.perf_counter()
         sources = self.retrieve(question, top_k=top_k, filters=filters, hybrid=hybrid)
         if not sources:
@@ -547,6 +557,15 @@ class KVRAG:
         )
 
     def _answer(self, question: str, sources: list[Source], t0: float, **kwargs: Any) -> Iterator[str | Answer]:
+        if kwargs.get("strategy") is None:
+            default = self.defaults or {"strategy": "target_recompute", "picker": None, "budget": 0.05}
+            kwargs["strategy"] = default["strategy"]
+            if kwargs.get("picker") is None:
+                kwargs["picker"] = default["picker"]
+            if kwargs.get("budget") is None:
+                kwargs["budget"] = default["budget"]
+        if kwargs.get("budget") is None:
+            kwargs["budget"] = 0.05
         with self._lock, phase(kwargs.get("phases"), "store load"):  # the lock is never held across a yield
             kvs, hits, encoded = self._chunk_kv(sources)
         retrieve_s = time.perf_counter() - t0

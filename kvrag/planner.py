@@ -121,5 +121,7 @@ def check_plan(plan: Plan, lengths: Sequence[int], name: str) -> Plan:
             raise InvalidRequestError(f"strategy '{name}' replaces chunk {c} with KV of the wrong length")
     for c, scale in plan.key_scale.items():
         if c not in order or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-            raise InvalidRequestError(f"strategy '{name}' scales chunk {c}'s keys by {scale!r}: give chunks of its order a positive factor")
+            raise InvalidRequestError(
+                f"strategy '{name}' scales chunk {c}'s keys by {scale!r}: give chunks of its order a positive factor"
+            )
     return plan

@@ -187,7 +187,10 @@ def test_pickers_and_their_errors(kv, enc):
     a = kv.answer(Q, enc, picker="retriever", scores=[0, 1.0, 0, 0, 0], target=4, max_new_tokens=1)
     assert a.stats.target == 1 and a.stats.target_given == 4 and a.stats.target_correct is False
     assert kv.answer(Q, enc, target=2, max_new_tokens=1).stats.picker == "oracle"
-    with pytest.raises(InvalidRequestError, match="unknown picker 'best': use one of attention, fused, lexical, likelihood, oracle, retriever"):
+    with pytest.raises(
+        InvalidRequestError,
+        match="unknown picker 'best': use one of attention, fused, lexical, likelihood, oracle, retriever",
+    ):
         kv.answer(Q, enc, picker="best", max_new_tokens=1)
     with pytest.raises(InvalidRequestError, match="oracle picker needs the known target"):
         kv.answer(Q, enc, picker="oracle", max_new_tokens=1)
@@ -286,7 +289,9 @@ def test_plans_are_valid_and_keep_their_budget(req):
         assert plan.order[-1] == target and recomputed - whole <= decision.budget_tokens
         assert all(s.tolist() == list(range(len(s))) for c, s in plan.recompute.items() if c != target)
     if req["name"] == "top2_recompute" and len(lengths) > 1:
-        assert plan.order[-1] == target and set(plan.recompute) == set(plan.order[-2:]) - ({target} if not whole else set())
+        assert plan.order[-1] == target and set(plan.recompute) == set(plan.order[-2:]) - (
+            {target} if not whole else set()
+        )
     if req["name"] == "target_tempered":
         assert set(plan.key_scale) == set(range(len(lengths))) - {target}
 
@@ -364,7 +369,9 @@ def test_target_spread_adds_the_budget_on_the_other_chunks_first_tokens(kv, enc)
     run = kv.prefill(Q, enc, strategy="target_spread", target=4, budget=0.2)
     plan, budget = run.decision.plan, run.decision.budget_tokens
     assert plan.order[-1] == 4 and run.stitched.recomputed_tokens == len(enc[4]) + budget
-    assert all(plan.recompute[c].tolist() == list(range(len(plan.recompute[c]))) for c in range(4) if c in plan.recompute)
+    assert all(
+        plan.recompute[c].tolist() == list(range(len(plan.recompute[c]))) for c in range(4) if c in plan.recompute
+    )
 
 
 def test_tempered_scales_the_reused_keys_and_nothing_else(kv, enc):
@@ -372,7 +379,9 @@ def test_tempered_scales_the_reused_keys_and_nothing_else(kv, enc):
     tempered = kv.prefill(Q, enc, strategy="tempered").stitched
     P, n = len(kv.prefix), sum(len(c) for c in enc)
     for a, b in zip(reuse.cache.layers, tempered.cache.layers):
-        assert torch.equal(a.keys[:, :, :P], b.keys[:, :, :P]) and torch.equal(a.values[:, :, : P + n], b.values[:, :, : P + n])
+        assert torch.equal(a.keys[:, :, :P], b.keys[:, :, :P]) and torch.equal(
+            a.values[:, :, : P + n], b.values[:, :, : P + n]
+        )
         assert torch.allclose(a.keys[:, :, P : P + n] / TEMPER_T, b.keys[:, :, P : P + n], rtol=1e-6, atol=1e-6)
     run = kv.prefill(Q, enc, strategy="target_tempered", target=1)
     assert 1 in run.decision.plan.recompute and 1 not in run.decision.plan.key_scale
@@ -473,7 +482,10 @@ def test_a_lead_is_encoded_before_every_chunk_and_never_enters_the_prompt(kv):
 
     @register_strategy("all_tokens_test")
     def _all(request):
-        return Plan(order=list(range(len(request.lengths))), recompute={c: torch.arange(n) for c, n in enumerate(request.lengths)})
+        return Plan(
+            order=list(range(len(request.lengths))),
+            recompute={c: torch.arange(n) for c, n in enumerate(request.lengths)},
+        )
 
     try:
         run = led.prefill(Q, chunks, strategy="all_tokens_test")

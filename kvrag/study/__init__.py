@@ -74,10 +74,10 @@ def run_study(
     Finished records are kept in `out/cache/` and reused by a rerun with the same model and settings.
 
     Args:
-        jobs: worker processes that share the items (every `jobs`-th each), each with its own copy of the model
-            loaded by `KVModel.from_pretrained(**worker_model)` and this process's torch threads divided among
-            them. On a CPU, two processes of one thread get more done than one of two (a decoding step is
-            mostly fixed cost that a second thread does not shorten).
+        jobs: worker processes that share the items (each takes the next one from a shared queue when it is
+            free), each with its own copy of the model loaded by `KVModel.from_pretrained(**worker_model)` and
+            this process's torch threads divided among them. On a CPU, two processes of one thread get more
+            done than one of two (a decoding step is mostly fixed cost that a second thread does not shorten).
         worker_model: how a worker loads the model (required when jobs > 1).
         part: names this process's cache files (`records.PART.jsonl`), for several processes on one `out`;
             workers add `jobIofN`.
@@ -172,12 +172,17 @@ def _run_workers(
 
     context = mp.get_context("spawn")  # a forked copy of a process that has run OpenMP threads can hang
     events = context.Queue()
+    tasks = context.Queue()  # one shared queue: a worker takes the next item when it is free, none idles early
+    for item in items:
+        tasks.put(item)
+    for _ in range(jobs):
+        tasks.put(None)  # one end mark a worker
     workers = [
         context.Process(
             target=_work,
             args=(
                 i,
-                list(items[i::jobs]),
+                tasks,
                 cache,
                 config,
                 model,
@@ -235,7 +240,7 @@ def _run_workers(
 
 def _work(
     index: int,
-    items: list[StudyItem],
+    tasks: Any,
     cache: Path,
     config: StudyConfig,
     model: dict[str, Any],
@@ -261,7 +266,7 @@ def _work(
         from kvrag.kvmodel import KVModel
 
         runner = StudyRunner(KVModel.from_pretrained(**model), Embedder(), config, cache, part=part)
-        runner.run(items, on_item=on_item)
+        runner.run(iter(tasks.get, None), on_item=on_item)  # items until the end mark
     except BaseException as err:  # reported to the parent, which stops the other workers
         events.put(("error", index, f"{type(err).__name__}: {err}"))
         raise

@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from kvrag.study.metrics import bootstrap_diff, mcnemar, wilson
+from kvrag.study.metrics import bootstrap_diff, mcnemar, token_f1, wilson
 from kvrag.study.runner import BUDGET_FREE, Row, StudyConfig
 
 SCHEMA = "kvrag-study/1"
@@ -22,6 +22,13 @@ BASELINE = "target_recompute"
 def _mean(values: Iterable[float | None]) -> float | None:
     kept = [float(v) for v in values if v is not None]
     return sum(kept) / len(kept) if kept else None
+
+
+def _agreement_f1(record: dict[str, Any]) -> float | None:
+    """Token F1 of a row's answer with full prefill's (from the texts when the record predates the field)."""
+    if "agreement_f1" in record:
+        return record["agreement_f1"]
+    return token_f1(record["text"], [record["full_prefill_text"]]) if "full_prefill_text" in record else None
 
 
 def _row_records(records: list[dict[str, Any]], row: Row) -> dict[str, dict[str, Any]]:
@@ -80,6 +87,7 @@ def summarize_group(records: list[dict[str, Any]], rows: Sequence[Row]) -> dict[
             "agreed": sum(agreed),
             "n_agreement": len(agreed),
             "agreement_own_order": _mean(r.get("agrees_own_order") for r in mine.values()),
+            "agreement_f1": _mean(_agreement_f1(r) for r in mine.values()),
             "n_context_dependent": len(cd),
             "retention": kept / len(cd) if cd else None,
             "retention_ci": wilson(kept, len(cd)) if cd else None,
@@ -110,7 +118,9 @@ def summarize_group(records: list[dict[str, Any]], rows: Sequence[Row]) -> dict[
             _, _, p_all = mcnemar([bool(mine[i]["correct"]) for i in both], [bool(theirs[i]["correct"]) for i in both])
             diff = bootstrap_diff([float(x) for x in a], [float(y) for y in b]) if paired else None
             agree = [i for i in both if mine[i].get("agrees") is not None and theirs[i].get("agrees") is not None]
-            _, _, p_agree = mcnemar([bool(mine[i]["agrees"]) for i in agree], [bool(theirs[i]["agrees"]) for i in agree])
+            _, _, p_agree = mcnemar(
+                [bool(mine[i]["agrees"]) for i in agree], [bool(theirs[i]["agrees"]) for i in agree]
+            )
             entry["vs_target_recompute"] = {
                 "baseline": base.label,
                 "n_pairs": len(paired),
@@ -186,7 +196,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"({results['data']['cached_items']} from the cache of an earlier run), {results['threads']} threads. "
         "Accuracy and retention in %, with 95% Wilson intervals; retention is over the context-dependent items "
         "(closed book wrong, full prefill in the given order right). `FP own order`: full prefill in the "
-        "strategy's own order. KL: teacher-forced over the own-order full prefill's answer. `vs TR`: paired "
+        "strategy's own order. `agrees with FP`: the greedy answer, normalized, is the one full prefill gives in the given order (no gold needed; strict: a reworded answer does not agree); `F1 with FP`: token F1 between the two. KL: teacher-forced over the own-order full prefill's answer. `vs TR`: paired "
         "exact McNemar p on the context-dependent items against target_recompute (same picker)."
     )
     for group in results["groups"]:
@@ -199,9 +209,16 @@ def markdown(results: dict[str, Any]) -> str:
             f"{group['n_context_dependent']} context-dependent.",
             "",
             "| strategy | budget | accuracy [CI] | retention (kept/n) [CI] | agrees with FP [CI] | FP own order | KL "
-            "| Δ log-lik | target KV dist | picker acc | recomputed | ttft s | vs TR: +/−, p | p agree |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| F1 with FP | Δ log-lik | target KV dist | picker acc | recomputed | ttft s | vs TR: +/−, p | p agree |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
+        if group["n"]:
+            lo, hi = group["closed_book_accuracy_ci"]
+            cb_agree = group.get("closed_book_agreement")
+            lines.append(
+                f"| closed book (baseline) | any | {_pct(group['closed_book_accuracy'])} [{_pct(lo)}, {_pct(hi)}] "
+                f"| 0.0 (by definition) | {_pct(cb_agree)} | - | - | - | - | - | - | 0.0 | - | - | - |"
+            )
         shown: set[str] = set()
         for r in group["rows"]:
             if r["budget_free"] and r["label"] in shown:
@@ -222,7 +239,8 @@ def markdown(results: dict[str, Any]) -> str:
                 agree = f"{_pct(r['agreement'])} [{_pct(lo)}, {_pct(hi)}]"
             lines.append(
                 f"| {r['label']} | {budget} | {_pct(r['accuracy'])} [{_pct(ci[0])}, {_pct(ci[1])}] | {ret} | {agree} "
-                f"| {_pct(r['own_order_full_prefill_accuracy'])} | {_num(r['kl'])} | {_num(r['gold_ll_delta'], 2)} "
+                f"| {_pct(r['own_order_full_prefill_accuracy'])} | {_num(r['kl'])} | {_num(r.get('agreement_f1'), 2)} "
+                f"| {_num(r['gold_ll_delta'], 2)} "
                 f"| {_num(r['target_kv_distance'])} | {_pct(r['picker_accuracy'])} | {_pct(r['recomputed_fraction'])} "
                 f"| {_num(r['ttft_s'])} | {test} | {p_agree} |"
             )

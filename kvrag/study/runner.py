@@ -41,6 +41,8 @@ from kvrag.study.metrics import correct, kl_topk, normalize, token_f1, topk_logp
 # "name:picker" runs a target strategy with that picker only; a bare target strategy runs once per --pickers;
 # "name@lead" (after any picker) runs it over chunks encoded behind the neutral lead (KVModel(lead=...))
 DEFAULT_STRATEGIES = (
+    "full_prefill_top1",
+    "full_prefill_top3",
     "reuse",
     "reorder",
     "insert_full_kv",
@@ -415,6 +417,7 @@ class StudyRunner:
                     # the answer a user would have got from full prefill over the same chunks, normalized as scoring
                     "agrees": normalize(text) == normalize(base.text),
                     "agrees_own_order": normalize(text) == normalize(ref.text),
+                    "agreement_f1": token_f1(text, [base.text]),  # graded: the same words, not all of them
                     "kl": kl_topk(ref.top_ids, ref.top_logp, forced[j]),
                     "gold_ll": gold_ll,
                     "gold_ll_delta": gold_ll - ref.gold_ll,
