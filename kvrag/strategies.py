@@ -71,6 +71,7 @@ class Strategy:
     needs_target: bool  # whether a picker must choose a target first
     description: str  # one line, shown in errors and the CLI
     picker: str | None = None  # a picker this strategy always uses (attention_select), else the caller's
+    budgeted: bool = True  # whether its plan depends on the budget (run non-strict); studies run it at each budget
 
 
 STRATEGIES: dict[str, Strategy] = {}
@@ -101,7 +102,12 @@ TEMPER_T = 0.9
 
 
 def register_strategy(
-    name: str, *, needs_target: bool = False, description: str = "", picker: str | None = None
+    name: str,
+    *,
+    needs_target: bool = False,
+    description: str = "",
+    picker: str | None = None,
+    budgeted: bool = True,
 ) -> Callable[[Callable[[PlanRequest], Plan]], Callable[[PlanRequest], Plan]]:
     """Register a plan builder under `name` (replacing any earlier one of that name).
 
@@ -113,7 +119,9 @@ def register_strategy(
     """
 
     def add(build: Callable[[PlanRequest], Plan]) -> Callable[[PlanRequest], Plan]:
-        STRATEGIES[name] = Strategy(name, build, needs_target, description or (build.__doc__ or "").strip(), picker)
+        STRATEGIES[name] = Strategy(
+            name, build, needs_target, description or (build.__doc__ or "").strip(), picker, budgeted
+        )
         return build
 
     return add
@@ -195,18 +203,20 @@ def _target_tokens(request: PlanRequest) -> torch.Tensor:
 # -- the strategies of the study --------------------------------------------------------------------------
 
 
-@register_strategy("full_prefill", description="the reference: every token computed, nothing reused")
+@register_strategy("full_prefill", budgeted=False, description="the reference: every token computed, nothing reused")
 def _full_prefill(request: PlanRequest) -> Plan:
     return Plan(order=given_order(request), full_prefill=True)
 
 
-@register_strategy("reuse", description="stitch the stored KV in the given order, recompute nothing")
+@register_strategy("reuse", budgeted=False, description="stitch the stored KV in the given order, recompute nothing")
 def _reuse(request: PlanRequest) -> Plan:
     return Plan(order=given_order(request))
 
 
 @register_strategy(
-    "reorder", description="InfoFlow-style: chunks by score, best next to the question; nothing recomputed"
+    "reorder",
+    budgeted=False,
+    description="InfoFlow-style: chunks by score, best next to the question; nothing recomputed",
 )
 def _reorder(request: PlanRequest) -> Plan:
     n = len(request.lengths)
@@ -217,6 +227,7 @@ def _reorder(request: PlanRequest) -> Plan:
 
 @register_strategy(
     "insert_full_kv",
+    budgeted=False,
     needs_target=True,
     description="study oracle: target moved last, its KV replaced by its slice of a full prefill of that order",
 )
@@ -265,6 +276,7 @@ def _spread_chunks(request: PlanRequest) -> Plan:
 
 @register_strategy(
     "target_recompute",
+    budgeted=False,
     needs_target=True,
     description="move the picked target next to the question and recompute it against the reused cache",
 )
@@ -274,6 +286,7 @@ def _target_recompute(request: PlanRequest) -> Plan:
 
 @register_strategy(
     "attention_select",
+    budgeted=False,
     needs_target=True,
     picker="attention",
     description="the question's attention over the reused cache picks the target, which is moved and recomputed",
@@ -311,6 +324,7 @@ def _hybrid(request: PlanRequest) -> Plan:
 
 @register_strategy(
     "target_in_place",
+    budgeted=False,
     needs_target=True,
     description="recompute the picked target where it stands (no move) against the reused cache",
 )
@@ -320,6 +334,7 @@ def _target_in_place(request: PlanRequest) -> Plan:
 
 @register_strategy(
     "target_first",
+    budgeted=False,
     needs_target=True,
     description="move the picked target first, right after the prefix, and recompute it",
 )
@@ -343,6 +358,7 @@ def _target_spread(request: PlanRequest) -> Plan:
 
 @register_strategy(
     "top2_recompute",
+    budgeted=False,
     needs_target=True,
     description="the picked target and the next best-scored chunk moved next to the question, both recomputed",
 )
@@ -367,6 +383,7 @@ def _tempered(plan: Plan, n: int, skip: int | None = None) -> Plan:
 
 @register_strategy(
     "tempered",
+    budgeted=False,
     description=f"reuse with an attention temperature T={TEMPER_T} on every stored chunk (APE-style), no recompute",
 )
 def _tempered_reuse(request: PlanRequest) -> Plan:
@@ -375,6 +392,7 @@ def _tempered_reuse(request: PlanRequest) -> Plan:
 
 @register_strategy(
     "target_tempered",
+    budgeted=False,
     needs_target=True,
     description=f"target_recompute, with an attention temperature T={TEMPER_T} on the other chunks' stored KV",
 )
@@ -388,7 +406,9 @@ def _top_k_full_prefill(request: PlanRequest, k: int) -> Plan:
 
 
 @register_strategy(
-    "full_prefill_top1", description="baseline: full prefill over the best-scored chunk alone, nothing reused"
+    "full_prefill_top1",
+    budgeted=False,
+    description="baseline: full prefill over the best-scored chunk alone, nothing reused",
 )
 def _full_prefill_top1(request: PlanRequest) -> Plan:
     return _top_k_full_prefill(request, 1)
@@ -396,6 +416,7 @@ def _full_prefill_top1(request: PlanRequest) -> Plan:
 
 @register_strategy(
     "full_prefill_top3",
+    budgeted=False,
     description="baseline: full prefill over the three best-scored chunks (in the given order), nothing reused",
 )
 def _full_prefill_top3(request: PlanRequest) -> Plan:

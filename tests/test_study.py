@@ -304,13 +304,13 @@ def test_cli_study_on_a_user_file_writes_every_output_and_reruns_from_cache(tmp_
         overall["reuse @ 0.05"]["target_kv_distance"] > overall["insert_full_kv (oracle) @ 0.05"]["target_kv_distance"]
     )
     # a budget-free strategy ran once and serves both budgets; token_select ran at each
-    records = (out / "cache" / "records.jsonl").read_text().splitlines()
+    records = (out / "cache" / "records.jsonl").read_text().split("\n")[:-1]  # JSON lines end at "\n" only
     assert len(records) == 6 * (len(results["config"]["rows"]))
     assert "## facts / all" in (out / "table.md").read_text()
 
     code, err = _study(capsys, *args, "--quiet")  # the rerun finds every record in the cache
     assert code == 0, err
-    assert (out / "cache" / "records.jsonl").read_text().splitlines() == records
+    assert (out / "cache" / "records.jsonl").read_text().split("\n")[:-1] == records
     assert json.loads((out / "results.json").read_text())["data"]["cached_items"] == 6
 
 
@@ -357,6 +357,18 @@ def test_a_failing_or_mismatched_worker_stops_the_run_with_a_message(tmp_path) -
         run_study(kv, items, out, jobs=2, progress=False)
 
 
+def test_a_record_whose_answer_holds_a_unicode_line_separator_is_read_back(tmp_path) -> None:
+    """JSON lines end at a newline only: an answer holding U+2028 or U+0085 is one record, not two broken ones."""
+    from kvrag.study.runner import _Append, _read_jsonl
+
+    append = _Append(tmp_path / "records.jsonl")
+    append({"key": "a", "text": "one\u2028two\x85three\x1cfour"})
+    append({"key": "b", "text": "next"})
+    append.close()
+    rows = _read_jsonl(tmp_path, "records")
+    assert rows["a"]["text"] == "one\u2028two\x85three\x1cfour" and rows["b"]["text"] == "next"
+
+
 def test_a_record_after_a_line_cut_short_is_read_back(tmp_path) -> None:
     """A killed writer leaves half a line; the next run's records still start on lines of their own."""
     kv = KVModel(tiny_model("llama"), byte_tokenizer())
@@ -377,7 +389,7 @@ def test_a_rerun_with_every_row_cached_runs_no_forward_even_without_references(t
     config = StudyConfig(strategies=("full_prefill", "reuse", "target_recompute"), budgets=(0.1,))
     cache = tmp_path / "cache"
     first = StudyRunner(kv, HashEmbedder(), config, cache).run(items)
-    lines = (cache / "records.jsonl").read_text().splitlines()
+    lines = (cache / "records.jsonl").read_text().split("\n")[:-1]
     (cache / "records.jsonl").write_text("\n".join(lines[:-2]) + "\n")  # the last item lost two rows
     for path in cache.glob("references*.jsonl"):
         path.unlink()

@@ -24,7 +24,6 @@ from kvrag.errors import EmptyInputError, InvalidRequestError, KVRAGError
 from kvrag.pickers import get_picker
 from kvrag.strategies import get_strategy
 from kvrag.study.metrics import mcnemar, normalize, token_f1, wilson
-from kvrag.study.runner import BUDGET_FREE
 
 DEFAULT_CANDIDATES = (
     "reuse",
@@ -51,7 +50,7 @@ class Candidate:
     @property
     def label(self) -> str:
         picker = f" ({self.picker})" if self.picker else ""
-        budget = "" if self.strategy in BUDGET_FREE else f" @ {self.budget:g}"
+        budget = f" @ {self.budget:g}" if get_strategy(self.strategy).budgeted else ""
         return f"{self.strategy}{picker}{budget}"
 
 
@@ -68,7 +67,7 @@ def candidates(specs: Sequence[str], budgets: Sequence[float]) -> list[Candidate
         chosen = picker or (strategy.picker if strategy.needs_target else None) or None
         if strategy.needs_target and chosen is None:
             chosen = "retriever"
-        for budget in budgets[:1] if name in BUDGET_FREE else budgets:
+        for budget in budgets if strategy.budgeted else budgets[:1]:
             if not 0 < float(budget) <= 1:
                 raise InvalidRequestError(f"budget must be a fraction of context tokens in (0, 1], got {budget!r}")
             candidate = Candidate(name, chosen, float(budget))

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from kvrag.study.metrics import bootstrap_diff, mcnemar, token_f1, wilson
-from kvrag.study.runner import BUDGET_FREE, Row, StudyConfig
+from kvrag.strategies import get_strategy
+from kvrag.study.runner import Row, StudyConfig
 
 SCHEMA = "kvrag-study/1"
 BASELINE = "target_recompute"
@@ -33,7 +34,7 @@ def _agreement_f1(record: dict[str, Any]) -> float | None:
 
 def _row_records(records: list[dict[str, Any]], row: Row) -> dict[str, dict[str, Any]]:
     """item id -> the record of this row (a budget-free strategy's one record serves every budget)."""
-    budget_free = row.strategy in BUDGET_FREE
+    budget_free = not get_strategy(row.strategy).budgeted
     return {
         r["item"]: r
         for r in records
@@ -75,7 +76,7 @@ def summarize_group(records: list[dict[str, Any]], rows: Sequence[Row]) -> dict[
             "strategy": row.strategy,
             "picker": row.picker,
             "budget": row.budget,
-            "budget_free": row.strategy in BUDGET_FREE,
+            "budget_free": not get_strategy(row.strategy).budgeted,
             "lead": row.lead,
             "n": len(mine),
             "accuracy": right / len(mine),
@@ -153,7 +154,7 @@ def report_rows(config: StudyConfig) -> list[Row]:
     """The rows of the tables: every run row, budget-free ones repeated at every budget."""
     rows: list[Row] = []
     for row in config.rows():
-        budgets = config.budgets if row.strategy in BUDGET_FREE else [row.budget]
+        budgets = [row.budget] if get_strategy(row.strategy).budgeted else config.budgets
         rows += [Row(row.strategy, row.picker, float(b), row.lead) for b in budgets]
     return rows
 

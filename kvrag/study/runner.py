@@ -53,25 +53,6 @@ DEFAULT_STRATEGIES = (
     "attention_select",
 )
 DEFAULT_PICKERS = ("retriever",)
-# Strategies whose plan does not depend on the budget when run non-strict (a target is recomputed whole):
-# run once an item and reported at every budget.
-BUDGET_FREE = frozenset(
-    {
-        "full_prefill",
-        "full_prefill_top1",
-        "full_prefill_top3",
-        "reuse",
-        "reorder",
-        "insert_full_kv",
-        "target_recompute",
-        "attention_select",
-        "target_in_place",
-        "target_first",
-        "top2_recompute",
-        "tempered",
-        "target_tempered",
-    }
-)
 RECORDS, REFERENCES = "records", "references"  # cache/records[.PART].jsonl, one file a writing process
 
 
@@ -119,7 +100,7 @@ class StudyConfig:
                 pickers = [strategy.picker]
             elif strategy.needs_target:
                 pickers = list(self.pickers)
-            budgets = self.budgets[:1] if name in BUDGET_FREE else self.budgets
+            budgets = self.budgets if strategy.budgeted else self.budgets[:1]
             lead = encoding == "lead"
             new = [Row(name, p, float(b), lead) for p in pickers for b in budgets]
             rows += [row for row in new if row not in rows]
@@ -166,7 +147,9 @@ def _read_jsonl(folder: Path, name: str) -> dict[str, dict[str, Any]]:
     """key -> row of the append-only cache files `name*.jsonl`; a line cut short by a killed process is ignored."""
     rows: dict[str, dict[str, Any]] = {}
     for path in sorted(folder.glob(f"{name}*.jsonl")):
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        # records end at "\n" only (JSON escapes it in strings); str.splitlines would also cut at U+2028, U+0085
+        # and other separators that a generated answer may hold, and lose that record
+        for line in path.read_text(encoding="utf-8", errors="replace").split("\n"):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
