@@ -93,6 +93,7 @@ STUDY_STRATEGIES = (
     "top2_recompute",
     "tempered",
     "target_tempered",
+    "target_only",
     "full_prefill_top1",
     "full_prefill_top3",
 )
@@ -398,6 +399,17 @@ def _tempered_reuse(request: PlanRequest) -> Plan:
 )
 def _target_tempered(request: PlanRequest) -> Plan:
     return _tempered(_target_recompute(request), len(request.lengths), skip=_target(request))
+
+
+@register_strategy(
+    "target_only",
+    needs_target=True,
+    budgeted=False,
+    description="the picked target alone behind the prefix, its stored KV as is: exactly a full prefill over that "
+    "one chunk, at the cost of the suffix",
+)
+def _target_only(request: PlanRequest) -> Plan:
+    return Plan(order=[_target(request)])  # a lone chunk's KV, encoded behind the prefix, is its full-prefill KV
 
 
 def _top_k_full_prefill(request: PlanRequest, k: int) -> Plan:

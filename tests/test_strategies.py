@@ -43,7 +43,7 @@ def test_every_study_strategy_is_registered_and_runs(kv, enc):
     assert set(STUDY) <= set(STRATEGIES)
     for name in STUDY:
         a = kv.answer(Q, enc, strategy=name, target=4, budget=0.2, max_new_tokens=2)
-        kept = {"full_prefill_top1": 1, "full_prefill_top3": 3}.get(name, 5)  # the baselines drop chunks
+        kept = {"full_prefill_top1": 1, "full_prefill_top3": 3, "target_only": 1}.get(name, 5)  # they drop chunks
         assert a.stats.strategy == name and len(set(a.stats.order)) == len(a.stats.order) == kept
 
 
@@ -499,3 +499,14 @@ def test_a_lead_is_encoded_before_every_chunk_and_never_enters_the_prompt(kv):
         kv.prefill(Q, chunks)
     assert led.answer(Q, chunks, target=4, max_new_tokens=2).stats.recomputed_tokens == len(chunks[4])
     assert led.prefill(Q, chunks, picker="likelihood").decision.target in range(5)
+
+
+def test_target_only_is_exactly_full_prefill_over_that_chunk_at_the_cost_of_the_suffix(kv, enc):
+    scores = [0.1, 0.7, 0.2, 0.9, 0.3]
+    only = kv.prefill(Q, enc, strategy="target_only", scores=scores)
+    top1 = kv.prefill(Q, enc, strategy="full_prefill_top1", scores=scores)
+    assert only.decision.plan.order == top1.decision.plan.order == [3] and only.stitched.recomputed_tokens == 0
+    assert (only.stitched.logits[-1] - top1.stitched.logits[-1]).abs().max() < 1e-4
+    a = kv.answer(Q, enc, strategy="target_only", scores=scores, max_new_tokens=6)
+    b = kv.answer(Q, enc, strategy="full_prefill_top1", scores=scores, max_new_tokens=6)
+    assert a.token_ids == b.token_ids and a.stats.context_tokens == len(enc[3])

@@ -33,6 +33,7 @@ DEFAULT_CANDIDATES = (
     "top2_recompute",
     "target_spread",
     "token_select",
+    "target_only",
     "full_prefill_top3",
 )
 DEFAULT_BUDGETS = (0.05, 0.2)
