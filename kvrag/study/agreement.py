@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 from kvrag.defaults import load_default, save_default
 from kvrag.errors import EmptyInputError, InvalidRequestError, KVRAGError
 from kvrag.pickers import get_picker
+from kvrag.planner import check_request
 from kvrag.strategies import get_strategy
 from kvrag.study.metrics import mcnemar, normalize, token_f1, wilson
 
@@ -56,7 +57,7 @@ class Candidate:
 
 
 def candidates(specs: Sequence[str], budgets: Sequence[float]) -> list[Candidate]:
-    """ "name" or "name:picker" specs, budgeted strategies once per budget, budget-free ones once."""
+    """Candidates of "name" or "name:picker" specs: budgeted strategies once per budget, budget-free ones once."""
     out: list[Candidate] = []
     for spec in specs:
         name, _, picker = spec.partition(":")
@@ -65,13 +66,10 @@ def candidates(specs: Sequence[str], budgets: Sequence[float]) -> list[Candidate
             get_picker(picker)
             if not strategy.needs_target or strategy.picker:
                 raise InvalidRequestError(f"'{spec}': only a strategy that takes any picker can be given one")
-        chosen = picker or (strategy.picker if strategy.needs_target else None) or None
-        if strategy.needs_target and chosen is None:
-            chosen = "retriever"
+        chosen = (picker or strategy.picker or "retriever") if strategy.needs_target else None
         for budget in budgets if strategy.budgeted else budgets[:1]:
-            if not 0 < float(budget) <= 1:
-                raise InvalidRequestError(f"budget must be a fraction of context tokens in (0, 1], got {budget!r}")
-            candidate = Candidate(name, chosen, float(budget))
+            _, _, budget = check_request(1, target=None, scores=None, budget=budget)
+            candidate = Candidate(name, chosen, budget)
             if candidate not in out:
                 out.append(candidate)
     return out
@@ -299,19 +297,20 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results["rows"]:
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    markers = "osD^v<>pPX*h"
+    for i, r in enumerate(results["rows"]):
         lo, hi = r["agreement_ci"]
         y = 100 * r["agreement"]
-        ax.errorbar(r["ttft_s"], y, yerr=[[max(0.0, y - 100 * lo)], [max(0.0, 100 * hi - y)]], fmt="o", capsize=3)
-        ax.annotate(r["label"], (r["ttft_s"], y), fontsize=7, xytext=(4, 2), textcoords="offset points")
+        yerr = [[max(0.0, y - 100 * lo)], [max(0.0, 100 * hi - y)]]  # never negative at 0% or 100%
+        ax.errorbar(r["ttft_s"], y, yerr=yerr, fmt=markers[i % len(markers)], capsize=3, label=r["label"])
     if results["rows"]:
         ax.axvline(results["rows"][0]["full_prefill_ttft_s"], color="grey", linestyle=":", label="full prefill")
     ax.axhline(100 * results["floor"], color="red", linestyle="--", label="floor")
     ax.set_xlabel("median time to first token, s")
     ax.set_ylabel("agreement with full prefill, %")
     ax.set_ylim(0, 105)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
