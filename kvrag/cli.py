@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
         "one per core is fastest)",
     )
     study.add_argument("--quiet", action="store_true", help="no progress bar")
+    study.add_argument(
+        "--report-only",
+        action="store_true",
+        help="compute nothing: write the results of the items whose every row is already in --out's cache",
+    )
     _model_args(study)
 
     info = sub.add_parser("info", help="counts, bytes and the model fingerprint of an index folder")
@@ -402,6 +407,7 @@ def _study(args: argparse.Namespace) -> None:
         jobs=args.jobs,
         worker_model=load,
         part=f"shard{index}of{count}" if args.shard else "",
+        report_only=args.report_only,
     )
 
 

@@ -405,6 +405,17 @@ def test_a_rerun_with_every_row_cached_runs_no_forward_even_without_references(t
     finally:
         hook.remove()
     assert StudyRunner(kv, HashEmbedder(), config, cache).done(items[5])
+    more = StudyConfig(strategies=(*config.strategies, "target_only"), budgets=(0.1,))
+    hook = kv.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        calls.clear()
+        results = run_study(kv, items, tmp_path, config=config, embedder=HashEmbedder(), report_only=True)
+        assert calls == [] and results["data"]["items"] == 6 and results["data"]["skipped"] == []
+        partial = run_study(kv, items, tmp_path, config=more, embedder=HashEmbedder(), report_only=True)
+        assert calls == [] and partial["data"]["items"] == 0  # no item has the new row yet
+        assert partial["data"]["skipped"][0] == f"item {items[0].id}: not every row is in the cache"
+    finally:
+        hook.remove()
 
 
 def test_agreement_with_full_prefill_is_measured_without_gold_and_full_prefill_agrees_with_itself(tmp_path) -> None:

@@ -68,6 +68,7 @@ def run_study(
     jobs: int = 1,
     worker_model: dict[str, Any] | None = None,
     part: str = "",
+    report_only: bool = False,
 ) -> dict[str, Any]:
     """Run the study over `items` with model `kv` and write every output file in `out`; return the results.
 
@@ -81,6 +82,8 @@ def run_study(
         worker_model: how a worker loads the model (required when jobs > 1).
         part: names this process's cache files (`records.PART.jsonl`), for several processes on one `out`;
             workers add `jobIofN`.
+        report_only: compute nothing: report the items whose every row is in the cache (a run still going, or
+            stopped, in other processes).
     """
     import torch
     from tqdm.auto import tqdm
@@ -110,7 +113,11 @@ def run_study(
         bar.update(1)
 
     try:
-        if jobs > 1:
+        if report_only:  # what the cache holds: an item missing a row is left out and listed
+            records = runner.cached([item for item in items if runner.done(item)])
+            skipped += [f"item {item.id}: not every row is in the cache" for item in items if not runner.done(item)]
+            bar.update(len(items))
+        elif jobs > 1:
             todo = [item for item in items if not runner.done(item)]
             bar.update(len(items) - len(todo))
             if todo:

@@ -286,6 +286,8 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
         if g["family"] != "all" and (g["family"] not in by_family or g["variant"] == "all"):
             by_family[g["family"]] = g
     groups = list(by_family.values()) or results["groups"]
+    if not groups:  # no item finished (a report of a cache that holds none): nothing to draw
+        return []
     budgets = sorted({r["budget"] for g in groups for r in g["rows"]})
     main = 0.05 if 0.05 in budgets else budgets[0] if budgets else 0.05
     paths = [
