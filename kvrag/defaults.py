@@ -1,6 +1,9 @@
-"""The default a query runs with when it names no strategy: `kvrag tune`'s choice, kept beside the index manifest.
+"""The default a query runs with when it names no strategy.
 
-This module reads and writes that one small JSON file; measuring and choosing live in kvrag.study.agreement.
+First `kvrag tune`'s choice, kept beside the index manifest; else the default shipped for the model: on the
+embedded SmolLM2-135M the strategy that won the built-in study (docs/study.md), on any other model the
+study's recipe, target_recompute. This module reads and writes the one small JSON file and knows the shipped
+defaults; measuring and choosing live in kvrag.study.agreement.
 """
 
 from __future__ import annotations
@@ -11,10 +14,23 @@ from typing import Any
 
 from kvrag.errors import IndexLoadError, KVRAGError
 from kvrag.index import write_atomic
+from kvrag.model import EMBEDDED_WEIGHTS
 from kvrag.pickers import get_picker
 from kvrag.strategies import get_strategy
 
 TUNED = "kvrag-tuned.json"  # the chosen default, beside the index manifest
+# The study's recipe: move the picked target next to the question and recompute it.
+RECIPE: dict[str, Any] = {"strategy": "target_recompute", "picker": None, "budget": 0.05}
+# The embedded model's default, from the built-in study on it (120 items, docs/study.md): the retriever's top
+# chunk alone kept 68.8% of full prefill's context-dependent answers against target_recompute's 45.8%
+# (McNemar p = 0.013), at the cost of the question. Its questions each need one chunk: run `kvrag tune` on
+# questions that need several.
+EMBEDDED: dict[str, Any] = {"strategy": "target_only", "picker": None, "budget": 0.05}
+
+
+def shipped_default(weights: str) -> dict[str, Any]:
+    """The default strategy, picker and budget kvrag ships for a model, by its weights id."""
+    return dict(EMBEDDED if weights == EMBEDDED_WEIGHTS else RECIPE)
 
 
 def save_default(folder: str | Path, choice: dict[str, Any]) -> Path:

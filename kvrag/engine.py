@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Se
 
 from kvrag.documents import Item, split_text, to_documents
 from kvrag.embed import Embedder
-from kvrag.defaults import load_default
+from kvrag.defaults import load_default, shipped_default
 from kvrag.encode import encode_chunks
 from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError, StoreError
 from kvrag.index import ChunkIndex, ChunkRecord, Filters, write_atomic
@@ -118,7 +118,7 @@ class KVRAG:
         self.model_source = model_source
         self._generation = generation  # the committed index generation this engine's index reflects
         # the strategy, picker and budget a query runs with when it names no strategy: `kvrag tune`'s choice
-        # saved with the index, else target_recompute at 0.05
+        # saved with the index, else the model's shipped default (kvrag.defaults)
         self.defaults: dict[str, Any] | None = None
         if self.path is not None:
             self.defaults = load_default(self.path)
@@ -538,7 +538,8 @@ class KVRAG:
     ) -> Iterator[str | Answer]:
         """Retrieve, then yield the answer's text pieces as decoded, then the final Answer (with sources).
 
-        With no `strategy`, the index's tuned default runs (`kvrag tune`), else target_recompute; a `budget` or
+        With no `strategy`, the index's tuned default runs (`kvrag tune`), else the model's shipped default
+        (`kvrag.defaults`: target_only on the embedded model, target_recompute on others); a `budget` or
         `picker` left out comes with that default.
         """
         t0 = time.perf_counter()
@@ -558,7 +559,7 @@ class KVRAG:
 
     def _answer(self, question: str, sources: list[Source], t0: float, **kwargs: Any) -> Iterator[str | Answer]:
         if kwargs.get("strategy") is None:
-            default = self.defaults or {"strategy": "target_recompute", "picker": None, "budget": 0.05}
+            default = self.defaults or shipped_default(self.kv.fingerprint.weights)
             kwargs["strategy"] = default["strategy"]
             if kwargs.get("picker") is None:
                 kwargs["picker"] = default["picker"]

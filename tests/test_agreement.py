@@ -132,3 +132,20 @@ def test_candidates_and_questions_are_checked(tmp_path):
     empty.write_text("# nothing\n\n")
     with pytest.raises(Exception, match="holds no question"):
         read_questions(empty)
+
+
+def test_the_shipped_default_is_the_recipe_except_on_the_embedded_model():
+    from kvrag.defaults import EMBEDDED, RECIPE, shipped_default
+    from kvrag.model import EMBEDDED_WEIGHTS
+
+    assert shipped_default(EMBEDDED_WEIGHTS) == EMBEDDED and EMBEDDED["strategy"] == "target_only"
+    assert shipped_default("sha256:other") == RECIPE and RECIPE["strategy"] == "target_recompute"
+
+
+def test_an_index_without_a_tuned_default_runs_the_models_shipped_default(index):
+    folder, _ = index
+    rag = KVRAG.load(folder)
+    assert rag.defaults is None  # a tiny model: the recipe
+    answer = rag.query(QUESTIONS[0], max_new_tokens=1, top_k=3)
+    assert answer.stats.strategy == "target_recompute" and answer.stats.budget == 0.05
+    assert rag.kv.answer(QUESTIONS[0], ["a text", "another"], max_new_tokens=1).stats.strategy == "target_recompute"

@@ -135,8 +135,11 @@ def test_demo_runs_and_retrieves_the_targets(kv, capsys):
     records = run_demo(kv, questions=3, max_new_tokens=32)
     out = capsys.readouterr().out
     print(out)
-    assert len(records) == 9 and out.count("retriever's top chunk") == 3
+    assert len(records) == 12 and out.count("retriever's top chunk") == 3
     assert out.count("holds the answer: True") == 3
+    shipped = [r for r in records if r["strategy"] == "target_only"]  # the embedded model's default
+    assert len(shipped) == 3 and all(r["order"] == [0] and r["recomputed_tokens"] == 0 for r in shipped)
+    assert out.count("target_only (default)") == 3
     tr = [r for r in records if r["strategy"] == "target_recompute"]
     assert all(r["recomputed_tokens"] > 0 and r["order"][-1] == r["target"] == 0 for r in tr)
     assert all(r["store_hits"] == 6 and r["chunks_encoded"] == 0 for r in records)
