@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Se
 
 from kvrag.documents import Item, split_text, to_documents
 from kvrag.embed import Embedder
-from kvrag.defaults import load_default, shipped_default
+from kvrag.defaults import load_default
 from kvrag.encode import encode_chunks
 from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError, StoreError
 from kvrag.index import ChunkIndex, ChunkRecord, Filters, write_atomic
@@ -558,15 +558,12 @@ class KVRAG:
         )
 
     def _answer(self, question: str, sources: list[Source], t0: float, **kwargs: Any) -> Iterator[str | Answer]:
-        if kwargs.get("strategy") is None:
-            default = self.defaults or shipped_default(self.kv.fingerprint.weights)
-            kwargs["strategy"] = default["strategy"]
+        if kwargs.get("strategy") is None and self.defaults:  # else KVModel runs the model's shipped default
+            kwargs["strategy"] = self.defaults["strategy"]
             if kwargs.get("picker") is None:
-                kwargs["picker"] = default["picker"]
+                kwargs["picker"] = self.defaults["picker"]
             if kwargs.get("budget") is None:
-                kwargs["budget"] = default["budget"]
-        if kwargs.get("budget") is None:
-            kwargs["budget"] = 0.05
+                kwargs["budget"] = self.defaults["budget"]
         with self._lock, phase(kwargs.get("phases"), "store load"):  # the lock is never held across a yield
             kvs, hits, encoded = self._chunk_kv(sources)
         retrieve_s = time.perf_counter() - t0
