@@ -20,7 +20,12 @@ from kvrag.errors import (
     UnsupportedModelError,
 )
 from kvrag.kv import ChunkKV, chunk_key
-from kvrag.kvmodel import Answer, AnswerStats, KVModel, Prefilled, Source
+from kvrag.answer import Answer, AnswerStats, Source
+from kvrag.chunks import Chunks, ChunkSource
+from kvrag.executor import Executor, HFExecutor, Job
+from kvrag.kvmodel import KVModel
+from kvrag.pipeline import Prefilled
+from kvrag.request import Request
 from kvrag.layout import PromptLayout
 from kvrag.model import SUPPORTED_MODEL_TYPES, ModelFingerprint, check_architecture
 from kvrag.pickers import PICKERS
@@ -37,14 +42,19 @@ __all__ = [
     "check_architecture",
     "chunk_key",
     "ChunkKV",
+    "Chunks",
+    "ChunkSource",
     "ContextOverflowError",
     "Decision",
     "DiskStore",
     "Document",
     "DocumentError",
     "EmptyInputError",
+    "Executor",
+    "HFExecutor",
     "IndexLoadError",
     "IngestStats",
+    "Job",
     "InvalidRequestError",
     "KVModel",
     "KVRAG",
@@ -63,6 +73,7 @@ __all__ = [
     "RedisStore",
     "register_loader",
     "register_strategy",
+    "Request",
     "Source",
     "StoreError",
     "STRATEGIES",

@@ -7,12 +7,13 @@ question behind every chunk in one pass. This module never plans or stitches.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Collection, Sequence
 
 import torch
 
 from kvrag.kv import ChunkKV
-from kvrag.recompute import Stitched, StitchedCache
+from kvrag.recompute import Prefill, StitchedCache
 
 
 def crop(cache: Any, n: int) -> None:
@@ -65,7 +66,7 @@ class PaddedBatch:
         self.last_logits = last_logits
 
     @classmethod
-    def of_prefills(cls, model: torch.nn.Module, prefills: Sequence[Stitched], room: int) -> PaddedBatch:
+    def of_prefills(cls, model: torch.nn.Module, prefills: Sequence[Prefill], room: int) -> PaddedBatch:
         """Prefills whose caches hold their prompt in logical order (a full prefill), one row each."""
         rows = []
         for prefill in prefills:
@@ -127,3 +128,45 @@ class PaddedBatch:
     def reset(self) -> None:
         """Drop every token appended after the rows."""
         crop(self.cache, self.width)
+
+    def greedy(self, max_new_tokens: int, stop_ids: Collection[int], lock: Any = None) -> list[list[int]]:
+        """Each row's greedy tokens up to and including its first stop id, at most `max_new_tokens`.
+
+        The streaming decoder (`kvrag.generate.decode`) serves one answer with sampling and stop strings;
+        this loop serves many greedy rows at once (the study's references and strategies), dropping the
+        rows that finished. The batch is reset afterwards.
+        """
+        logits = self.last_logits
+        tokens: list[list[int]] = [[] for _ in range(self.size)]
+        done = [False] * self.size
+        active, live = self, list(range(self.size))  # the rows still decoding, and the row of each in `self`
+        for step in range(max_new_tokens):
+            picks = logits.argmax(-1)
+            for b, token in zip(live, picks.tolist()):
+                if not done[b]:
+                    tokens[b].append(token)
+                    done[b] = token in stop_ids
+            if all(done) or step + 1 == max_new_tokens:
+                break
+            going = [i for i, b in enumerate(live) if not done[b]]
+            # A step reads every row's KV: once the finished rows would cost more over the steps left than
+            # copying the others out (about two steps' reading of each), go on with a copy of the rest.
+            if (len(live) - len(going)) * (max_new_tokens - step - 1) > 2 * len(going):
+                active, live, picks = active.subset(going, step), [live[i] for i in going], picks[going]
+            with lock or contextlib.nullcontext():
+                logits = active.forward(picks.view(-1, 1), step)[:, -1]
+        self.reset()
+        return tokens
+
+    def teacher_forced(self, sequences: Sequence[list[int]], lock: Any = None) -> list[torch.Tensor]:
+        """Teacher forcing, all rows in one forward: per row, [1 + len(sequence), V] logits (the prefill's last
+        row, then one row per forced token). The batch is reset afterwards."""
+        width = max(map(len, sequences))
+        rows = [self.last_logits[b : b + 1] for b in range(self.size)]
+        if not width:
+            return rows
+        padded = [s + [s[-1] if s else 0] * (width - len(s)) for s in sequences]  # after each row's end: unread
+        with lock or contextlib.nullcontext():
+            logits = self.forward(torch.tensor(padded, device=self.device), 0)
+        self.reset()
+        return [torch.cat([rows[b], logits[b, : len(s)]]) for b, s in enumerate(sequences)]

@@ -29,7 +29,7 @@ from kvrag.engine import KVRAG
 from kvrag.kvmodel import KVModel
 from kvrag.recompute import causal_mask, stitch_cache, stitch_layout
 from kvrag.store import DiskStore, MemoryStore, TieredStore
-from kvrag.strategies import STUDY_STRATEGIES
+from kvrag.strategies import BUILTIN_STRATEGIES
 from kvrag.timing import Phases
 
 DEFAULT_CONTEXTS = (1000, 2000, 4000, 8000)
@@ -82,7 +82,7 @@ class _Context:
         self.suffix = kv.layout.suffix_ids(question)
         self.device = kv.prefix.keys.device
         rag.store_kv(texts)  # encoded and stored once; not timed
-        self.chunks = [rag.store.get(kv.chunk_key(ids)) for ids in self.ids]
+        self.chunks = [rag.store.get(rag.source.key(ids)) for ids in self.ids]  # the engine's own keys
 
     @property
     def context_tokens(self) -> int:
@@ -162,7 +162,7 @@ def ttft_benchmark(
     *,
     contexts: Sequence[int] = DEFAULT_CONTEXTS,
     chunk_tokens: int = 200,
-    strategies: Sequence[str] = STUDY_STRATEGIES,
+    strategies: Sequence[str] = BUILTIN_STRATEGIES,
     runs: int = 5,
     log: Callable[[str], None] = print,
     on_row: Callable[[list[dict[str, Any]]], None] | None = None,
@@ -199,17 +199,7 @@ def ttft_benchmark(
                 phases[name].append(spent)
             for name, run in references.items():
                 times[name].append(run())
-        row: dict[str, Any] = {
-            "context_tokens": ctx.context_tokens,
-            "chunks": len(ctx.texts),
-            "target_tokens": len(ctx.ids[0]),
-            "suffix_tokens": len(ctx.suffix),
-            "prompt_tokens": len(kv.prefix) + ctx.context_tokens + len(ctx.suffix),
-            "ttft_s": {name: statistics.median(t) for name, t in times.items()},
-            "runs_s": times,
-            "phases_s": {name: _median_phases(p, times[name]) for name, p in phases.items()},
-            "peak_memory": _peak_memory(device),
-        }
+        row = _row(ctx, times, phases, device)
         rows.append(row)
         if on_row is not None:
             on_row(rows)  # a long run keeps what it measured so far
@@ -219,6 +209,22 @@ def ttft_benchmark(
             + ", ".join(f"{name} {t[name]:.3f} s" for name in [*strategies, *references])
         )
     return rows
+
+
+def _row(ctx: _Context, times: dict[str, list[float]], phases: dict[str, list[dict[str, float]]], device: Any) -> dict:
+    """One context size's figures: medians of every strategy and reference, their phases, peak memory."""
+    kv = ctx.kv
+    return {
+        "context_tokens": ctx.context_tokens,
+        "chunks": len(ctx.texts),
+        "target_tokens": len(ctx.ids[0]),
+        "suffix_tokens": len(ctx.suffix),
+        "prompt_tokens": len(kv.prefix) + ctx.context_tokens + len(ctx.suffix),
+        "ttft_s": {name: statistics.median(t) for name, t in times.items()},
+        "runs_s": times,
+        "phases_s": {name: _median_phases(p, times[name]) for name, p in phases.items()},
+        "peak_memory": _peak_memory(device),
+    }
 
 
 def _median_phases(runs: list[dict[str, float]], ttfts: list[float]) -> dict[str, float]:

@@ -32,7 +32,7 @@ from kvrag.embed import Embedder
 from kvrag.engine import KVRAG
 from kvrag.kvmodel import KVModel
 from kvrag.store import MemoryStore
-from kvrag.strategies import STUDY_STRATEGIES
+from kvrag.strategies import BUILTIN_STRATEGIES
 
 FILES = ("bench.json", "bench.md", "ttft.png")
 BREAKDOWN = ("reuse", "target_recompute")
@@ -44,7 +44,7 @@ def run_bench(
     *,
     contexts: Sequence[int] = DEFAULT_CONTEXTS,
     chunk_tokens: int = 200,
-    strategies: Sequence[str] = STUDY_STRATEGIES,
+    strategies: Sequence[str] = BUILTIN_STRATEGIES,
     runs: int = 5,
     quick: bool = False,
     command: str = "",
@@ -58,16 +58,7 @@ def run_bench(
     rag = KVRAG(kv, embedder=embedder, store=MemoryStore(8 << 30))
     result: dict[str, Any] = {
         "command": command,
-        "machine": {
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "threads": torch.get_num_threads(),
-            "device": str(kv.prefix.keys.device),
-            "torch": torch.__version__,
-            "model": kv.fingerprint.architecture,
-            "weights": kv.fingerprint.weights,
-            "dtype": str(kv.prefix.keys.dtype).removeprefix("torch."),
-        },
+        "machine": _machine(kv),
         "budget": 0.05,
         "runs": runs,
         "chunk_tokens": chunk_tokens,
@@ -106,13 +97,26 @@ def run_bench(
     return result
 
 
+def _machine(kv: KVModel) -> dict[str, Any]:
+    """What the figures were measured on."""
+    return {
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "device": str(kv.prefix.keys.device),
+        "torch": torch.__version__,
+        "model": kv.fingerprint.architecture,
+        "weights": kv.fingerprint.weights,
+        "dtype": str(kv.prefix.keys.dtype).removeprefix("torch."),
+    }
+
+
 def _references(row: dict[str, Any]) -> list[str]:
     return [n for n in (TRANSFORMERS, LOWER_BOUND, LOWER_BOUND_SUFFIX) if n in row["ttft_s"]]
 
 
 def markdown(result: dict[str, Any]) -> str:
     """The tables of one run."""
-    rows = result["ttft"]
     m = result["machine"]
     lines = [
         (
@@ -120,13 +124,23 @@ def markdown(result: dict[str, Any]) -> str:
             f"chunks of ~{result['chunk_tokens']} tokens, the first chunk as the target; median of {result['runs']} runs."
         ),
         "",
+    ]
+    lines += _ttft_tables(result)
+    lines += _phase_table(result)
+    lines += _storage_tables(result)
+    return "\n".join(lines) + "\n"
+
+
+def _ttft_tables(result: dict[str, Any]) -> list[str]:
+    """Time to first token of every strategy and reference, and the ratios to the floors and references."""
+    rows = result["ttft"]
+    lines = [
         "### Time to first token (s)",
         "",
         "| | " + " | ".join(f"{r['context_tokens']:,} tokens" for r in rows) + " |",
         "|---|" + "---|" * len(rows),
     ]
-    names = [*result["strategies"], *_references(rows[0])]
-    for name in names:
+    for name in [*result["strategies"], *_references(rows[0])]:
         lines.append(f"| {name} | " + " | ".join(f"{r['ttft_s'][name]:.3f}" for r in rows) + " |")
     lines += ["", "### Ratios", "", "| | " + " | ".join(f"{r['context_tokens']:,}" for r in rows) + " |"]
     lines.append("|---|" + "---|" * len(rows))
@@ -144,13 +158,18 @@ def markdown(result: dict[str, Any]) -> str:
                     + " | ".join(f"{r['ttft_s'][full] / r['ttft_s'][name]:.1f}" for r in rows)
                     + " |"
                 )
-    lines += ["", "### Where the time to first token goes (s, median of each phase)", ""]
+    return lines
+
+
+def _phase_table(result: dict[str, Any]) -> list[str]:
+    """Where the time to first token goes, phase by phase."""
+    lines = ["", "### Where the time to first token goes (s, median of each phase)", ""]
     lines.append("| strategy | context | " + " | ".join(PHASES) + " | other | ttft | not forward |")
     lines.append("|---|---|" + "---|" * (len(PHASES) + 3))
     for name in BREAKDOWN:
         if name not in result["strategies"]:
             continue
-        for r in rows:
+        for r in result["ttft"]:
             p, ttft = r["phases_s"][name], r["ttft_s"][name]
             rest = max(0.0, ttft - p["forward"])
             lines.append(
@@ -158,8 +177,13 @@ def markdown(result: dict[str, Any]) -> str:
                 + " | ".join(f"{p[k]:.3f}" for k in (*PHASES, "other"))
                 + f" | {ttft:.3f} | {100 * rest / ttft:.0f}% |"
             )
+    return lines
+
+
+def _storage_tables(result: dict[str, Any]) -> list[str]:
+    """Ingest throughput, store reads, bytes a token, int8 error and peak memory."""
     ing = result["ingest"]
-    lines += [
+    lines = [
         "",
         f"### Ingest ({ing['chunks']} chunks, {ing['tokens']} tokens, median of {ing['runs']})",
         "",
@@ -185,13 +209,14 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     for name, k in i8["first_token_kl"].items():
         lines.append(f"| {name} | {k['mean']:.5f} | {k['median']:.5f} | {k['max']:.5f} |")
+    rows = result["ttft"]
     lines += ["", "### Peak memory (high-water mark after each size)", ""]
     keys = list(rows[0]["peak_memory"])
     lines.append("| context | " + " | ".join(keys) + " |")
     lines.append("|---|" + "---|" * len(keys))
     for r in rows:
         lines.append(f"| {r['context_tokens']:,} | " + " | ".join(f"{r['peak_memory'][k]:.0f}" for k in keys) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

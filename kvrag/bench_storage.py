@@ -183,7 +183,7 @@ def int8_error(
         stored = {d: [_roundtrip(kv, c, d) for c in chunks] for d in ("float16", "int8")}
         for strategy in strategies:
             logits = {
-                d: kv.prefill(question, stored[d], strategy=strategy, target=target).stitched.logits[-1] for d in stored
+                d: kv.prefill(question, stored[d], strategy=strategy, target=target).prefill.logits[-1] for d in stored
             }
             kls[strategy].append(_kl(logits["float16"], logits["int8"]))
     return {

@@ -24,19 +24,26 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvrag.study.agreement import DEFAULT_BUDGETS, DEFAULT_CANDIDATES, DEFAULT_FLOOR
-
     parser = argparse.ArgumentParser(
         prog="kvrag", description="Reuse attention (KV) state in retrieval-augmented generation."
     )
     parser.add_argument("--version", action="version", version=f"kvrag {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_demo, _add_ingest, _add_ask, _add_agree_and_tune, _add_bench, _add_study, _add_info):
+        add(sub)
+    return parser
 
+
+def _add_demo(sub: Any) -> None:
+    """`kvrag demo`."""
     demo = sub.add_parser("demo", help="retrieve and answer over a bundled excerpt of the Python docs, offline")
     _model_args(demo)
     demo.add_argument("--questions", type=int, default=3, help="how many bundled questions to ask (default 3)")
     demo.add_argument("--max-new-tokens", type=int, default=48)
 
+
+def _add_ingest(sub: Any) -> None:
+    """`kvrag ingest`."""
     ingest = sub.add_parser("ingest", help="split, embed and encode documents into an index folder")
     ingest.add_argument("paths", nargs="+", type=Path, help=".txt, .md or .rst files, or folders of them")
     ingest.add_argument("--index", required=True, type=Path, help="the index folder (created if missing)")
@@ -50,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _model_args(ingest)
 
+
+def _add_ask(sub: Any) -> None:
+    """`kvrag ask`."""
     ask = sub.add_parser("ask", help="answer a question from an index folder")
     ask.add_argument("question")
     ask.add_argument("--index", required=True, type=Path)
@@ -59,13 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--picker", default=None, help="retriever, attention, likelihood, lexical, fused or oracle")
     ask.add_argument("--budget", type=float, default=None, help="default: the tuned default's, else 0.05")
     ask.add_argument("--top-k", type=int, default=5)
-    ask.add_argument("--hybrid", action="store_true", help="fuse dense and BM25 rankings")
+    ask.add_argument("--bm25", "--hybrid", dest="bm25", action="store_true", help="fuse dense and BM25 rankings")
     ask.add_argument("--max-new-tokens", type=int, default=256)
     ask.add_argument("--stream", action="store_true", help="print the answer as it is decoded")
     ask.add_argument("--json", action="store_true", help="print one JSON object: text, finish_reason, sources, stats")
     ask.add_argument("--redis", default=None, metavar="URL", help="read chunk KV from Redis (as given to ingest)")
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--threads", type=int, default=None)
+
+
+def _add_agree_and_tune(sub: Any) -> None:
+    """`kvrag agree` and `kvrag tune` (the same options)."""
+    from kvrag.study.agreement import DEFAULT_BUDGETS, DEFAULT_CANDIDATES, DEFAULT_FLOOR
 
     for name, what in (
         ("agree", "how often each strategy's answer is full prefill's, on an index and a file of your questions"),
@@ -95,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
         tune.add_argument("--threads", type=int, default=None)
         tune.add_argument("--quiet", action="store_true", help="no progress bar")
 
+
+def _add_bench(sub: Any) -> None:
+    """`kvrag bench-ingest` and `kvrag bench`."""
     bench = sub.add_parser("bench-ingest", help="ingest throughput beside the model's raw batched forward")
     _model_args(bench)
     bench.add_argument("--copies", type=int, default=3, help="copies of the bundled docs to ingest (default 3)")
@@ -112,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print bench.json instead of the markdown tables")
     bench.add_argument("--quick", action="store_true", help="tiny contexts, one run: checks that everything runs")
 
+
+def _add_study(sub: Any) -> None:
+    """`kvrag study`."""
     study = sub.add_parser(
         "study", help="run every repair strategy over study data; write results.json, table.md and plots"
     )
@@ -163,11 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _model_args(study)
 
+
+def _add_info(sub: Any) -> None:
+    """`kvrag info`."""
     info = sub.add_parser("info", help="counts, bytes and the model fingerprint of an index folder")
     info.add_argument("--index", required=True, type=Path)
     info.add_argument("--device", default="cpu")
     info.add_argument("--threads", type=int, default=None)
-    return parser
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -179,79 +202,83 @@ def _run(args: argparse.Namespace) -> None:
         if not 1 <= args.threads <= 1024:
             raise InvalidRequestError(f"--threads must be in 1..1024, got {args.threads}")
         torch.set_num_threads(args.threads)
-    if args.command == "demo":
-        from kvrag.demo import run_demo
+    COMMANDS[args.command](args)
 
-        load = dict(name_or_path=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
-        run_demo(load=load, questions=args.questions, max_new_tokens=args.max_new_tokens)
-        return
 
-    if args.command == "bench-ingest":
-        from kvrag.bench import ingest_benchmark
-        from kvrag.kvmodel import KVModel
+def _demo(args: argparse.Namespace) -> None:
+    from kvrag.demo import run_demo
 
-        kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
-        ingest_benchmark(kv, copies=args.copies, runs=args.runs)
-        return
+    load = dict(name_or_path=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    run_demo(load=load, questions=args.questions, max_new_tokens=args.max_new_tokens)
 
-    if args.command == "study":
-        _study(args)
-        return
 
-    if args.command == "bench":
-        _bench(args)
-        return
+def _bench_ingest(args: argparse.Namespace) -> None:
+    from kvrag.bench import ingest_benchmark
+    from kvrag.kvmodel import KVModel
 
-    from kvrag.engine import KVRAG, MANIFEST
-    from kvrag.errors import IndexLoadError
+    kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    ingest_benchmark(kv, copies=args.copies, runs=args.runs)
+
+
+def _store(args: argparse.Namespace) -> Any:
+    """The KV store the command names (Redis behind memory), or None for the index folder's own."""
     from kvrag.store import MemoryStore, RedisStore, TieredStore
 
     redis_url = getattr(args, "redis", None)
-    store = (
-        TieredStore(MemoryStore(), RedisStore(redis_url, storage_dtype=getattr(args, "storage_dtype", "float16")))
-        if redis_url
-        else None
-    )
+    if not redis_url:
+        return None
+    return TieredStore(MemoryStore(), RedisStore(redis_url, storage_dtype=getattr(args, "storage_dtype", "float16")))
 
-    if args.command == "ingest":
-        fresh = not (args.index / MANIFEST).is_file()
-        rag = KVRAG.from_defaults(
-            args.index,
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            cache_dir=args.cache_dir,
-            chunk_tokens=args.chunk_tokens,
-            overlap=args.overlap,
-            storage_dtype=args.storage_dtype,
-            store=store,
-            namespace=args.namespace,
-            require_store=True,
-        )
-        stats = rag.ingest(list(args.paths), progress=not args.quiet)
-        print(
-            f"{'created' if fresh else 'updated'} {args.index}: {stats.documents} documents, {stats.chunks} chunks "
-            f"({stats.tokens} tokens); KV encoded for {stats.encoded}, already stored for {stats.store_hits}; "
-            f"{stats.seconds:.1f} s"
-        )
-        return
+
+def _open_index(args: argparse.Namespace) -> Any:
+    """The engine over an existing index folder."""
+    from kvrag.engine import KVRAG, MANIFEST
+    from kvrag.errors import IndexLoadError
+
     if not (args.index / MANIFEST).is_file():
         raise IndexLoadError(
             f"no kvrag index at {args.index}: create one with `kvrag ingest PATH --index {args.index}`"
         )
-    rag = KVRAG.load(args.index, device=args.device, store=store, require_store=True)
-    if args.command == "info":
-        print(json.dumps(rag.info(), indent=1))
-        return
-    if args.command in ("agree", "tune"):
-        _tune(args, rag)
-        return
+    return KVRAG.load(args.index, device=args.device, store=_store(args), require_store=True)
+
+
+def _ingest(args: argparse.Namespace) -> None:
+    from kvrag.engine import KVRAG, MANIFEST
+
+    fresh = not (args.index / MANIFEST).is_file()
+    rag = KVRAG.from_defaults(
+        args.index,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        cache_dir=args.cache_dir,
+        chunk_tokens=args.chunk_tokens,
+        overlap=args.overlap,
+        storage_dtype=args.storage_dtype,
+        store=_store(args),
+        namespace=args.namespace,
+        require_store=True,
+    )
+    stats = rag.ingest(list(args.paths), progress=not args.quiet)
+    print(
+        f"{'created' if fresh else 'updated'} {args.index}: {stats.documents} documents, {stats.chunks} chunks "
+        f"({stats.tokens} tokens); KV encoded for {stats.encoded}, already stored for {stats.store_hits}; "
+        f"{stats.seconds:.1f} s"
+    )
+
+
+def _info(args: argparse.Namespace) -> None:
+    print(json.dumps(_open_index(args).info(), indent=1))
+
+
+def _ask(args: argparse.Namespace) -> None:
+    rag = _open_index(args)
     kwargs = dict(
         strategy=args.strategy,
         picker=args.picker,
         budget=args.budget,
         top_k=args.top_k,
-        hybrid=args.hybrid,
+        bm25=args.bm25,
         max_new_tokens=args.max_new_tokens,
     )
     if args.stream and not args.json:
@@ -284,11 +311,11 @@ def _csv(text: str, kind: type, what: str) -> list:
 def _bench(args: argparse.Namespace) -> None:
     from kvrag.bench_report import run_bench
     from kvrag.kvmodel import KVModel
-    from kvrag.strategies import STUDY_STRATEGIES, get_strategy
+    from kvrag.strategies import BUILTIN_STRATEGIES, get_strategy
 
     quick = args.quick
     contexts = _csv(args.contexts or ("150,300" if quick else "1000,2000,4000,8000"), int, "--contexts")
-    strategies = _csv(args.strategies, str, "--strategies") if args.strategies else list(STUDY_STRATEGIES)
+    strategies = _csv(args.strategies, str, "--strategies") if args.strategies else list(BUILTIN_STRATEGIES)
     for name in strategies:
         get_strategy(name)
     chunk_tokens = args.chunk_tokens or (50 if quick else 200)
@@ -318,7 +345,7 @@ def _bench(args: argparse.Namespace) -> None:
         print((args.out / "bench.md").read_text())
 
 
-def _tune(args: argparse.Namespace, rag: Any) -> None:
+def _tune(args: argparse.Namespace) -> None:
     from kvrag.study.agreement import candidates, read_questions, run_tune
 
     configs = candidates(_csv(args.candidates, str, "--candidates"), _csv(args.budgets, float, "--budgets"))
@@ -326,7 +353,7 @@ def _tune(args: argparse.Namespace, rag: Any) -> None:
     if not questions:
         raise InvalidRequestError(f"--limit must be at least 1, got {args.limit}")
     results = run_tune(
-        rag,
+        _open_index(args),
         questions,
         args.out,
         configs=configs,
@@ -350,7 +377,7 @@ def _tune(args: argparse.Namespace, rag: Any) -> None:
 
 def _study(args: argparse.Namespace) -> None:
     from kvrag.kvmodel import KVModel
-    from kvrag.planner import check_request
+    from kvrag.request import check_budget
     from kvrag.study import StudyConfig, load_items, run_study
     from kvrag.study.runner import DEFAULT_STRATEGIES
 
@@ -358,7 +385,7 @@ def _study(args: argparse.Namespace) -> None:
         raise InvalidRequestError("give --budget or --budgets, not both")
     budgets = [args.budget] if args.budget is not None else _csv(args.budgets or "0.05", float, "--budgets")
     for budget in budgets:
-        check_request(1, target=None, scores=None, budget=budget)
+        check_budget(budget)
     try:
         lo, hi = (int(x) for x in args.chunks.split("-"))
     except ValueError:
@@ -375,15 +402,8 @@ def _study(args: argparse.Namespace) -> None:
     )
     rows = config.rows()  # checks every strategy and picker name before the model loads
     items, problems = load_items(args.data, limit=args.limit, seed=args.seed, chunks=(lo, hi))
-    index = count = 0
-    if args.shard:
-        try:
-            index, count = (int(x) for x in args.shard.split("/"))
-        except ValueError:
-            index = count = -1
-        if not 0 <= index < count:
-            raise InvalidRequestError(f"--shard must be I/N with 0 <= I < N, e.g. 0/2, got {args.shard!r}")
-        items = items[index::count]
+    index, count = _shard(args.shard)
+    items = items[index::count]
     if not 1 <= args.jobs <= 64:
         raise InvalidRequestError(f"--jobs must be in 1..64, got {args.jobs}")
     for line in problems[:20]:
@@ -409,6 +429,32 @@ def _study(args: argparse.Namespace) -> None:
         part=f"shard{index}of{count}" if args.shard else "",
         report_only=args.report_only,
     )
+
+
+def _shard(spec: str | None) -> tuple[int, int]:
+    """`--shard I/N` as (I, N); no shard is (0, 1)."""
+    if not spec:
+        return 0, 1
+    try:
+        index, count = (int(x) for x in spec.split("/"))
+    except ValueError:
+        index = count = -1
+    if not 0 <= index < count:
+        raise InvalidRequestError(f"--shard must be I/N with 0 <= I < N, e.g. 0/2, got {spec!r}")
+    return index, count
+
+
+COMMANDS = {
+    "demo": _demo,
+    "bench-ingest": _bench_ingest,
+    "bench": _bench,
+    "study": _study,
+    "ingest": _ingest,
+    "info": _info,
+    "ask": _ask,
+    "agree": _tune,
+    "tune": _tune,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

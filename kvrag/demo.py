@@ -67,40 +67,55 @@ def run_demo(
         f"{ingested.encode_s:.1f} s, {rag.store.nbytes / 1e6:.1f} MB held; each question retrieves {top_k}\n"
     )
     default = shipped_default(kv.fingerprint.weights)["strategy"]
-    strategies = [default, *(s for s in COMPARED if s != default)]
     records = []
     for n, item in enumerate(items[:questions], 1):
         print_fn(f"Q{n}: {item['question']}")
-        ttft, recomputed, context = {}, 0, 0
-        for strategy in strategies:
-            answer = rag.query(
-                item["question"],
-                strategy=None if strategy == default else strategy,  # the default as a user gets it
-                top_k=top_k,
-                max_new_tokens=max_new_tokens,
-                stop=["\n\n"],
-            )
-            if strategy == default:
-                top = answer.sources[0].id.split("#")[0]
-                print_fn(f"    retriever's top chunk: {top} (holds the answer: {top == item['target']})")
-                recomputed, context = answer.stats.recomputed_tokens, answer.stats.context_tokens
-            ttft[strategy] = answer.stats.ttft_s
-            text = " ".join(answer.text.split())
-            right = any(a.lower() in text.lower() for a in item["answers"])
-            label = f"{strategy} (default)" if strategy == default else strategy
-            print_fn(f"    {label:<26} ttft {answer.stats.ttft_s:6.3f} s  {'right' if right else 'wrong'}  | {text}")
-            records.append(
-                {
-                    "question": item["question"],
-                    "strategy": strategy,
-                    "text": answer.text,
-                    "right": right,
-                    "top_chunk": answer.sources[0].id.split("#")[0],
-                    **answer.stats.to_dict(),
-                }
-            )
-        print_fn(
-            f"    {default}: {ttft['full_prefill'] / ttft[default]:.1f}x faster to the first token than full "
-            f"prefill, {recomputed} of {context} context tokens recomputed\n"
+        records += _question(
+            rag, item, [default, *(s for s in COMPARED if s != default)], top_k, max_new_tokens, print_fn
         )
+    return records
+
+
+def _question(
+    rag: KVRAG,
+    item: dict[str, Any],
+    strategies: list[str],
+    top_k: int,
+    max_new_tokens: int,
+    print_fn: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """One question answered by each strategy (the first is the default, run as a user gets it), printed."""
+    default = strategies[0]
+    ttft, recomputed, context, records = {}, 0, 0, []
+    for strategy in strategies:
+        answer = rag.query(
+            item["question"],
+            strategy=None if strategy == default else strategy,  # the default as a user gets it
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            stop=["\n\n"],
+        )
+        if strategy == default:
+            top = answer.sources[0].id.split("#")[0]
+            print_fn(f"    retriever's top chunk: {top} (holds the answer: {top == item['target']})")
+            recomputed, context = answer.stats.recomputed_tokens, answer.stats.context_tokens
+        ttft[strategy] = answer.stats.ttft_s
+        text = " ".join(answer.text.split())
+        right = any(a.lower() in text.lower() for a in item["answers"])
+        label = f"{strategy} (default)" if strategy == default else strategy
+        print_fn(f"    {label:<26} ttft {answer.stats.ttft_s:6.3f} s  {'right' if right else 'wrong'}  | {text}")
+        records.append(
+            {
+                "question": item["question"],
+                "strategy": strategy,
+                "text": answer.text,
+                "right": right,
+                "top_chunk": answer.sources[0].id.split("#")[0],
+                **answer.stats.to_dict(),
+            }
+        )
+    print_fn(
+        f"    {default}: {ttft['full_prefill'] / ttft[default]:.1f}x faster to the first token than full "
+        f"prefill, {recomputed} of {context} context tokens recomputed\n"
+    )
     return records

@@ -7,45 +7,30 @@ misses), and answers with a strategy. Strategy and model logic stay in KVModel.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
-import threading
 import time
-import uuid
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 
+from kvrag import pipeline
+from kvrag.aio import in_thread, to_thread
+from kvrag.answer import Answer, Source, last_answer
+from kvrag.chunks import ChunkSource
+from kvrag.defaults import load_default
 from kvrag.documents import Item, split_text, to_documents
 from kvrag.embed import Embedder
-from kvrag.defaults import load_default
-from kvrag.encode import encode_chunks
 from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError, StoreError
-from kvrag.index import ChunkIndex, ChunkRecord, Filters, write_atomic
-from kvrag.kv import ChunkKey, ChunkKV, chunk_key
-from kvrag.kvmodel import Answer, KVModel, Source
+from kvrag.folder import MANIFEST, IndexFolder
+from kvrag.index import ChunkIndex, ChunkRecord, Filters
+from kvrag.kvmodel import KVModel
 from kvrag.layout import check_unicode
-from kvrag.store import DiskStore, KVStore, MemoryStore, TieredStore, check_namespace
-from kvrag.timing import phase
+from kvrag.request import Request
+from kvrag.store import DiskStore, KVStore, MemoryStore, StoreWarning, TieredStore, check_namespace
+from kvrag.timing import Phases
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: one process an index folder
-    fcntl = None  # type: ignore[assignment]
-
-# 2: vectors as safetensors (never a format that runs code when read), files named by a generation that the
-# manifest commits.
-INDEX_FORMAT = 2
-LOCK_FILE = ".kvrag.lock"
-
-
-class StoreWarning(UserWarning):
-    """A KV store failed during a query; the answer was computed without it."""
-
-
-MANIFEST = "kvrag-index.json"
+__all__ = ["IngestStats", "KVRAG", "MANIFEST", "StoreWarning"]
 
 
 @dataclass(slots=True)
@@ -95,7 +80,7 @@ class KVRAG:
         require_store: bool = False,
         generation: str | None = None,
     ) -> None:
-        self.kv = kv
+        self.kvmodel = kv
         self.embedder = embedder
         self.store = store
         self.namespace = check_namespace(namespace) if namespace else ""
@@ -110,8 +95,9 @@ class KVRAG:
                 StoreWarning,
                 stacklevel=2,
             )
-        self.store.bind(encoder=kv.encoder_id, dtype=kv.prefix.keys.dtype, device=kv.prefix.keys.device)
+        self.source = ChunkSource(kv, store, self.namespace)  # chunk KV and the one chunk key (binds the store)
         self.path = Path(path) if path is not None else None
+        self.folder = IndexFolder(self.path) if self.path is not None else None
         dim = int(embedder.embed(["dimension probe"]).shape[1])
         self.index = index or ChunkIndex(dim)
         self.chunk_tokens, self.overlap = chunk_tokens, overlap
@@ -122,7 +108,7 @@ class KVRAG:
         self.defaults: dict[str, Any] | None = None
         if self.path is not None:
             self.defaults = load_default(self.path)
-        self._lock: threading.RLock = kv.lock  # one lock: the model, the index and the store change together
+        self._lock = kv.lock  # one lock: the model, the index and the store change together
 
     # -- construction -----------------------------------------------------------------------------------
 
@@ -192,31 +178,33 @@ class KVRAG:
 
         The namespace is the one the index was built with; passing another raises IndexLoadError.
         """
-        folder = Path(path)
-        if not (folder / MANIFEST).is_file():
-            raise IndexLoadError(f"no kvrag index at {folder}: create one with `kvrag ingest PATH --index {folder}`")
-        with _folder_lock(folder, shared=True):
-            manifest = _read_manifest(folder)
+        folder = IndexFolder(path)
+        if not folder.exists():
+            raise IndexLoadError(
+                f"no kvrag index at {folder.path}: create one with `kvrag ingest PATH --index {folder.path}`"
+            )
+        with folder.lock(shared=True):
+            manifest = folder.manifest()
             if namespace is not None and namespace != manifest.get("namespace", ""):
                 raise IndexLoadError(
-                    f"the index at {folder} was built for namespace {manifest.get('namespace', '')!r}, not "
+                    f"the index at {folder.path} was built for namespace {manifest.get('namespace', '')!r}, not "
                     f"{namespace!r}: open it without a namespace or ingest into another folder"
                 )
             kv = KVModel.from_pretrained(manifest["model"], dtype=manifest["dtype"], device=device, cache_dir=cache_dir)
             if kv.fingerprint.digest != manifest["fingerprint"]:
                 raise IndexLoadError(
-                    f"the index at {folder} was built with another model ({manifest['architecture']}, "
+                    f"the index at {folder.path} was built with another model ({manifest['architecture']}, "
                     f"{manifest['weights']}): open it with that model or re-ingest"
                 )
             embedder = Embedder(manifest["embedder"], device=device)
-            index = _load_index(folder, manifest)
+            index = folder.load_index(manifest)
         if store is None:
-            store = TieredStore(MemoryStore(memory_bytes), DiskStore(folder / "kv", manifest["storage_dtype"]))
+            store = TieredStore(MemoryStore(memory_bytes), DiskStore(folder.path / "kv", manifest["storage_dtype"]))
         return cls(
             kv,
             embedder=embedder,
             store=store,
-            path=folder,
+            path=folder.path,
             index=index,
             chunk_tokens=manifest["chunk_tokens"],
             overlap=manifest["overlap"],
@@ -233,84 +221,70 @@ class KVRAG:
         over the old one: a process killed at any point leaves the previous index or the new one, whole. A
         write that fails (a full disk) raises StoreError and leaves the index on disk as it was.
         """
-        folder = Path(path) if path is not None else self.path
+        folder = IndexFolder(path) if path is not None else self.folder
         if folder is None:
             raise InvalidRequestError("this engine has no path: pass persist(path)")
-        with self._lock, _folder_lock(folder):
+        with self._lock, folder.lock():
             self._commit(folder)
-        return folder
+        return folder.path
 
-    def _commit(self, folder: Path) -> None:
-        """Write the index under a new generation and commit it with the manifest (the caller holds the locks)."""
-        generation = uuid.uuid4().hex[:16]
-        fp = self.kv.fingerprint
-        storage = getattr(getattr(self.store, "back", self.store), "storage_dtype", "float16")
-        manifest = {
-            "format": INDEX_FORMAT,
-            "index": generation,
-            "model": self.model_source,
-            "dtype": fp.dtype,
-            "fingerprint": fp.digest,
-            "architecture": fp.architecture,
-            "weights": fp.weights,
-            "embedder": self.embedder.name,
-            "dim": self.index.dim,
-            "chunk_tokens": self.chunk_tokens,
-            "overlap": self.overlap,
-            "storage_dtype": storage,
-            "namespace": self.namespace,
-        }
-        written: list[Path] = []
-        try:
-            written = self.index.save(folder / "index", generation)
-            write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
-        except OSError as err:
-            for file in written:  # never committed: nothing refers to them
-                with contextlib.suppress(OSError):
-                    file.unlink()
-            raise StoreError(
-                f"cannot write the index under {folder}: {err.strerror or err}; the index on disk is unchanged. "
-                "Free space or choose another folder, then ingest again."
-            ) from err
-        if self.path is not None and folder.resolve() == self.path.resolve():
+    def _commit(self, folder: IndexFolder) -> None:
+        """Commit the index to `folder` (the caller holds the locks)."""
+        fp = self.kvmodel.fingerprint
+        generation = folder.commit(
+            self.index,
+            {
+                "model": self.model_source,
+                "dtype": fp.dtype,
+                "fingerprint": fp.digest,
+                "architecture": fp.architecture,
+                "weights": fp.weights,
+                "embedder": self.embedder.name,
+                "dim": self.index.dim,
+                "chunk_tokens": self.chunk_tokens,
+                "overlap": self.overlap,
+                "storage_dtype": getattr(getattr(self.store, "back", self.store), "storage_dtype", "float16"),
+                "namespace": self.namespace,
+            },
+        )
+        if self.path is not None and folder.path.resolve() == self.path.resolve():
             self._generation = generation
-        # Earlier generations are unreferenced now, and a temporary file can only be a dead writer's: every
-        # writer of the index holds the folder's exclusive lock.
-        for old in [*(folder / "index").glob("*"), *folder.glob(".*.tmp")]:
-            if old.is_file() and (generation not in old.name or old.name.endswith(".tmp")):
-                with contextlib.suppress(OSError):
-                    old.unlink()
 
     def _take_in_commits(self) -> None:
         """Reload the index if another process committed a newer one (the caller holds the folder lock)."""
-        if self.path is None or not (self.path / MANIFEST).is_file():
+        if self.folder is None or not self.folder.exists():
             return
-        manifest = _read_manifest(self.path)
+        manifest = self.folder.manifest()
         if manifest["index"] == self._generation:
             return
-        if manifest["fingerprint"] != self.kv.fingerprint.digest or manifest.get("namespace", "") != self.namespace:
+        if (
+            manifest["fingerprint"] != self.kvmodel.fingerprint.digest
+            or manifest.get("namespace", "") != self.namespace
+        ):
             raise IndexLoadError(
                 f"another process wrote an index at {self.path} with another model or namespace: "
                 "ingest into another folder"
             )
-        self.index = _load_index(self.path, manifest)
+        self.index = self.folder.load_index(manifest)
         self._generation = manifest["index"]
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
         """Hold the engine's lock and, with a path, the folder's exclusive lock, with the latest commit taken in."""
         with self._lock:
-            if self.path is None:
+            if self.folder is None:
                 yield
                 return
-            self.path.mkdir(parents=True, exist_ok=True)
-            with _folder_lock(self.path):
+            self.folder.path.mkdir(parents=True, exist_ok=True)
+            with self.folder.lock():
                 self._take_in_commits()
                 yield
 
-    def _key(self, ids: Sequence[int]) -> ChunkKey:
-        """A chunk's store key under this engine's model, prefix and namespace."""
-        return chunk_key(self.kv.fingerprint.digest, self.kv.chunk_prefix_ids, ids, salt=self.namespace)
+    @property
+    def kv(self) -> KVModel:
+        """Deprecated name of `kvmodel`."""
+        warnings.warn("KVRAG.kv is renamed KVRAG.kvmodel", DeprecationWarning, stacklevel=2)
+        return self.kvmodel
 
     # -- ingestion --------------------------------------------------------------------------------------
 
@@ -335,27 +309,7 @@ class KVRAG:
         t0 = time.perf_counter()
         docs = to_documents(items, metadata)
         with self._writing():
-            records: list[ChunkRecord] = []
-            chunk_ids: list[list[int]] = []
-            for doc in docs:
-                texts = (
-                    split_text(doc.text, self.kv.tokenizer, chunk_tokens=self.chunk_tokens, overlap=self.overlap)
-                    if split
-                    else [doc.text.strip()]
-                )
-                for n, text in enumerate(texts):
-                    ids = self.kv.chunk_ids(n, text)
-                    records.append(
-                        ChunkRecord(
-                            id=f"{doc.id}#{n}",
-                            doc_id=doc.id,
-                            text=text,
-                            metadata=dict(doc.metadata),
-                            key=self._key(ids),
-                            n_tokens=len(ids),
-                        )
-                    )
-                    chunk_ids.append(ids)
+            records, chunk_ids = self._chunk_records(docs, split)
             seen: set[str] = set()
             stored = [r.key in self.store for r in records]
             missing = [i for i, r in enumerate(records) if not stored[i] and not (r.key in seen or seen.add(r.key))]
@@ -372,8 +326,8 @@ class KVRAG:
                 for doc in docs:  # re-ingesting a document replaces its chunks (their KV stays stored)
                     self.index.remove_doc(doc.id)
                 self.index.add(records, vectors)
-                if self.path is not None:
-                    self._commit(self.path)
+                if self.folder is not None:
+                    self._commit(self.folder)
             except BaseException:
                 self.index = before  # nothing half-added: the index stays as committed
                 raise
@@ -386,6 +340,31 @@ class KVRAG:
             seconds=time.perf_counter() - t0,
             encode_s=encode_s,
         )
+
+    def _chunk_records(self, docs: Sequence[Any], split: bool) -> tuple[list[ChunkRecord], list[list[int]]]:
+        """Each document's chunks as index records (ids, text, metadata, store key), and their token ids."""
+        records: list[ChunkRecord] = []
+        chunk_ids: list[list[int]] = []
+        for doc in docs:
+            texts = (
+                split_text(doc.text, self.kvmodel.tokenizer, chunk_tokens=self.chunk_tokens, overlap=self.overlap)
+                if split
+                else [doc.text.strip()]
+            )
+            for n, text in enumerate(texts):
+                ids = self.kvmodel.chunk_ids(n, text)
+                records.append(
+                    ChunkRecord(
+                        id=f"{doc.id}#{n}",
+                        doc_id=doc.id,
+                        text=text,
+                        metadata=dict(doc.metadata),
+                        key=self.source.key(ids),
+                        n_tokens=len(ids),
+                    )
+                )
+                chunk_ids.append(ids)
+        return records, chunk_ids
 
     def _encode_and_store(
         self,
@@ -411,20 +390,7 @@ class KVRAG:
                 on_progress(done, len(records))
 
         try:
-            # A group of about one encoding forward at a time, stored before the next is encoded: ingestion
-            # holds one group's KV in memory, however large the corpus.
-            for group in _groups([len(i) for i in ids], max(self.kv.batch_tokens, 1)):
-                kvs = encode_chunks(
-                    self.kv.model,
-                    self.kv.chunk_prefix,
-                    [ids[i] for i in group],
-                    batch_tokens=self.kv.batch_tokens,
-                    on_batch=advance,
-                    encoder=self.kv.encoder_id,
-                )
-                for i, kv in zip(group, kvs):
-                    self.store.put(records[i].key, kv)
-                del kvs
+            self.source.encode_and_store(ids, [r.key for r in records], on_batch=advance)
         finally:
             bar.close()
         return time.perf_counter() - t0
@@ -437,8 +403,8 @@ class KVRAG:
         """
         t0 = time.perf_counter()
         with self._lock:
-            ids = [self.kv.chunk_ids(i, t) for i, t in enumerate(texts)]
-            keys = [self._key(c) for c in ids]
+            ids = [self.kvmodel.chunk_ids(i, t) for i, t in enumerate(texts)]
+            keys = [self.source.key(c) for c in ids]
             seen: set[str] = set()
             missing = [i for i, k in enumerate(keys) if k not in self.store and not (k in seen or seen.add(k))]
             records = [ChunkRecord(id=f"given#{i}", doc_id="", text=texts[i], key=keys[i]) for i in missing]
@@ -460,8 +426,8 @@ class KVRAG:
             self.index = before.copy()
             gone = self.index.remove_doc(doc_id)
             try:
-                if gone and self.path is not None:
-                    self._commit(self.path)
+                if gone and self.folder is not None:
+                    self._commit(self.folder)
             except BaseException:
                 self.index = before
                 raise
@@ -474,10 +440,20 @@ class KVRAG:
     # -- retrieval and answers --------------------------------------------------------------------------
 
     def retrieve(
-        self, question: str, *, top_k: int = 5, filters: Filters | None = None, hybrid: bool = False
+        self,
+        question: str,
+        *,
+        top_k: int = 5,
+        filters: Filters | None = None,
+        bm25: bool = False,
+        hybrid: bool | None = None,
     ) -> list[Source]:
-        """Top-k chunks for a question, best first, among those that pass `filters` (applied before top-k)."""
-        if not question or not question.strip():
+        """Top-k chunks for a question, best first, among those that pass `filters` (applied before top-k).
+
+        `bm25=True` fuses the dense ranking with BM25's by reciprocal rank (`hybrid` is its deprecated name).
+        """
+        bm25 = _bm25_flag(bm25, hybrid)
+        if not isinstance(question, str) or not question.strip():
             raise EmptyInputError("the question is empty or whitespace only: ask something")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 10_000:
             raise InvalidRequestError(f"top_k must be an int in 1..10000, got {top_k!r}")
@@ -486,127 +462,93 @@ class KVRAG:
         with self._lock:
             if not len(self.index):
                 raise EmptyInputError("the index holds no chunks: ingest documents first")
-            hits = self.index.search(vector, question, top_k=top_k, filters=filters, hybrid=hybrid)
+            hits = self.index.search(vector, question, top_k=top_k, filters=filters, bm25=bm25)
         return [Source(id=r.id, text=r.text, score=s, metadata=dict(r.metadata)) for r, s in hits]
-
-    def _chunk_kv(self, sources: Sequence[Source]) -> tuple[list[ChunkKV], int, int]:
-        """Each source's KV: from the store, or encoded now (and stored). Returns (kv, store hits, encoded)."""
-        keys = []
-        for i, s in enumerate(sources):
-            record = self.index.records.get(s.id)
-            keys.append(
-                record.key if record is not None and record.text == s.text else self._key(self.kv.chunk_ids(i, s.text))
-            )
-        kvs: list[ChunkKV | None] = [self._load(k) for k in keys]
-        misses = [i for i, kv in enumerate(kvs) if kv is None]
-        if misses:
-            ids = [self.kv.chunk_ids(i, sources[i].text) for i in misses]
-            fresh = encode_chunks(
-                self.kv.model, self.kv.chunk_prefix, ids, batch_tokens=self.kv.batch_tokens, encoder=self.kv.encoder_id
-            )
-            for i, kv in zip(misses, fresh):
-                kvs[i] = self.store.as_stored(kv)  # as a later hit will read it: the same answer either way
-                try:
-                    self.store.put(keys[i], kv)
-                except StoreError as err:
-                    warnings.warn(
-                        f"kvrag: could not store a chunk's KV ({err}); answering anyway", StoreWarning, stacklevel=3
-                    )
-        return kvs, len(sources) - len(misses), len(misses)  # type: ignore[return-value]
-
-    def _load(self, key: str) -> ChunkKV | None:
-        """A chunk's stored KV; a store that fails to answer is a miss (the chunk is recomputed) and a warning."""
-        try:
-            return self.store.get(key)
-        except StoreError as err:
-            warnings.warn(
-                f"kvrag: the KV store failed ({err}); recomputing the chunk instead", StoreWarning, stacklevel=4
-            )
-            return None
 
     def stream(
         self,
         question: str,
         *,
-        strategy: str | None = None,
-        budget: float | None = None,
         top_k: int = 5,
         filters: Filters | None = None,
-        picker: str | None = None,
-        hybrid: bool = False,
-        **generation: Any,
+        bm25: bool = False,
+        hybrid: bool | None = None,
+        started_at: float | None = None,
+        phases: Phases | None = None,
+        **options: Any,
     ) -> Iterator[str | Answer]:
         """Retrieve, then yield the answer's text pieces as decoded, then the final Answer (with sources).
 
-        With no `strategy`, the index's tuned default runs (`kvrag tune`), else the model's shipped default
+        `options` are the request's (`KVModel.stream`: strategy, picker, budget, strict and decoding). With
+        no `strategy`, the index's tuned default runs (`kvrag tune`), else the model's shipped default
         (`kvrag.defaults`: target_only on the embedded model, target_recompute on others); a `budget` or
         `picker` left out comes with that default.
         """
-        t0 = time.perf_counter()
-        sources = self.retrieve(question, top_k=top_k, filters=filters, hybrid=hybrid)
+        t0 = started_at if started_at is not None else time.perf_counter()
+        request = Request.of(question, **options)  # checked before any retrieval work
+        sources = self.retrieve(question, top_k=top_k, filters=filters, bm25=_bm25_flag(bm25, hybrid))
         if not sources:
             raise EmptyInputError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
-        yield from self._answer(
-            question,
-            sources,
-            t0,
-            strategy=strategy,
-            budget=budget,
-            picker=picker,
-            scores=[s.score for s in sources],
-            **generation,
+        request.with_chunks([s.text for s in sources], [s.score for s in sources])
+        yield from self._answer(request, sources, t0, time.perf_counter() - t0, phases)
+
+    def _answer(
+        self, request: Request, sources: list[Source], t0: float, retrieve_s: float, phases: Phases | None
+    ) -> Iterator[str | Answer]:
+        request.with_default(self.defaults)  # the index's tuned default; else the model's shipped one (pipeline)
+        chunks = self.source.chunks(request.chunks)
+        yield from pipeline.stream(
+            self.kvmodel,
+            request,
+            chunks,
+            self.kvmodel.executor,
+            started_at=t0,
+            phases=phases,
+            sources=sources,
+            retrieve_s=retrieve_s,
         )
 
-    def _answer(self, question: str, sources: list[Source], t0: float, **kwargs: Any) -> Iterator[str | Answer]:
-        if kwargs.get("strategy") is None and self.defaults:  # else KVModel runs the model's shipped default
-            kwargs["strategy"] = self.defaults["strategy"]
-            if kwargs.get("picker") is None:
-                kwargs["picker"] = self.defaults["picker"]
-            if kwargs.get("budget") is None:
-                kwargs["budget"] = self.defaults["budget"]
-        with self._lock, phase(kwargs.get("phases"), "store load"):  # the lock is never held across a yield
-            kvs, hits, encoded = self._chunk_kv(sources)
-        retrieve_s = time.perf_counter() - t0
-        for item in self.kv.stream(question, kvs, started_at=t0, **kwargs):
-            if isinstance(item, Answer):
-                item.sources = sources
-                item.stats.store_hits, item.stats.chunks_encoded = hits, item.stats.chunks_encoded + encoded
-                item.stats.retrieve_s = retrieve_s
-            yield item
-
     def query(self, question: str, **kwargs: Any) -> Answer:
-        """Retrieve and answer; the arguments are those of `stream` (and KVModel.stream's decoding ones)."""
-        return _last(self.stream(question, **kwargs))
+        """Retrieve and answer; the arguments are those of `stream`."""
+        return last_answer(self.stream(question, **kwargs))
 
     def stream_over(
-        self, question: str, chunks: Sequence[str], *, scores: Sequence[float] | None = None, **kwargs: Any
+        self,
+        question: str,
+        chunks: Sequence[str],
+        *,
+        scores: Sequence[float] | None = None,
+        started_at: float | None = None,
+        phases: Phases | None = None,
+        **options: Any,
     ) -> Iterator[str | Answer]:
         """`stream` over caller-given chunk texts (no retrieval); their KV comes from the store when stored."""
+        t0 = started_at if started_at is not None else time.perf_counter()
         if not chunks:
             raise EmptyInputError("no chunks given: pass at least one chunk text")
-        t0 = time.perf_counter()
+        request = Request.of(question, chunks, scores=scores, **options)
         with self._lock:
             by_key = {r.key: r for r in self.index.records.values()}
         sources = []
-        for i, text in enumerate(chunks):
-            record = by_key.get(self._key(self.kv.chunk_ids(i, text)))
+        for i, text in enumerate(request.chunks):
+            record = by_key.get(self.source.key(self.kvmodel.chunk_ids(i, text)))  # type: ignore[arg-type]
             sources.append(
                 Source(
                     id=record.id if record else f"given#{i}",
-                    text=text,
-                    score=float(scores[i]) if scores is not None and i < len(scores) else 0.0,
+                    text=str(text),
+                    score=request.scores[i] if request.scores is not None else 0.0,
                     metadata=dict(record.metadata) if record else {},
                 )
             )
-        yield from self._answer(question, sources, t0, scores=scores, **kwargs)
+        yield from self._answer(request, sources, t0, 0.0, phases)
 
     def answer(self, question: str, chunks: Sequence[str], **kwargs: Any) -> Answer:
         """Answer over caller-given chunk texts; the arguments are those of `stream_over`."""
-        return _last(self.stream_over(question, chunks, **kwargs))
+        return last_answer(self.stream_over(question, chunks, **kwargs))
 
     async def aquery(self, question: str, **kwargs: Any) -> Answer:
         """`query` in a worker thread, so the event loop keeps running."""
-        return await asyncio.to_thread(self.query, question, **kwargs)
+        return await to_thread(self.query, question, **kwargs)
 
     async def astream(self, question: str, **kwargs: Any) -> AsyncIterator[str | Answer]:
         """`stream` in a worker thread; pieces arrive as they are decoded, then the Answer."""
@@ -620,7 +562,7 @@ class KVRAG:
 
     async def aanswer(self, question: str, chunks: Sequence[str], **kwargs: Any) -> Answer:
         """`answer` in a worker thread."""
-        return await asyncio.to_thread(self.answer, question, chunks, **kwargs)
+        return await to_thread(self.answer, question, chunks, **kwargs)
 
     def info(self) -> dict[str, Any]:
         """Counts, bytes and the model fingerprint."""
@@ -632,8 +574,8 @@ class KVRAG:
                 "tokens": sum(r.n_tokens for r in self.index.records.values()),
                 "kv_entries": len(self.store),
                 "kv_bytes": self.store.nbytes,
-                "model": asdict(self.kv.fingerprint),
-                "fingerprint": self.kv.fingerprint.digest,
+                "model": asdict(self.kvmodel.fingerprint),
+                "fingerprint": self.kvmodel.fingerprint.digest,
                 "embedder": self.embedder.source,
                 "chunk_tokens": self.chunk_tokens,
                 "overlap": self.overlap,
@@ -641,85 +583,9 @@ class KVRAG:
             }
 
 
-def _groups(lengths: Sequence[int], tokens: int) -> list[list[int]]:
-    """Consecutive chunk indices in groups of about `tokens` tokens (at least one chunk a group)."""
-    groups: list[list[int]] = [[]]
-    total = 0
-    for i, n in enumerate(lengths):
-        if groups[-1] and total + n > tokens:
-            groups.append([])
-            total = 0
-        groups[-1].append(i)
-        total += n
-    return [g for g in groups if g]
-
-
-@contextlib.contextmanager
-def _folder_lock(folder: Path, *, shared: bool = False) -> Iterator[None]:
-    """An advisory lock on an index folder across processes (exclusive to write, shared to read)."""
-    if fcntl is None or not folder.is_dir():
-        yield
-        return
-    with open(folder / LOCK_FILE, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
-def _read_manifest(folder: Path) -> dict[str, Any]:
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise IndexLoadError(
-            f"no kvrag index at {folder}: create one with `kvrag ingest PATH --index {folder}`"
-        ) from None
-    except (OSError, ValueError) as err:
-        raise IndexLoadError(f"the index manifest {folder / MANIFEST} is unreadable ({err}): re-ingest") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != INDEX_FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else None
-        raise IndexLoadError(f"{folder} holds index format {found}, this kvrag reads {INDEX_FORMAT}: re-ingest")
-    return manifest
-
-
-def _load_index(folder: Path, manifest: Mapping[str, Any]) -> ChunkIndex:
-    try:
-        return ChunkIndex.load(folder / "index", manifest["dim"], manifest["index"])
-    except (OSError, RuntimeError, ValueError, TypeError, KeyError) as err:
-        raise IndexLoadError(f"the index at {folder} is damaged ({err}): re-ingest into a new folder") from err
-
-
-async def in_thread(make: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
-    """Run a blocking iterator in a worker thread; its items arrive on the event loop as they come."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-    done = object()
-
-    def run() -> None:
-        try:
-            for item in make():
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-        except BaseException as err:  # handed to the awaiting side
-            loop.call_soon_threadsafe(queue.put_nowait, err)
-        finally:
-            loop.call_soon_threadsafe(queue.put_nowait, done)
-
-    worker = loop.run_in_executor(None, run)
-    while True:
-        item = await queue.get()
-        if item is done:
-            break
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-    await worker
-
-
-def _last(items: Iterator[str | Answer]) -> Answer:
-    result = None
-    for result in items:
-        pass
-    if not isinstance(result, Answer):
-        raise RuntimeError("the answer stream ended without an Answer")
-    return result
+def _bm25_flag(bm25: bool, hybrid: bool | None) -> bool:
+    """The retrieval flag, from its deprecated name when that is given."""
+    if hybrid is not None:
+        warnings.warn("the retrieval flag hybrid= is renamed bm25=", DeprecationWarning, stacklevel=3)
+        return bool(hybrid)
+    return bool(bm25)

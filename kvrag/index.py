@@ -103,11 +103,11 @@ class ChunkIndex:
         return {r.doc_id for r in self.records.values()}
 
     def search(
-        self, vector: np.ndarray, question: str, *, top_k: int, filters: Filters | None = None, hybrid: bool = False
+        self, vector: np.ndarray, question: str, *, top_k: int, filters: Filters | None = None, bm25: bool = False
     ) -> list[tuple[ChunkRecord, float]]:
         """Top-k (record, score), best first, among the chunks that pass `filters`.
 
-        Dense scores are cosine similarities. With `hybrid`, the dense and BM25 rankings are fused by
+        Dense scores are cosine similarities. With `bm25`, the dense and BM25 rankings are fused by
         reciprocal rank (score = sum of 1 / (60 + rank)).
         """
         if top_k < 1:
@@ -121,12 +121,12 @@ class ChunkIndex:
         params = None
         if filters:
             params = faiss.SearchParameters(sel=faiss.IDSelectorBatch(np.array(allowed, dtype=np.int64)))
-        depth = len(allowed) if hybrid else k
+        depth = len(allowed) if bm25 else k
         scores, rows = self.vectors.search(
             np.ascontiguousarray(vector.reshape(1, -1), dtype=np.float32), depth, params=params
         )
         dense = [(self.records[self.by_row[int(r)]], float(s)) for r, s in zip(rows[0], scores[0]) if r >= 0]
-        if not hybrid:
+        if not bm25:
             return dense[:k]
         lexical = self._bm25_rank(question, allowed)
         fused: dict[str, float] = {}

@@ -7,7 +7,7 @@ touches the model.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from kvrag.errors import EmptyInputError, InvalidRequestError, LayoutError
 
@@ -95,6 +95,20 @@ class PromptLayout:
         if head != self.prefix_text:
             raise LayoutError("the chat template renders the text before the context differently per question")
         return self._ids(tail)
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """Chat messages (`{"role", "content"}`) as prompt text: the model's chat template with the assistant
+        header, else one "role: content" line each and "assistant:"."""
+        rendered = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
+        if self.use_chat_template:
+            return self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        return "\n".join(f"{m['role']}: {m['content']}" for m in rendered) + "\nassistant:"
+
+    def closed_book_ids(self, question: str) -> list[int]:
+        """The question alone, no context: one user turn of the chat template, else the question template."""
+        if self.use_chat_template:
+            return self._ids(self.chat_prompt([{"role": "user", "content": question.strip()}]))
+        return list(self.tokenizer(self.question_template.format(question=question.strip()))["input_ids"])
 
 
 def check_unicode(text: str, what: str) -> str:

@@ -9,16 +9,20 @@ a given order (the insert_full_kv oracle). It never decides anything.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from transformers import DynamicCache
 
 from kvrag.batch import PaddedBatch
+from kvrag.chunks import Chunks
 from kvrag.encode import stacked_kv
 from kvrag.kv import ChunkKV
-from kvrag.recompute import as_cache, recompute
+from kvrag.recompute import as_cache, full_prefill, recompute
 from kvrag.rope import Repositioner
+
+if TYPE_CHECKING:
+    from kvrag.kvmodel import KVModel
 
 
 class _CheckLayerReached(Exception):
@@ -51,41 +55,48 @@ class Probe:
         model: torch.nn.Module,
         repositioner: Repositioner,
         prefix: ChunkKV,
-        chunks: Sequence[ChunkKV] | Callable[[], Sequence[ChunkKV]],
+        chunks: Chunks | Sequence[ChunkKV],
         suffix_ids: Sequence[int],
         *,
-        keep_full_prefill: bool = False,
         question: str = "",
-        texts: Callable[[], Sequence[str]] | None = None,
         chunk_prefix: ChunkKV | None = None,
     ) -> None:
         self.model = model
         self.repositioner = repositioner
         self.prefix = prefix
-        self._chunks = chunks  # or how to get them: a request's texts are encoded only if a probe needs them
+        # a request's Chunks (whose KV is fetched only when a measurement reads it) or plain chunk KV
+        self._chunks = chunks
         self.suffix_ids = list(suffix_ids)
         self.num_layers = int(model.config.num_hidden_layers)
         self.extra_token_layers = 0
         self.extra_work: list[str] = []
-        # with keep_full_prefill, the latest oracle full prefill (its token ids and cache), for a caller that
-        # prefills the same tokens again (the study's references); held as long as this probe
-        self.keep_full_prefill = keep_full_prefill
-        self.last_full_prefill: tuple[list[int], DynamicCache] | None = None
         self.chunk_prefix = chunk_prefix or prefix  # what the chunks were encoded behind (the prefix and a lead)
-        self.question = question  # the question's text and the chunks' texts, for pickers that read words
-        self._texts = texts
+        self.question = question  # the question's text, for pickers that read words
+
+    @classmethod
+    def of(cls, kvmodel: KVModel, chunks: Chunks, suffix_ids: Sequence[int], question: str) -> Probe:
+        """The probe of one request on a KVModel."""
+        return cls(
+            kvmodel.model,
+            kvmodel.repositioner,
+            kvmodel.prefix,
+            chunks,
+            suffix_ids,
+            question=question,
+            chunk_prefix=kvmodel.chunk_prefix,
+        )
 
     @property
     def texts(self) -> list[str]:
-        if self._texts is None:
-            raise ValueError("this probe was made without the chunks' texts")
-        return list(self._texts())
+        """The chunks' texts (pickers that read words)."""
+        if isinstance(self._chunks, Chunks):
+            return self._chunks.texts()
+        raise ValueError("this probe was made over chunk KV alone, without a request's texts")
 
     @property
     def chunks(self) -> list[ChunkKV]:
-        if callable(self._chunks):
-            self._chunks = list(self._chunks())
-        return list(self._chunks)
+        """The chunks' KV, as a measurement reads it."""
+        return self._chunks.kv() if isinstance(self._chunks, Chunks) else list(self._chunks)
 
     @torch.inference_mode()
     def value_deviation(self, order: Sequence[int], *, check_layer: int = 1) -> torch.Tensor:
@@ -185,13 +196,14 @@ class Probe:
         upto = list(order)[: list(order).index(chunk) + 1]
         device = self.prefix.keys.device
         ids = torch.cat([self.prefix.token_ids.to(device)] + [self.chunks[c].token_ids.to(device) for c in upto])
-        cache = DynamicCache()
-        self.model(input_ids=ids.view(1, -1), cache=cache, use_cache=True, logits_to_keep=1)
-        if self.keep_full_prefill:
-            self.last_full_prefill = ids.tolist(), cache
+        cache = full_prefill(self.model, ids).cache
+        self.full_prefill_made(ids.tolist(), cache)
         begin = len(ids) - len(self.chunks[chunk])
         keys, values = stacked_kv(cache, 0, begin, len(ids))
         self.extra_token_layers += len(ids) * self.num_layers
         self.extra_work.append(f"oracle full prefill: {len(ids)} tokens through {self.num_layers} layers")
         original = self.chunks[chunk]
         return ChunkKV(original.token_ids, keys, values, start=begin, encoder=original.encoder)
+
+    def full_prefill_made(self, ids: list[int], cache: DynamicCache) -> None:
+        """Called with every full prefill a measurement makes (a subclass may keep it); by default dropped."""

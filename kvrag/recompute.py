@@ -24,8 +24,8 @@ from kvrag.timing import Phases, phase
 
 
 @dataclass(slots=True)
-class Stitched:
-    """The result of one prefill: logits to sample from and the cache to decode on."""
+class Prefill:
+    """The result of one prefill (stitched or plain): logits to sample from and the cache to decode on."""
 
     logits: torch.Tensor  # [K, V] float32, logits of the last K query positions
     cache: DynamicCache  # every token of the prompt once; physical order may differ from logical
@@ -48,7 +48,6 @@ class StitchLayout:
 
     kept: torch.Tensor  # [T_keep] offsets into the stitched context of tokens whose KV is reused, ascending
     selected: torch.Tensor  # [|S|] offsets of tokens recomputed, ascending
-    deltas: torch.Tensor  # [T_ctx] new position minus the position each context token was encoded at
     shifts: torch.Tensor  # [len(order)] the same, one a chunk (every token of a chunk moves by its chunk's shift)
     key_positions: torch.Tensor  # [P + T_keep + Q] logical position of every key: prefix, reused, then new
     query_positions: torch.Tensor  # [Q] logical positions of the new input: S, then the suffix
@@ -60,7 +59,7 @@ def stitch_layout(
     lengths: Sequence[int],
     encoded_at: Sequence[int],
     order: Sequence[int],
-    recompute: Mapping[int, torch.Tensor],
+    selected: Mapping[int, torch.Tensor],
     suffix_len: int,
     device: torch.device | str = "cpu",
 ) -> StitchLayout:
@@ -69,16 +68,15 @@ def stitch_layout(
     ordered = torch.tensor([lengths[c] for c in order], dtype=torch.long)
     starts = P + torch.cumsum(ordered, 0) - ordered  # logical start of each chunk in the stitched order
     shifts = starts - torch.tensor([encoded_at[c] for c in order], dtype=torch.long)
-    deltas = torch.repeat_interleave(shifts, ordered).to(device)  # [T_ctx]
     n_ctx = int(ordered.sum())
-    flat = [recompute[c].cpu().to(torch.long) + int(s) - P for c, s in zip(order, starts) if c in recompute]
-    selected = torch.cat(flat).to(device) if flat else torch.empty(0, dtype=torch.long, device=device)
+    flat = [selected[c].cpu().to(torch.long) + int(s) - P for c, s in zip(order, starts) if c in selected]
+    in_s = torch.cat(flat).to(device) if flat else torch.empty(0, dtype=torch.long, device=device)  # [|S|]
     keep = torch.ones(n_ctx, dtype=torch.bool, device=device)
-    keep[selected] = False
+    keep[in_s] = False
     kept = keep.nonzero().squeeze(1)
-    query_positions = torch.cat((selected + P, torch.arange(P + n_ctx, P + n_ctx + suffix_len, device=device)))
+    query_positions = torch.cat((in_s + P, torch.arange(P + n_ctx, P + n_ctx + suffix_len, device=device)))
     key_positions = torch.cat((torch.arange(P, device=device), kept + P, query_positions))
-    return StitchLayout(kept, selected, deltas, shifts.to(device), key_positions, query_positions, n_ctx)
+    return StitchLayout(kept, in_s, shifts.to(device), key_positions, query_positions, n_ctx)
 
 
 class GrowingLayer(DynamicLayer):
@@ -194,7 +192,7 @@ def stitch_cache(
     prefix: ChunkKV,
     chunks: Sequence[ChunkKV],
     order: Sequence[int],
-    recompute: Mapping[int, torch.Tensor],
+    selected: Mapping[int, torch.Tensor],
     layout: StitchLayout,
     *,
     room: int,
@@ -221,9 +219,9 @@ def stitch_cache(
         at = P
         for c in order:
             kept = None
-            if c in recompute and recompute[c].numel():
+            if c in selected and selected[c].numel():
                 keep = torch.ones(len(chunks[c]), dtype=torch.bool, device=keys.device)
-                keep[recompute[c].to(keys.device)] = False
+                keep[selected[c].to(keys.device)] = False
                 kept = keep.nonzero().squeeze(1)
             m = len(chunks[c]) if kept is None else int(kept.numel())
             pieces.append((c, kept, at, m))
@@ -259,7 +257,7 @@ def recompute(
     prefix: ChunkKV,
     chunks: Sequence[ChunkKV],
     order: Sequence[int],
-    recompute: Mapping[int, torch.Tensor],
+    selected: Mapping[int, torch.Tensor],
     suffix_ids: Sequence[int] | torch.Tensor,
     *,
     logits_to_keep: int = 1,
@@ -268,7 +266,7 @@ def recompute(
     workspace: Workspace | None = None,
     key_scale: Mapping[int, float] | None = None,
     **forward_kwargs: Any,
-) -> Stitched:
+) -> Prefill:
     """Fresh KV for the tokens in S and the suffix, against the reused (re-positioned) KV of the rest.
 
     Args:
@@ -277,7 +275,7 @@ def recompute(
         prefix: the prefix KV, at positions 0..P-1.
         chunks: chunk KV, each at its own `start`.
         order: indices into `chunks`, first to last in the stitched sequence (non-empty).
-        recompute: S, as chunk index -> sorted int64 offsets within that chunk; absent chunks keep all KV.
+        selected: S, as chunk index -> sorted int64 offsets within that chunk; absent chunks keep all KV.
         suffix_ids: the suffix's token ids, always computed.
         logits_to_keep: how many last positions' logits to return.
         room: cache slots kept free for tokens decoded after the prompt (more are added when needed).
@@ -286,13 +284,14 @@ def recompute(
         key_scale: chunk index -> factor on that chunk's reused keys (an attention temperature; see Plan).
         forward_kwargs: passed to the model's forward (e.g. output_attentions).
     """
+    # Long only by its documented arguments: the body is the primitive's four steps, kept in one place.
     device = prefix.keys.device
     suffix = torch.as_tensor(suffix_ids, dtype=torch.long, device=device)
     if suffix.numel() == 0:
         raise ValueError("the suffix is empty: the question's tokens are what the logits are read from")
     with phase(phases, "cache assembly and mask"):
         layout = stitch_layout(
-            len(prefix), [len(c) for c in chunks], [c.start for c in chunks], order, recompute, len(suffix), device
+            len(prefix), [len(c) for c in chunks], [c.start for c in chunks], order, selected, len(suffix), device
         )
     n_new = int(layout.query_positions.numel())
     cache = stitch_cache(
@@ -300,7 +299,7 @@ def recompute(
         prefix,
         chunks,
         order,
-        recompute,
+        selected,
         layout,
         room=n_new + room,
         phases=phases,
@@ -322,7 +321,7 @@ def recompute(
             **forward_kwargs,
         )
         logits = out.logits[0].float()
-    return Stitched(
+    return Prefill(
         logits=logits,
         cache=cache,
         next_position=len(prefix) + layout.n_ctx + len(suffix),
@@ -333,10 +332,35 @@ def recompute(
 
 
 @torch.inference_mode()
-def full_prefill(model: torch.nn.Module, ids: Sequence[int] | torch.Tensor, *, logits_to_keep: int = 1) -> Stitched:
-    """The reference: one plain forward over the whole prompt, nothing reused."""
+def full_prefill(
+    model: torch.nn.Module,
+    ids: Sequence[int] | torch.Tensor,
+    *,
+    logits_to_keep: int = 1,
+    cache: DynamicCache | None = None,
+    shared: int = 0,
+) -> Prefill:
+    """The reference: one plain forward over the whole prompt, nothing reused.
+
+    With `cache` (a full prefill's cache whose first `shared` tokens are those of `ids`), their KV is
+    copied from it and only the rest is run: prefix caching, the same attention up to rounding.
+    """
     device = next(model.parameters()).device
     input_ids = torch.as_tensor(ids, dtype=torch.long, device=device).view(1, -1)
-    cache = DynamicCache()
-    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
-    return Stitched(logits=out.logits[0].float(), cache=cache, next_position=input_ids.shape[1], recomputed_tokens=0)
+    n = input_ids.shape[1]
+    shared = shared if cache is not None else 0
+    fresh = DynamicCache()
+    if cache is not None and shared:
+        fresh = DynamicCache(
+            ddp_cache_data=[
+                (layer.keys[:, :, :shared].clone(), layer.values[:, :, :shared].clone()) for layer in cache.layers
+            ]
+        )
+    out = model(
+        input_ids=input_ids[:, shared:],
+        position_ids=torch.arange(shared, n, device=device).view(1, -1) if shared else None,
+        cache=fresh,
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
+    )
+    return Prefill(logits=out.logits[0].float(), cache=fresh, next_position=n, recomputed_tokens=0)

@@ -29,6 +29,10 @@ NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _HEX_KEY = re.compile(r"[0-9a-f]{64}")
 
 
+class StoreWarning(UserWarning):
+    """A KV store failed during a query; the answer was computed without it."""
+
+
 def check_namespace(namespace: str) -> str:
     """A namespace (tenant) name: 1-128 letters, digits, '_', '.', '-', starting with a letter or digit."""
     if not isinstance(namespace, str) or not NAMESPACE.fullmatch(namespace):

@@ -56,11 +56,6 @@ class Plan:
     # and the prefix are never scaled
     key_scale: dict[int, float] = field(default_factory=dict)
 
-    def recomputed_tokens(self, lengths: Sequence[int]) -> int:
-        if self.full_prefill:
-            return sum(lengths[c] for c in self.order)
-        return sum(int(s.numel()) for s in self.recompute.values())
-
 
 @dataclass(frozen=True, slots=True)
 class Strategy:
@@ -75,28 +70,6 @@ class Strategy:
 
 
 STRATEGIES: dict[str, Strategy] = {}
-# The rows of the study, in the order its tables use (all registered below).
-STUDY_STRATEGIES = (
-    "full_prefill",
-    "reuse",
-    "reorder",
-    "insert_full_kv",
-    "spread",
-    "spread_chunks",
-    "target_recompute",
-    "token_select",
-    "attention_select",
-    "hybrid",
-    "target_in_place",
-    "target_first",
-    "target_spread",
-    "top2_recompute",
-    "tempered",
-    "target_tempered",
-    "target_only",
-    "full_prefill_top1",
-    "full_prefill_top3",
-)
 # Attention temperature on reused chunks for the tempered strategies: their keys are multiplied by 1 / T.
 # T < 1 sharpens the question's attention on stored chunks (APE reports T near 0.9 on Llama-3-8B).
 TEMPER_T = 0.9
@@ -433,3 +406,7 @@ def _full_prefill_top1(request: PlanRequest) -> Plan:
 )
 def _full_prefill_top3(request: PlanRequest) -> Plan:
     return _top_k_full_prefill(request, 3)
+
+
+# The strategies kvrag ships, in registration order (what `kvrag bench` runs by default).
+BUILTIN_STRATEGIES = tuple(STRATEGIES)

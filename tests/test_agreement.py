@@ -148,4 +148,6 @@ def test_an_index_without_a_tuned_default_runs_the_models_shipped_default(index)
     assert rag.defaults is None  # a tiny model: the recipe
     answer = rag.query(QUESTIONS[0], max_new_tokens=1, top_k=3)
     assert answer.stats.strategy == "target_recompute" and answer.stats.budget == 0.05
-    assert rag.kv.answer(QUESTIONS[0], ["a text", "another"], max_new_tokens=1).stats.strategy == "target_recompute"
+    assert (
+        rag.kvmodel.answer(QUESTIONS[0], ["a text", "another"], max_new_tokens=1).stats.strategy == "target_recompute"
+    )

@@ -65,7 +65,7 @@ def test_retrieval_filters_apply_before_top_k(rag):
     assert len(rag.retrieve("anything", top_k=10, filters={"topic": ["ports", "rivers"]})) == 2
     assert rag.retrieve("anything", top_k=3, filters={"topic": "none"}) == []
     dense = rag.retrieve("When does the river Tam flood?", top_k=2)
-    hybrid = rag.retrieve("When does the river Tam flood?", top_k=2, hybrid=True)
+    hybrid = rag.retrieve("When does the river Tam flood?", top_k=2, bm25=True)
     assert dense[0].text.startswith("The river Tam") and hybrid[0].text.startswith("The river Tam")
     assert dense[0].score > dense[1].score
 

@@ -169,7 +169,7 @@ from kvrag.engine import KVRAG
 
 args = json.loads(sys.argv[1])
 rag = KVRAG.from_defaults(args["index"], model=args["model"], chunk_tokens=400, overlap=8)
-rag.kv.batch_tokens = 256  # many small encoding forwards, so a kill lands in the middle
+rag.kvmodel.batch_tokens = 256  # many small encoding forwards, so a kill lands in the middle
 for batch in args.get("committed", []):
     rag.ingest([(t, {{"batch": 1}}) for t in batch], progress=False)
 kill = args.get("kill")
@@ -275,7 +275,7 @@ def test_a_process_killed_mid_ingestion_leaves_a_whole_index_that_a_rerun_comple
     stats = rag.ingest([(t, {"batch": 2}) for t in second], progress=False)  # the re-run completes it
     assert stats.chunks == len(second) and stats.store_hits + stats.encoded == len(second)
     assert {r.text for r in KVRAG.load(index).index.records.values()} == set(first) | set(second)
-    fresh = KVModel(rag.kv.model, rag.kv.tokenizer)
+    fresh = KVModel(rag.kvmodel.model, rag.kvmodel.tokenizer)
     a = rag.query("delta17w3 delta17w11 delta17w20", top_k=1, max_new_tokens=4)
     assert a.sources[0].text == second[17] and a.stats.chunks_encoded == 0
     assert (

@@ -9,7 +9,6 @@ from tiny import ARCHS, tiny_config, tiny_model
 from transformers import AutoConfig, GPT2Config
 
 from kvrag.errors import ModelNotFoundError, UnsupportedModelError
-from kvrag.kv import chunk_key
 from kvrag.model import check_architecture, fingerprint, load_pretrained, resolve_dtype, state_dict_digest
 from kvrag.rope import find_rotary
 
@@ -91,23 +90,6 @@ def test_fingerprint_changes_with_weights_dtype_and_rope():
     half = copy.deepcopy(model).to(torch.float16)
     assert fingerprint(half, base.weights).digest != base.digest
     assert json.loads(base.rope) == {"rope_type": "default", "rope_theta": 10000.0}
-
-
-def test_chunk_key_separates_model_prefix_chunk_and_salt():
-    k = chunk_key("m1", [1, 2], [3, 4])
-    assert k == chunk_key("m1", [1, 2], [3, 4])
-    assert (
-        len(
-            {
-                k,
-                chunk_key("m2", [1, 2], [3, 4]),
-                chunk_key("m1", [1], [2, 3, 4]),
-                chunk_key("m1", [1, 2], [3]),
-                chunk_key("m1", [1, 2], [3, 4], salt="tenant-a"),
-            }
-        )
-        == 5
-    )
 
 
 def test_unknown_model_offline_says_how_to_supply_weights(monkeypatch, tmp_path):

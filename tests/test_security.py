@@ -125,7 +125,7 @@ def test_one_tenants_chunks_are_never_served_to_another(kv, tmp_path, shared):
         assert c.store_kv([SECRET]).store_hits == 0  # precomputing cannot probe either
         assert control.answer("What is the vault code?", [SECRET], max_new_tokens=4).stats.store_hits == 1
         assert probe.token_ids == control.answer("What is the vault code?", [SECRET], max_new_tokens=4).token_ids
-        assert a._key(kv.layout.chunk_ids(SECRET)) != b._key(kv.layout.chunk_ids(SECRET))
+        assert a.source.key(kv.layout.chunk_ids(SECRET)) != b.source.key(kv.layout.chunk_ids(SECRET))
     finally:
         if server:
             server.stop()

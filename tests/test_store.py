@@ -7,6 +7,8 @@ import threading
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from redis_server import RedisServer
 
 from kvrag.codec import decode_entry, encode_entry
@@ -188,3 +190,58 @@ def test_redis_password_and_a_down_server(redis_server):
         secured.stop()
     with pytest.raises(StoreError, match="Start the server"):
         s.ping()
+
+
+# -- property tests: any sequence of operations, any key ---------------------------------------------------
+
+
+def small_chunk(seed):
+    g = torch.Generator().manual_seed(seed)
+    return ChunkKV(torch.arange(4), torch.randn(2, 1, 4, 4, generator=g), torch.randn(2, 1, 4, 4, generator=g), 3, "e")
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["put", "get", "delete"]), st.integers(0, 5), st.integers(0, 3)), max_size=40)
+
+
+@given(ops=OPS, kind=st.sampled_from(["memory", "bounded memory", "disk", "tiered"]))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_stores_behave_as_a_dictionary(tmp_path_factory, ops, kind):
+    root = tmp_path_factory.mktemp("store")
+    one = small_chunk(0).nbytes
+    store = {
+        "memory": lambda: MemoryStore(),
+        "bounded memory": lambda: MemoryStore(max_bytes=2 * one),
+        "disk": lambda: DiskStore(root, storage_dtype="float32"),
+        "tiered": lambda: TieredStore(MemoryStore(max_bytes=2 * one), DiskStore(root, storage_dtype="float32")),
+    }[kind]()
+    store.bind(encoder="e", dtype=torch.float32, device="cpu")
+    model: dict[str, int] = {}
+    for op, k, seed in ops:
+        key = f"{k:064x}"
+        if op == "put":
+            store.put(key, small_chunk(seed))
+            model[key] = seed
+        elif op == "delete":
+            store.delete(key)
+            model.pop(key, None)
+        got = store.get(key)
+        if key not in model:
+            assert got is None
+        elif got is not None or kind != "bounded memory":  # only a bounded memory store may have evicted it
+            assert got is not None and torch.equal(got.keys, small_chunk(model[key]).keys)
+        if kind == "bounded memory":
+            assert store.nbytes <= 2 * one and set(store.keys()) <= set(model)
+        else:
+            assert set(store.keys()) == set(model)
+
+
+@given(key=st.text(max_size=80))
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_disk_store_never_writes_outside_its_folder_whatever_the_key(tmp_path_factory, key):
+    root = tmp_path_factory.mktemp("keys")
+    store = DiskStore(root / "kv", storage_dtype="float32")
+    try:
+        store.put(key, small_chunk(1))
+    except StoreError as err:
+        assert "invalid store key" in str(err)
+    assert all(p.resolve().is_relative_to((root / "kv").resolve()) for p in root.rglob("*") if p.is_file())

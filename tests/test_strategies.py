@@ -4,15 +4,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny import byte_tokenizer, tiny_model
+from tiny import byte_tokenizer, plan_of, recomputed_tokens, tiny_model
 
 from kvrag import STRATEGIES, InvalidRequestError, KVModel
 from kvrag.encode import stacked_kv
 from kvrag.kv import ChunkKV
-from kvrag.planner import check_plan, make_plan
 from kvrag.probe import Probe
-from kvrag.recompute import causal_mask, full_prefill, stitch_layout
-from kvrag.strategies import STUDY_STRATEGIES, TEMPER_T, Plan, PlanRequest, get_strategy
+from kvrag.recompute import full_prefill
+from kvrag.strategies import BUILTIN_STRATEGIES, TEMPER_T, Plan
 
 CHUNKS = [
     "Alpha station logs the weather every hour.",
@@ -22,7 +21,7 @@ CHUNKS = [
     "The archive opens at nine and closes at five on weekdays.",
 ]
 Q = "When does the archive open?"
-STUDY = STUDY_STRATEGIES
+STUDY = BUILTIN_STRATEGIES
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ def test_every_study_strategy_is_registered_and_runs(kv, enc):
 
 def test_reuse_recomputes_nothing(kv, enc):
     run = kv.prefill(Q, enc, strategy="reuse")
-    assert run.stitched.recomputed_tokens == 0 and run.decision.plan.recompute == {}
+    assert run.prefill.recomputed_tokens == 0 and run.decision.plan.recompute == {}
     assert run.decision.plan.order == [0, 1, 2, 3, 4] and run.decision.target is None
 
 
@@ -58,12 +57,12 @@ def test_full_prefill_equals_a_plain_forward_exactly(kv, enc):
     ids = kv.prompt_ids(Q, [c.token_ids.tolist() for c in enc], range(5))
     with torch.inference_mode():
         ref = kv.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
-    assert torch.equal(run.stitched.logits[-1], ref.float())
+    assert torch.equal(run.prefill.logits[-1], ref.float())
 
 
 def test_reorder_puts_the_best_score_last(kv, enc):
     run = kv.prefill(Q, enc, strategy="reorder", scores=[0.3, 0.1, 0.9, 0.2, 0.5])
-    assert run.decision.plan.order == [1, 3, 0, 4, 2] and run.stitched.recomputed_tokens == 0
+    assert run.decision.plan.order == [1, 3, 0, 4, 2] and run.prefill.recomputed_tokens == 0
     assert kv.prefill(Q, enc, strategy="reorder").decision.plan.order == [4, 3, 2, 1, 0]  # ranked best-first
 
 
@@ -81,7 +80,7 @@ def test_spread_never_touches_the_target_and_keeps_the_budget(kv, enc, target, n
     for budget in (0.05, 0.2, 0.5, 1.0):
         run = kv.prefill(Q, enc, strategy=name, target=target, budget=budget)
         assert target not in run.decision.plan.recompute
-        assert run.stitched.recomputed_tokens <= run.decision.budget_tokens
+        assert run.prefill.recomputed_tokens <= run.decision.budget_tokens
         assert run.decision.plan.order == [0, 1, 2, 3, 4]
     spread = kv.prefill(Q, enc, strategy="spread", target=target, budget=0.2).decision.plan
     assert all(s.tolist() == list(range(len(s))) for s in spread.recompute.values())  # each chunk's first tokens
@@ -101,12 +100,12 @@ def test_a_long_target_is_recomputed_whole_and_the_overspend_reported(kv, enc):
 def test_insert_full_kv_uses_the_full_prefill_slice_of_the_target(kv, enc):
     run = kv.prefill(Q, enc, strategy="insert_full_kv", target=1)
     order = run.decision.plan.order
-    assert order[-1] == 1 and run.stitched.recomputed_tokens == 0
+    assert order[-1] == 1 and run.prefill.recomputed_tokens == 0
     ref = full_prefill(kv.model, kv.prompt_ids(Q, [c.token_ids.tolist() for c in enc], order))
     P = len(kv.prefix)
     begin = P + sum(len(enc[c]) for c in order[:-1])
     want_k, want_v = stacked_kv(ref.cache, 0, begin, begin + len(enc[1]))
-    got_k, got_v = stacked_kv(run.stitched.cache, 0, begin, begin + len(enc[1]))
+    got_k, got_v = stacked_kv(run.prefill.cache, 0, begin, begin + len(enc[1]))
     assert (got_k - want_k).abs().max() < 1e-5 and (got_v - want_v).abs().max() < 1e-5
     assert run.probe.extra_token_layers == (P + sum(len(c) for c in enc)) * kv.model.config.num_hidden_layers
 
@@ -177,45 +176,9 @@ def test_hybrid_spends_the_leftover_outside_the_target(kv, enc):
     run = kv.prefill(Q, enc, strategy="hybrid", target=3, budget=0.5)
     plan = run.decision.plan
     assert plan.order[-1] == 3 and plan.recompute[3].numel() == lengths[3]
-    assert run.stitched.recomputed_tokens == run.decision.budget_tokens
+    assert run.prefill.recomputed_tokens == run.decision.budget_tokens
     short = kv.prefill(Q, enc, strategy="hybrid", target=4, budget=0.05)
     assert list(short.decision.plan.recompute) == [4] and short.probe.extra_token_layers == 0  # nothing left over
-
-
-def test_pickers_and_their_errors(kv, enc):
-    assert kv.answer(Q, enc, scores=[0, 0, 0, 0, 1.0], max_new_tokens=1).stats.picker == "retriever"
-    a = kv.answer(Q, enc, picker="retriever", scores=[0, 1.0, 0, 0, 0], target=4, max_new_tokens=1)
-    assert a.stats.target == 1 and a.stats.target_given == 4 and a.stats.target_correct is False
-    assert kv.answer(Q, enc, target=2, max_new_tokens=1).stats.picker == "oracle"
-    with pytest.raises(
-        InvalidRequestError,
-        match="unknown picker 'best': use one of attention, fused, lexical, likelihood, oracle, retriever",
-    ):
-        kv.answer(Q, enc, picker="best", max_new_tokens=1)
-    with pytest.raises(InvalidRequestError, match="oracle picker needs the known target"):
-        kv.answer(Q, enc, picker="oracle", max_new_tokens=1)
-    with pytest.raises(InvalidRequestError, match="target 9 is not a chunk index"):
-        kv.answer(Q, enc, strategy="spread", target=9, max_new_tokens=1)
-    for budget in (0, -0.1, 1.01, float("nan")):
-        with pytest.raises(InvalidRequestError, match=r"budget must be a fraction of context tokens in \(0, 1\]"):
-            kv.answer(Q, enc, strategy="token_select", budget=budget, max_new_tokens=1)
-
-
-def test_a_plan_with_bad_offsets_is_refused():
-    with pytest.raises(InvalidRequestError, match="outside chunk 0"):
-        check_plan(
-            get_strategy("reuse")
-            .build(PlanRequest([3], None, 0.5))
-            .__class__(order=[0], recompute={0: torch.tensor([3])}),
-            [3],
-            "x",
-        )
-    with pytest.raises(InvalidRequestError, match="at most once"):
-        check_plan(get_strategy("reuse").build(PlanRequest([3, 2], None, 0.5)).__class__(order=[0, 0]), [3, 2], "x")
-    with pytest.raises(InvalidRequestError, match="not in its order"):
-        check_plan(Plan(order=[1], recompute={0: torch.tensor([0])}), [3, 2], "x")
-    with pytest.raises(InvalidRequestError, match="positive factor"):
-        check_plan(Plan(order=[0, 1], key_scale={1: 0.0}), [3, 2], "x")
 
 
 # -- property tests ---------------------------------------------------------------------------------------
@@ -252,10 +215,9 @@ def requests(draw):
 @given(requests())
 @settings(max_examples=300, deadline=None)
 def test_plans_are_valid_and_keep_their_budget(req):
-    decision = make_plan(
-        get_strategy(req["name"]),
+    decision = plan_of(
+        req["name"],
         req["lengths"],
-        probe=None,
         target=req["target"],
         scores=req["scores"],
         budget=req["budget"],
@@ -263,7 +225,7 @@ def test_plans_are_valid_and_keep_their_budget(req):
     )
     plan = decision.plan
     assert sorted(plan.order) == list(range(len(req["lengths"])))
-    recomputed = plan.recomputed_tokens(req["lengths"])
+    recomputed = recomputed_tokens(plan, req["lengths"])
     if req["name"] in ("spread", "spread_chunks"):
         assert recomputed <= decision.budget_tokens and decision.target not in plan.recompute
     if req["name"] == "target_recompute":
@@ -296,58 +258,6 @@ def test_plans_are_valid_and_keep_their_budget(req):
         assert set(plan.key_scale) == set(range(len(lengths))) - {target}
 
 
-@given(st.data())
-@settings(max_examples=300, deadline=None)
-def test_stitched_positions_are_a_permutation_and_the_mask_is_causal(data):
-    lengths = data.draw(st.lists(st.integers(1, 12), min_size=1, max_size=6))
-    n = len(lengths)
-    order = data.draw(st.permutations(range(n)))
-    recompute = {}
-    for c in range(n):
-        picked = data.draw(st.lists(st.integers(0, lengths[c] - 1), unique=True, max_size=lengths[c]))
-        if picked:
-            recompute[c] = torch.tensor(sorted(picked))
-    P, suffix = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 4))
-    layout = stitch_layout(P, lengths, [P] * n, order, recompute, suffix)
-    N = P + sum(lengths) + suffix
-    assert sorted(layout.key_positions.tolist()) == list(range(N))  # every position once: cache then new input
-    assert layout.query_positions.tolist() == layout.key_positions[-len(layout.query_positions) :].tolist()
-    mask = causal_mask(layout.key_positions, layout.query_positions, torch.float32)[0, 0]
-    allowed = mask == 0
-    for i, qp in enumerate(layout.query_positions.tolist()):
-        assert allowed[i].tolist() == [kp <= qp for kp in layout.key_positions.tolist()]
-    assert layout.selected.numel() == sum(len(s) for s in recompute.values())
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "gemma"])
-def test_probes_work_on_every_architecture(arch):
-    from tiny import VOCAB
-
-    from kvrag.encode import encode_chunks, encode_prefix
-    from kvrag.rope import Repositioner
-
-    model = tiny_model(arch)
-    g = torch.Generator().manual_seed(0)
-    prefix = encode_prefix(model, torch.randint(0, VOCAB, (5,), generator=g).tolist())
-    ids = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 9, 7)]
-    chunks = encode_chunks(model, prefix, ids)
-    full = prefix.token_ids.tolist() + sum(ids, [])
-    ref = full_prefill(model, full)
-    rep = Repositioner(model)
-    exact = []
-    pos = len(prefix)
-    for c in chunks:
-        k, v = stacked_kv(ref.cache, 0, pos, pos + len(c))
-        exact.append(ChunkKV(c.token_ids, k, v, start=pos))
-        pos += len(c)
-    assert Probe(model, rep, prefix, exact, [1, 2]).value_deviation([0, 1, 2]).max() < 1e-8
-    stale = Probe(model, rep, prefix, chunks, [1, 2]).value_deviation([0, 1, 2])
-    assert stale[:6].max() < 1e-8 < stale[6:].max()  # the first chunk is exact, the others are not
-    mass = Probe(model, rep, prefix, chunks, [1, 2, 3]).chunk_attention([2, 0, 1])
-    assert mass.shape == (3,) and (mass > 0).all() and mass.sum() < 1
-    assert model.config._attn_implementation == "sdpa"
-
-
 # -- beyond the study's recipe ------------------------------------------------------------------------------
 
 
@@ -362,21 +272,21 @@ def test_top2_moves_the_two_best_last_and_recomputes_both(kv, enc):
     run = kv.prefill(Q, enc, strategy="top2_recompute", scores=[0.1, 0.7, 0.2, 0.9, 0.3])
     plan = run.decision.plan
     assert plan.order == [0, 2, 4, 1, 3] and run.decision.target == 3
-    assert run.stitched.recomputed_tokens == len(enc[1]) + len(enc[3])
+    assert run.prefill.recomputed_tokens == len(enc[1]) + len(enc[3])
 
 
 def test_target_spread_adds_the_budget_on_the_other_chunks_first_tokens(kv, enc):
     run = kv.prefill(Q, enc, strategy="target_spread", target=4, budget=0.2)
     plan, budget = run.decision.plan, run.decision.budget_tokens
-    assert plan.order[-1] == 4 and run.stitched.recomputed_tokens == len(enc[4]) + budget
+    assert plan.order[-1] == 4 and run.prefill.recomputed_tokens == len(enc[4]) + budget
     assert all(
         plan.recompute[c].tolist() == list(range(len(plan.recompute[c]))) for c in range(4) if c in plan.recompute
     )
 
 
 def test_tempered_scales_the_reused_keys_and_nothing_else(kv, enc):
-    reuse = kv.prefill(Q, enc, strategy="reuse").stitched
-    tempered = kv.prefill(Q, enc, strategy="tempered").stitched
+    reuse = kv.prefill(Q, enc, strategy="reuse").prefill
+    tempered = kv.prefill(Q, enc, strategy="tempered").prefill
     P, n = len(kv.prefix), sum(len(c) for c in enc)
     for a, b in zip(reuse.cache.layers, tempered.cache.layers):
         assert torch.equal(a.keys[:, :, :P], b.keys[:, :, :P]) and torch.equal(
@@ -396,8 +306,8 @@ def test_a_key_scale_of_one_is_plain_reuse(kv, enc):
         return Plan(order=list(range(len(request.lengths))), key_scale={c: 1.0 for c in range(len(request.lengths))})
 
     try:
-        same = kv.prefill(Q, enc, strategy="unit_scale_test").stitched.logits
-        assert torch.equal(same, kv.prefill(Q, enc, strategy="reuse").stitched.logits)
+        same = kv.prefill(Q, enc, strategy="unit_scale_test").prefill.logits
+        assert torch.equal(same, kv.prefill(Q, enc, strategy="reuse").prefill.logits)
     finally:
         del STRATEGIES["unit_scale_test"]
 
@@ -408,8 +318,8 @@ def test_full_prefill_baselines_run_the_best_chunks_alone(kv, enc):
     ids = [c.token_ids.tolist() for c in enc]
     with torch.inference_mode():
         want = kv.model(input_ids=torch.tensor([kv.prompt_ids(Q, ids, [3])]), logits_to_keep=1).logits[0, -1]
-    assert top1.decision.plan.order == [3] and torch.equal(top1.stitched.logits[-1], want.float())
-    assert top1.context_tokens == len(enc[3]) == top1.stitched.recomputed_tokens
+    assert top1.decision.plan.order == [3] and torch.equal(top1.prefill.logits[-1], want.float())
+    assert top1.context_tokens == len(enc[3]) == top1.prefill.recomputed_tokens
     top3 = kv.prefill(Q, enc, strategy="full_prefill_top3", scores=scores).decision.plan
     assert top3.order == [1, 3, 4]  # the three best, in the given order
     answer = kv.answer(Q, enc, strategy="full_prefill_top1", scores=scores, max_new_tokens=1)
@@ -435,35 +345,10 @@ def test_a_plan_that_leaves_chunks_out_stitches_the_rest_exactly(kv, enc):
 
     try:
         run = kv.prefill(Q, exact, strategy="subset_test")
-        assert (run.stitched.logits[-1] - ref.logits[-1]).abs().max() < 1e-4
+        assert (run.prefill.logits[-1] - ref.logits[-1]).abs().max() < 1e-4
         assert run.context_tokens == len(enc[4]) + len(enc[1]) and P == len(kv.prefix)
     finally:
         del STRATEGIES["subset_test"]
-
-
-def test_the_likelihood_picker_scores_each_chunk_as_a_plain_forward_would(kv, enc):
-    probe = kv.prefill(Q, enc, strategy="target_recompute", picker="likelihood").probe
-    got = probe.question_likelihood()
-    suffix = kv.layout.suffix_ids(Q)
-    for c, chunk in enumerate(enc):
-        ids = kv.layout.prefix_ids + chunk.token_ids.tolist() + suffix
-        with torch.inference_mode():
-            logits = kv.model(input_ids=torch.tensor([ids])).logits[0].float()
-        logp = torch.log_softmax(logits[-len(suffix) : -1], -1)
-        want = logp.gather(-1, torch.tensor(suffix[1:]).view(-1, 1)).mean()
-        assert abs(float(got[c]) - float(want)) < 1e-4
-    run = kv.prefill(Q, enc, strategy="target_recompute", picker="likelihood")
-    assert run.decision.target == int(got.argmax()) and run.decision.picker == "likelihood"
-    layers = kv.model.config.num_hidden_layers
-    assert run.probe.extra_token_layers == len(enc) * len(suffix) * layers
-
-
-def test_the_lexical_picker_fuses_the_question_words_with_the_scores(kv, enc):
-    # dense scores tie chunks 2 and 4; only chunk 4 shares the question's words ("archive", "open")
-    run = kv.prefill(Q, enc, strategy="target_recompute", picker="lexical", scores=[0.1, 0.1, 0.5, 0.1, 0.5])
-    assert run.decision.target == 4
-    fused = kv.prefill(Q, enc, strategy="target_recompute", picker="fused", scores=[0.1, 0.1, 0.5, 0.1, 0.5])
-    assert fused.decision.target in range(5) and fused.probe.extra_token_layers > 0
 
 
 def test_a_lead_is_encoded_before_every_chunk_and_never_enters_the_prompt(kv):
@@ -491,7 +376,7 @@ def test_a_lead_is_encoded_before_every_chunk_and_never_enters_the_prompt(kv):
         run = led.prefill(Q, chunks, strategy="all_tokens_test")
         ids = [c.token_ids.tolist() for c in chunks]
         want = full_prefill(kv.model, kv.prompt_ids(Q, ids, range(5)))
-        assert (run.stitched.logits[-1] - want.logits[-1]).abs().max() < 1e-4
+        assert (run.prefill.logits[-1] - want.logits[-1]).abs().max() < 1e-4
     finally:
         del STRATEGIES["all_tokens_test"]
     assert led.encoder_id != kv.encoder_id and led.chunk_key(chunks[0]) != kv.chunk_key(chunks[0])
@@ -505,8 +390,8 @@ def test_target_only_is_exactly_full_prefill_over_that_chunk_at_the_cost_of_the_
     scores = [0.1, 0.7, 0.2, 0.9, 0.3]
     only = kv.prefill(Q, enc, strategy="target_only", scores=scores)
     top1 = kv.prefill(Q, enc, strategy="full_prefill_top1", scores=scores)
-    assert only.decision.plan.order == top1.decision.plan.order == [3] and only.stitched.recomputed_tokens == 0
-    assert (only.stitched.logits[-1] - top1.stitched.logits[-1]).abs().max() < 1e-4
+    assert only.decision.plan.order == top1.decision.plan.order == [3] and only.prefill.recomputed_tokens == 0
+    assert (only.prefill.logits[-1] - top1.prefill.logits[-1]).abs().max() < 1e-4
     a = kv.answer(Q, enc, strategy="target_only", scores=scores, max_new_tokens=6)
     b = kv.answer(Q, enc, strategy="full_prefill_top1", scores=scores, max_new_tokens=6)
     assert a.token_ids == b.token_ids and a.stats.context_tokens == len(enc[3])

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import FACTS, HashEmbedder, byte_tokenizer, save_tiny, tiny_model
+from tiny import HashEmbedder, byte_tokenizer, save_tiny, tiny_model
 
 from kvrag.cli import main
 from kvrag.errors import DocumentError, InvalidRequestError, KVRAGError
 from kvrag.kvmodel import KVModel
-from kvrag.recompute import full_prefill
 from kvrag.study import BUILTIN, StudyConfig, StudyRunner, builtin, load_items, load_jsonl, run_study
 from kvrag.study.metrics import (
     bootstrap_diff,
@@ -27,7 +26,6 @@ from kvrag.study.metrics import (
     topk_logprobs,
     wilson,
 )
-from kvrag.batch import PaddedBatch
 
 # -- generators ----------------------------------------------------------------------------------------
 
@@ -122,53 +120,6 @@ def test_topk_kl_matches_full_kl_when_k_covers_the_vocabulary() -> None:
     ids, logp = topk_logprobs(ref, k=5)  # coarse-grained: never above the full KL
     assert 0 < kl_topk(ids, logp, other) <= float(full.mean()) + 1e-6
     assert kl_topk(*topk_logprobs(ref, k=5), ref) == pytest.approx(0.0, abs=1e-5)
-
-
-def test_batched_greedy_decoding_equals_decoding_each_prefill_alone(tmp_path) -> None:
-    kv = KVModel(tiny_model("llama"), byte_tokenizer())
-    runner = StudyRunner(kv, None, StudyConfig(max_new_tokens=12), tmp_path)
-    ids = [kv.layout.chunk_ids(text) for text, _ in FACTS[:3]]
-    prompts = [kv.prompt_ids("Who?", ids, order) for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0])]
-    alone = [runner._generate_batch([full_prefill(kv.model, p)])[0] for p in prompts]
-    together = runner._generate_batch([full_prefill(kv.model, p) for p in prompts])
-    assert together == alone
-    assert len({tuple(tokens) for _, tokens in alone}) > 1  # the orders really give different answers
-
-
-def test_one_batch_of_prompts_of_different_lengths_decodes_and_forces_as_each_prompt_alone(tmp_path) -> None:
-    """Left padding behind a mask: a short closed-book-like prompt and long ones in one batch give each row's
-    own greedy answer and teacher-forced logits; rows that finish early leave the batch (a smaller copy)."""
-    kv = KVModel(tiny_model("llama"), byte_tokenizer())
-    runner = StudyRunner(kv, None, StudyConfig(max_new_tokens=12), tmp_path)
-    ids = [kv.layout.chunk_ids(text) for text, _ in FACTS[:3]]
-    prompts = [kv.prompt_ids("Who?", ids, [0, 1, 2]), kv.prompt_ids("Who?", [], []), kv.prompt_ids("Who?", ids, [2])]
-    assert len({len(p) for p in prompts}) == 3
-    alone = [runner._generate_batch([full_prefill(kv.model, p)])[0] for p in prompts]
-    prefills = [full_prefill(kv.model, p) for p in prompts]
-    batch = PaddedBatch.of_prefills(kv.model, prefills, room=12)
-    assert runner._generate(batch) == alone
-    forced = [[7, 8, 9, 10], [11], []]
-    for prompt, sequence, logits in zip(prompts, forced, runner._forced(batch, forced)):
-        with torch.inference_mode():
-            whole = kv.model(input_ids=torch.tensor([prompt + sequence])).logits[0, len(prompt) - 1 :]
-        assert logits.shape == whole.shape
-        torch.testing.assert_close(logits, whole.float(), rtol=1e-4, atol=1e-4)
-    for prefill, prompt in zip(prefills, prompts):  # the prefills themselves are untouched
-        assert prefill.cache.get_seq_length() == len(prompt)
-
-
-def test_a_reference_continued_from_a_shared_prefix_equals_its_full_prefill(tmp_path) -> None:
-    kv = KVModel(tiny_model("qwen2"), byte_tokenizer())
-    runner = StudyRunner(kv, None, StudyConfig(), tmp_path)
-    ids = [kv.layout.chunk_ids(text) for text, _ in FACTS[:3]]
-    given, moved = kv.prompt_ids("Who?", ids, [0, 1, 2]), kv.prompt_ids("Who?", ids, [0, 2, 1])
-    shared = len(kv.prefix) + len(ids[0])
-    continued = runner._continue_prefill(full_prefill(kv.model, given).cache, moved, shared)
-    whole = full_prefill(kv.model, moved)
-    torch.testing.assert_close(continued.logits, whole.logits, rtol=1e-4, atol=1e-4)
-    for a, b in zip(continued.cache.layers, whole.cache.layers):
-        torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
 
 
 # -- the JSONL format ----------------------------------------------------------------------------------
@@ -355,18 +306,6 @@ def test_a_failing_or_mismatched_worker_stops_the_run_with_a_message(tmp_path) -
         run_study(kv, items[:2], out, config=config, jobs=2, worker_model={"name_or_path": other}, progress=False)
     with pytest.raises(InvalidRequestError, match="needs worker_model"):
         run_study(kv, items, out, jobs=2, progress=False)
-
-
-def test_a_record_whose_answer_holds_a_unicode_line_separator_is_read_back(tmp_path) -> None:
-    """JSON lines end at a newline only: an answer holding U+2028 or U+0085 is one record, not two broken ones."""
-    from kvrag.study.runner import _Append, _read_jsonl
-
-    append = _Append(tmp_path / "records.jsonl")
-    append({"key": "a", "text": "one\u2028two\x85three\x1cfour"})
-    append({"key": "b", "text": "next"})
-    append.close()
-    rows = _read_jsonl(tmp_path, "records")
-    assert rows["a"]["text"] == "one\u2028two\x85three\x1cfour" and rows["b"]["text"] == "next"
 
 
 def test_a_record_after_a_line_cut_short_is_read_back(tmp_path) -> None:

@@ -157,3 +157,19 @@ class HashEmbedder:
             for word in re.findall(r"\w+", text.lower()):
                 out[i, zlib.crc32(word.encode()) % self.DIM] += 1.0
         return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+
+def plan_of(name: str, lengths: list[int], **options: Any) -> Any:
+    """The planner's decision for a request over chunks of these lengths, no probe (strategies that need none)."""
+    from kvrag.planner import make_plan
+    from kvrag.request import Request
+
+    request = Request("q", ["x"] * len(lengths), strategy=name, **options).with_default(None)
+    return make_plan(request, lengths, None)
+
+
+def recomputed_tokens(plan: Any, lengths: list[int]) -> int:
+    """Context tokens a plan recomputes (every token of its chunks for a full prefill)."""
+    if plan.full_prefill:
+        return sum(lengths[c] for c in plan.order)
+    return sum(int(s.numel()) for s in plan.recompute.values())

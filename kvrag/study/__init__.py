@@ -85,19 +85,13 @@ def run_study(
         report_only: compute nothing: report the items whose every row is in the cache (a run still going, or
             stopped, in other processes).
     """
+    # Long only by its signature and documented arguments: the body is the run's one sequence of steps.
     import torch
     from tqdm.auto import tqdm
 
     from kvrag.study import report
 
-    if not items:
-        raise InvalidRequestError("no study items to run: check --data and --limit")
-    if not isinstance(jobs, int) or not 1 <= jobs <= 64:
-        raise InvalidRequestError(f"jobs must be a whole number in 1..64, got {jobs!r}")
-    if jobs > 1 and worker_model is None:
-        raise InvalidRequestError("jobs > 1 needs worker_model: the KVModel.from_pretrained arguments of each worker")
-    if jobs > 1 and embedder is not None:
-        raise InvalidRequestError("jobs > 1 runs the default embedder in every worker: leave embedder unset")
+    _check_jobs(items, jobs, worker_model, embedder)
     config = config or StudyConfig()
     out = Path(out)
     threads = torch.get_num_threads()
@@ -118,14 +112,9 @@ def run_study(
             skipped += [f"item {item.id}: not every row is in the cache" for item in items if not runner.done(item)]
             bar.update(len(items))
         elif jobs > 1:
-            todo = [item for item in items if not runner.done(item)]
-            bar.update(len(items) - len(todo))
-            if todo:
-                workers = min(jobs, len(todo))
-                share = max(1, threads // workers)
-                model = worker_model or {}
-                _run_workers(todo, out / "cache", config, model, runner.settings, workers, share, part, on_item)
-            records = StudyRunner(kv, None, config, out / "cache").cached(items)  # what the workers wrote
+            records = _in_workers(
+                runner, kv, items, out / "cache", worker_model or {}, jobs, threads, part, bar, on_item
+            )
         else:
             if embedder is None:
                 from kvrag.embed import Embedder
@@ -134,9 +123,69 @@ def run_study(
             records = runner.run(items, on_item=lambda item, reason: on_item(item.id, reason))
     finally:
         bar.close()
-    run_s = time.perf_counter() - t0
+    results = _results(kv, records, config, command, threads, jobs, time.perf_counter() - t0, cached, skipped)
+    paths = report.write(results, out)
+    _log_skipped(skipped, log)
+    log(f"wrote {', '.join(str(p) for p in paths)}")
+    return results
+
+
+def _log_skipped(skipped: list[str], log: Callable[[str], None]) -> None:
+    for line in skipped[:20]:
+        log(f"skipped: {line}")
+    if len(skipped) > 20:
+        log(f"skipped: ... and {len(skipped) - 20} more (all in results.json)")
+
+
+def _in_workers(
+    runner: StudyRunner,
+    kv: Any,
+    items: Sequence[StudyItem],
+    cache: Path,
+    model: dict[str, Any],
+    jobs: int,
+    threads: int,
+    part: str,
+    bar: Any,
+    on_item: Callable[[str, str | None], None],
+) -> list[dict[str, Any]]:
+    """The items not yet in the cache run by worker processes; every item's records, read back from the cache."""
+    todo = [item for item in items if not runner.done(item)]
+    bar.update(len(items) - len(todo))
+    if todo:
+        workers = min(jobs, len(todo))
+        share = max(1, threads // workers)
+        _run_workers(todo, cache, runner.config, model, runner.settings, workers, share, part, on_item)
+    return StudyRunner(kv, None, runner.config, cache).cached(items)  # what the workers wrote
+
+
+def _check_jobs(items: Sequence[StudyItem], jobs: int, worker_model: Any, embedder: Any) -> None:
+    if not items:
+        raise InvalidRequestError("no study items to run: check --data and --limit")
+    if not isinstance(jobs, int) or not 1 <= jobs <= 64:
+        raise InvalidRequestError(f"jobs must be a whole number in 1..64, got {jobs!r}")
+    if jobs > 1 and worker_model is None:
+        raise InvalidRequestError("jobs > 1 needs worker_model: the KVModel.from_pretrained arguments of each worker")
+    if jobs > 1 and embedder is not None:
+        raise InvalidRequestError("jobs > 1 runs the default embedder in every worker: leave embedder unset")
+
+
+def _results(
+    kv: Any,
+    records: list[dict[str, Any]],
+    config: StudyConfig,
+    command: str,
+    threads: int,
+    jobs: int,
+    run_s: float,
+    cached: int,
+    skipped: list[str],
+) -> dict[str, Any]:
+    """What results.json holds: the run's settings and the summaries of its records."""
+    from kvrag.study import report
+
     per_item = {r["item"]: r.get("item_s", 0.0) for r in records}
-    results = {
+    return {
         "schema": report.SCHEMA,
         "command": command,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -149,13 +198,6 @@ def run_study(
         "data": {"items": len({r["item"] for r in records}), "cached_items": cached, "skipped": skipped},
         **report.summarize(records, config),
     }
-    paths = report.write(results, out)
-    for line in skipped[:20]:
-        log(f"skipped: {line}")
-    if len(skipped) > 20:
-        log(f"skipped: ... and {len(skipped) - 20} more (all in results.json)")
-    log(f"wrote {', '.join(str(p) for p in paths)}")
-    return results
 
 
 def _run_workers(
@@ -175,7 +217,6 @@ def _run_workers(
     is gone stops after its item in progress. What every worker finished stays in the cache for a rerun.
     """
     import multiprocessing as mp
-    import queue as queues
 
     context = mp.get_context("spawn")  # a forked copy of a process that has run OpenMP threads can hang
     events = context.Queue()
@@ -203,46 +244,59 @@ def _run_workers(
     ]
     for worker in workers:
         worker.start()
-    finished: set[int] = set()
-    failure = None
+    watch = _Watch(jobs, settings, on_item)
+    try:
+        watch.until_done(events, workers)
+    finally:
+        for worker in workers:
+            if len(watch.finished) < jobs and worker.is_alive():
+                worker.terminate()
+            worker.join()
+    failure = watch.failure
+    if failure is not None:
+        raise KVRAGError(f"{failure}; every finished item is kept in {cache}: run the same command again to go on")
 
-    def handle(kind: str, index: int, detail: Any) -> None:
-        nonlocal failure
+
+class _Watch:
+    """The parent's side of the workers: their events, until all are done or one has failed."""
+
+    def __init__(self, jobs: int, settings: str, on_item: Callable[[str, str | None], None]) -> None:
+        self.jobs, self.settings, self.on_item = jobs, settings, on_item
+        self.finished: set[int] = set()
+        self.failure: str | None = None
+
+    def handle(self, kind: str, index: int, detail: Any) -> None:
         if kind == "item":
-            on_item(*detail)
-        elif kind == "done" and detail != settings:
-            failure = (
-                f"worker {index} of {jobs} loaded a different model or settings than this process "
+            self.on_item(*detail)
+        elif kind == "done" and detail != self.settings:
+            self.failure = (
+                f"worker {index} of {self.jobs} loaded a different model or settings than this process "
                 f"(worker_model must load the model given to run_study)"
             )
         elif kind == "done":
-            finished.add(index)
-        elif failure is None:
-            failure = f"worker {index} of {jobs} failed: {detail}"
+            self.finished.add(index)
+        elif self.failure is None:
+            self.failure = f"worker {index} of {self.jobs} failed: {detail}"
 
-    try:
-        while len(finished) < jobs and failure is None:
+    def until_done(self, events: Any, workers: Sequence[Any]) -> None:
+        import queue as queues
+
+        while len(self.finished) < self.jobs and self.failure is None:
             try:
-                handle(*events.get(timeout=1.0))
+                self.handle(*events.get(timeout=1.0))
                 continue
             except queues.Empty:
                 pass
             for i, worker in enumerate(workers):
-                if i not in finished and not worker.is_alive():
+                if i not in self.finished and not worker.is_alive():
                     try:  # what it said before it stopped comes first
-                        while failure is None and i not in finished:
-                            handle(*events.get(timeout=0.5))
+                        while self.failure is None and i not in self.finished:
+                            self.handle(*events.get(timeout=0.5))
                     except queues.Empty:
-                        failure = (
-                            f"worker {i} of {jobs} stopped (exit code {worker.exitcode}) before its items were done"
+                        self.failure = (
+                            f"worker {i} of {self.jobs} stopped (exit code {worker.exitcode}) before its items "
+                            "were done"
                         )
-    finally:
-        for worker in workers:
-            if len(finished) < jobs and worker.is_alive():
-                worker.terminate()
-            worker.join()
-    if failure is not None:
-        raise KVRAGError(f"{failure}; every finished item is kept in {cache}: run the same command again to go on")
 
 
 def _work(

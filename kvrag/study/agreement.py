@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 from kvrag.defaults import load_default, save_default
 from kvrag.errors import EmptyInputError, InvalidRequestError, KVRAGError
 from kvrag.pickers import get_picker
-from kvrag.planner import check_request
+from kvrag.request import check_budget
 from kvrag.strategies import get_strategy
 from kvrag.study.metrics import mcnemar, normalize, token_f1, wilson
 
@@ -68,7 +68,7 @@ def candidates(specs: Sequence[str], budgets: Sequence[float]) -> list[Candidate
                 raise InvalidRequestError(f"'{spec}': only a strategy that takes any picker can be given one")
         chosen = (picker or strategy.picker or "retriever") if strategy.needs_target else None
         for budget in budgets if strategy.budgeted else budgets[:1]:
-            _, _, budget = check_request(1, target=None, scores=None, budget=budget)
+            budget = check_budget(budget)
             candidate = Candidate(name, chosen, budget)
             if candidate not in out:
                 out.append(candidate)
@@ -237,7 +237,7 @@ def run_tune(
         "command": command,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "index": str(rag.path) if rag.path else None,
-        "model": asdict(rag.kv.fingerprint),
+        "model": asdict(rag.kvmodel.fingerprint),
         "top_k": top_k,
         "max_new_tokens": max_new_tokens,
         "floor": floor,

@@ -16,7 +16,7 @@ import random
 import re
 import unicodedata
 from collections import Counter
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -122,3 +122,23 @@ def kl_topk(ref_ids: list[list[int]], ref_logp: list[list[float]], logits: torch
             kl += p_rest * math.log(p_rest / q_rest)
         total += max(0.0, kl)
     return total / len(ref_ids)
+
+
+def log_likelihood(logits: torch.Tensor, tokens: list[int]) -> float:
+    """Sum of log p(token) over teacher-forced logits whose row i predicts tokens[i]."""
+    logp = torch.log_softmax(logits[: len(tokens)], dim=-1)
+    return float(logp[torch.arange(len(tokens)), torch.tensor(tokens, device=logp.device)].sum())
+
+
+def kv_distance(mine: Any, mine_slots: torch.Tensor, full: Any, full_slots: torch.Tensor) -> float:
+    """||KV - reference KV|| / ||reference KV|| over some slots of two caches, keys and values of every layer.
+
+    `mine_slots` and `full_slots` are the physical cache slots of the same tokens in each cache.
+    """
+    diff = norm = 0.0
+    for a_layer, b_layer in zip(mine.layers, full.layers):
+        for a, b in ((a_layer.keys, b_layer.keys), (a_layer.values, b_layer.values)):
+            x, y = a[0][:, mine_slots.to(a.device)].float(), b[0][:, full_slots.to(b.device)].float()  # [H, T, D]
+            diff += float((x - y).pow(2).sum())
+            norm += float(y.pow(2).sum())
+    return (diff / norm) ** 0.5 if norm else 0.0

@@ -66,73 +66,13 @@ def summarize_group(records: list[dict[str, Any]], rows: Sequence[Row]) -> dict[
         mine = by_row[row]
         if not mine:
             continue
-        right = sum(r["correct"] for r in mine.values())
-        agreed = [bool(r["agrees"]) for r in mine.values() if r.get("agrees") is not None]  # older records lack it
-        cd = [i for i in mine if i in dependent]
-        kept = sum(mine[i]["correct"] for i in cd)
-        own_cd = [i for i, r in mine.items() if not r["closed_book_correct"] and r["own_order_full_prefill_correct"]]
-        entry: dict[str, Any] = {
-            "label": row.label,
-            "strategy": row.strategy,
-            "picker": row.picker,
-            "budget": row.budget,
-            "budget_free": not get_strategy(row.strategy).budgeted,
-            "lead": row.lead,
-            "n": len(mine),
-            "accuracy": right / len(mine),
-            "accuracy_ci": wilson(right, len(mine)),
-            "f1": _mean(r["f1"] for r in mine.values()),
-            # how often the answer is full prefill's (given order), normalized as scoring is: no gold needed
-            "agreement": sum(agreed) / len(agreed) if agreed else None,
-            "agreement_ci": wilson(sum(agreed), len(agreed)) if agreed else None,
-            "agreed": sum(agreed),
-            "n_agreement": len(agreed),
-            "agreement_own_order": _mean(r.get("agrees_own_order") for r in mine.values()),
-            "agreement_f1": _mean(_agreement_f1(r) for r in mine.values()),
-            "n_context_dependent": len(cd),
-            "retention": kept / len(cd) if cd else None,
-            "retention_ci": wilson(kept, len(cd)) if cd else None,
-            "retained": kept,
-            "own_order_full_prefill_accuracy": _mean(r["own_order_full_prefill_correct"] for r in mine.values()),
-            "retention_own_order": _mean(mine[i]["correct"] for i in own_cd),
-            "n_context_dependent_own_order": len(own_cd),
-            "kl": _mean(r["kl"] for r in mine.values()),
-            "kl_median": statistics.median(r["kl"] for r in mine.values()),
-            "gold_ll_delta": _mean(r["gold_ll_delta"] for r in mine.values()),
-            "target_kv_distance": _mean(r.get("target_kv_distance") for r in mine.values()),
-            "picker_accuracy": _mean(r["picker_correct"] for r in mine.values()),
-            "recomputed_fraction": _mean(r["recomputed_fraction"] for r in mine.values()),
-            "extra_token_layers": _mean(r["extra_token_layers"] for r in mine.values()),
-            "ttft_s": statistics.median(r["ttft_s"] for r in mine.values()),
-            "full_prefill_ttft_s": statistics.median(r["full_prefill_ttft_s"] for r in mine.values()),
-            "vs_target_recompute": None,
-        }
+        entry = _row_entry(row, mine, dependent)
         base = _baseline(rows, row)
         theirs = by_row.get(base) if base else None
         if theirs is None and base is not None:
             theirs = _row_records(records, base)
-        if theirs and base != row:
-            paired = [i for i in cd if i in theirs]
-            a, b = [bool(mine[i]["correct"]) for i in paired], [bool(theirs[i]["correct"]) for i in paired]
-            only_this, only_base, p = mcnemar(a, b)
-            both = [i for i in mine if i in theirs]
-            _, _, p_all = mcnemar([bool(mine[i]["correct"]) for i in both], [bool(theirs[i]["correct"]) for i in both])
-            diff = bootstrap_diff([float(x) for x in a], [float(y) for y in b]) if paired else None
-            agree = [i for i in both if mine[i].get("agrees") is not None and theirs[i].get("agrees") is not None]
-            _, _, p_agree = mcnemar(
-                [bool(mine[i]["agrees"]) for i in agree], [bool(theirs[i]["agrees"]) for i in agree]
-            )
-            entry["vs_target_recompute"] = {
-                "baseline": base.label,
-                "n_pairs": len(paired),
-                "only_this": only_this,
-                "only_baseline": only_base,
-                "p_mcnemar": p,
-                "retention_diff": diff[0] if diff else None,
-                "retention_diff_ci": [diff[1], diff[2]] if diff else None,
-                "p_mcnemar_all_items": p_all,
-                "p_mcnemar_agreement": p_agree if agree else None,
-            }
+        if theirs and base is not None and base != row:
+            entry["vs_target_recompute"] = _paired(base, mine, theirs, [i for i in mine if i in dependent])
         out_rows.append(entry)
     n = len(items)
     closed_agrees = [bool(r["closed_book_agrees"]) for r in items.values() if r.get("closed_book_agrees") is not None]
@@ -147,6 +87,77 @@ def summarize_group(records: list[dict[str, Any]], rows: Sequence[Row]) -> dict[
         "full_prefill_accuracy_ci": wilson(full, n),
         "n_context_dependent": len(dependent),
         "rows": out_rows,
+    }
+
+
+def _row_entry(row: Row, mine: dict[str, dict[str, Any]], dependent: set[str]) -> dict[str, Any]:
+    """One row's metrics over its items (`mine`: item -> record); `dependent`: the context-dependent items."""
+    right = sum(r["correct"] for r in mine.values())
+    agreed = [bool(r["agrees"]) for r in mine.values() if r.get("agrees") is not None]  # older records lack it
+    cd = [i for i in mine if i in dependent]
+    kept = sum(mine[i]["correct"] for i in cd)
+    own_cd = [i for i, r in mine.items() if not r["closed_book_correct"] and r["own_order_full_prefill_correct"]]
+    return {
+        "label": row.label,
+        "strategy": row.strategy,
+        "picker": row.picker,
+        "budget": row.budget,
+        "budget_free": not get_strategy(row.strategy).budgeted,
+        "lead": row.lead,
+        "n": len(mine),
+        "accuracy": right / len(mine),
+        "accuracy_ci": wilson(right, len(mine)),
+        "f1": _mean(r["f1"] for r in mine.values()),
+        # how often the answer is full prefill's (given order), normalized as scoring is: no gold needed
+        "agreement": sum(agreed) / len(agreed) if agreed else None,
+        "agreement_ci": wilson(sum(agreed), len(agreed)) if agreed else None,
+        "agreed": sum(agreed),
+        "n_agreement": len(agreed),
+        "agreement_own_order": _mean(r.get("agrees_own_order") for r in mine.values()),
+        "agreement_f1": _mean(_agreement_f1(r) for r in mine.values()),
+        "n_context_dependent": len(cd),
+        "retention": kept / len(cd) if cd else None,
+        "retention_ci": wilson(kept, len(cd)) if cd else None,
+        "retained": kept,
+        "own_order_full_prefill_accuracy": _mean(r["own_order_full_prefill_correct"] for r in mine.values()),
+        "retention_own_order": _mean(mine[i]["correct"] for i in own_cd),
+        "n_context_dependent_own_order": len(own_cd),
+        "kl": _mean(r["kl"] for r in mine.values()),
+        "kl_median": statistics.median(r["kl"] for r in mine.values()),
+        "gold_ll_delta": _mean(r["gold_ll_delta"] for r in mine.values()),
+        "target_kv_distance": _mean(r.get("target_kv_distance") for r in mine.values()),
+        "picker_accuracy": _mean(r["picker_correct"] for r in mine.values()),
+        "recomputed_fraction": _mean(r["recomputed_fraction"] for r in mine.values()),
+        "extra_token_layers": _mean(r["extra_token_layers"] for r in mine.values()),
+        "ttft_s": statistics.median(r["ttft_s"] for r in mine.values()),
+        "full_prefill_ttft_s": statistics.median(r["full_prefill_ttft_s"] for r in mine.values()),
+        "vs_target_recompute": None,
+    }
+
+
+def _paired(
+    base: Row, mine: dict[str, dict[str, Any]], theirs: dict[str, dict[str, Any]], cd: list[str]
+) -> dict[str, Any]:
+    """Paired tests of a row against its baseline: retention over the context-dependent items `cd`, accuracy
+    over every shared item, agreement with full prefill."""
+    paired = [i for i in cd if i in theirs]
+    a, b = [bool(mine[i]["correct"]) for i in paired], [bool(theirs[i]["correct"]) for i in paired]
+    only_this, only_base, p = mcnemar(a, b)
+    both = [i for i in mine if i in theirs]
+    _, _, p_all = mcnemar([bool(mine[i]["correct"]) for i in both], [bool(theirs[i]["correct"]) for i in both])
+    diff = bootstrap_diff([float(x) for x in a], [float(y) for y in b]) if paired else None
+    agree = [i for i in both if mine[i].get("agrees") is not None and theirs[i].get("agrees") is not None]
+    _, _, p_agree = mcnemar([bool(mine[i]["agrees"]) for i in agree], [bool(theirs[i]["agrees"]) for i in agree])
+    return {
+        "baseline": base.label,
+        "n_pairs": len(paired),
+        "only_this": only_this,
+        "only_baseline": only_base,
+        "p_mcnemar": p,
+        "retention_diff": diff[0] if diff else None,
+        "retention_diff_ci": [diff[1], diff[2]] if diff else None,
+        "p_mcnemar_all_items": p_all,
+        "p_mcnemar_agreement": p_agree if agree else None,
     }
 
 

@@ -1,19 +1,20 @@
 """KVRAGRetriever: a kvrag engine's retrieval as a LangChain retriever.
 
 It translates `KVRAG.retrieve`'s Sources into LangChain Documents and nothing more: ranking, filters and
-hybrid fusion stay in the engine.
+BM25 fusion stay in the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import warnings
 from typing import Any
 
 from kvrag import KVRAG, Source
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 
 def to_document(source: Source) -> Document:
@@ -27,7 +28,7 @@ class KVRAGRetriever(BaseRetriever):
     """The top-k chunks of a kvrag index, best first, as Documents.
 
     Each Document carries the chunk text as `page_content` and the chunk's metadata plus `"id"` (the chunk
-    id, `<doc_id>#<n>`) and `"score"` (cosine similarity; the fused rank score with `hybrid=True`). Feed them
+    id, `<doc_id>#<n>`) and `"score"` (cosine similarity; the fused rank score with `bm25=True`). Feed them
     to `KVRAGRunnable` as `{"question": ..., "documents": ...}` and their KV comes from the engine's store.
 
     Args:
@@ -35,7 +36,7 @@ class KVRAGRetriever(BaseRetriever):
         k: how many chunks to return (`top_k`); `invoke(query, k=3)` overrides it for one call.
         filters: metadata filters (`{"key": value}` or `{"key": [values]}`), applied before top-k, so a
             filter that matches fewer than k chunks returns only those.
-        hybrid: fuse the dense and BM25 rankings by reciprocal rank.
+        bm25: fuse the dense and BM25 rankings by reciprocal rank (`hybrid` is its deprecated name).
 
     Example:
         >>> retriever = KVRAGRetriever(engine=KVRAG.from_defaults("./my-index"), k=3)
@@ -47,14 +48,22 @@ class KVRAGRetriever(BaseRetriever):
     engine: KVRAG
     k: int = Field(default=5, description="how many chunks to return (top_k)")
     filters: dict[str, Any] | None = Field(default=None, description="metadata filters, applied before top-k")
-    hybrid: bool = Field(default=False, description="fuse dense and BM25 rankings")
+    bm25: bool = Field(default=False, description="fuse dense and BM25 rankings")
 
-    def _search(self, query: str, k: int | None, filters: dict[str, Any] | None, hybrid: bool | None) -> list[Document]:
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, values: Any) -> Any:
+        if isinstance(values, dict) and "hybrid" in values:
+            warnings.warn("KVRAGRetriever(hybrid=) is renamed bm25=", DeprecationWarning, stacklevel=4)
+            values = {**values, "bm25": values.pop("hybrid")}
+        return values
+
+    def _search(self, query: str, k: int | None, filters: dict[str, Any] | None, bm25: bool | None) -> list[Document]:
         sources = self.engine.retrieve(
             query,
             top_k=self.k if k is None else k,
             filters=self.filters if filters is None else filters,
-            hybrid=self.hybrid if hybrid is None else hybrid,
+            bm25=self.bm25 if bm25 is None else bm25,
         )
         return [to_document(s) for s in sources]
 
@@ -65,9 +74,9 @@ class KVRAGRetriever(BaseRetriever):
         run_manager: CallbackManagerForRetrieverRun,
         k: int | None = None,
         filters: dict[str, Any] | None = None,
-        hybrid: bool | None = None,
+        bm25: bool | None = None,
     ) -> list[Document]:
-        return self._search(query, k, filters, hybrid)
+        return self._search(query, k, filters, bm25)
 
     async def _aget_relevant_documents(
         self,

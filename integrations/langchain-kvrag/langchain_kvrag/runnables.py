@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Union
 
 from kvrag import KVRAG, Answer, EmptyInputError, InvalidRequestError
+from kvrag.request import scores_of
 from langchain_core.documents import Document
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.runnables.utils import AddableDict, ConfigurableFieldSpec
@@ -48,7 +49,7 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
     """Answer questions with a kvrag engine, over its own retrieval or over documents you pass.
 
     Input:
-        - a question (`str`): the engine retrieves `top_k` chunks (with `filters`, `hybrid`) and answers.
+        - a question (`str`): the engine retrieves `top_k` chunks (with `filters`, `bm25`) and answers.
         - `{"question": str, "documents": [Document, ...]}`: the engine answers over exactly those documents'
           `page_content`, in the given order, with `metadata["score"]` as their scores when every document has
           one. Documents from `KVRAGRetriever` find their KV in the engine's store; text from any other
@@ -70,7 +71,7 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
         budget: fraction of context tokens a budgeted strategy may recompute, in (0, 1].
         top_k: chunks to retrieve for a question input.
         filters: metadata filters for retrieval (`{"key": value}` or `{"key": [values]}`).
-        hybrid: fuse dense and BM25 rankings in retrieval.
+        bm25: fuse dense and BM25 rankings in retrieval.
         picker: how a target strategy picks its target ("retriever", "attention", "oracle"); None: kvrag's default.
         max_new_tokens: generation limit.
         generation_kwargs: further decoding arguments of `KVModel.stream` (`temperature`, `top_p`, `seed`, `stop`).
@@ -93,7 +94,7 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
     budget: float = Field(default=0.05, description="fraction of context tokens a budgeted strategy may recompute")
     top_k: int = Field(default=5, description="chunks to retrieve for a question")
     filters: dict[str, Any] | None = Field(default=None, description="metadata filters for retrieval")
-    hybrid: bool = Field(default=False, description="fuse dense and BM25 rankings in retrieval")
+    bm25: bool = Field(default=False, description="fuse dense and BM25 rankings in retrieval")
     picker: str | None = Field(default=None, description="how a target strategy picks its target")
     max_new_tokens: int = Field(default=256, description="generation limit")
     generation_kwargs: dict[str, Any] = Field(default_factory=dict, description="temperature, top_p, seed, stop")
@@ -126,7 +127,7 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
             "max_new_tokens": self.max_new_tokens,
             **self.generation_kwargs,
         }
-        retrieval = {"top_k": chosen["top_k"], "filters": self.filters, "hybrid": self.hybrid}
+        retrieval = {"top_k": chosen["top_k"], "filters": self.filters, "bm25": self.bm25}
         if isinstance(value, str):
             return _Request(value, None, None, {**options, **retrieval})
         if not isinstance(value, Mapping) or not isinstance(value.get("question"), str):
@@ -154,8 +155,7 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
                 raw_scores.append(None)
             else:
                 raise InvalidRequestError(f"documents[{i}] is a {type(doc).__name__}: pass LangChain Documents or str")
-        scores = [float(s) for s in raw_scores] if all(isinstance(s, (int, float)) for s in raw_scores) else None
-        return _Request(question, texts, scores, options)
+        return _Request(question, texts, scores_of(raw_scores), options)
 
     def _output(self, answer: Answer) -> KVRAGOutput:
         if not self.return_dict:

@@ -45,7 +45,7 @@ def test_filters_and_hybrid_as_fields_and_per_call(rag, facts):
         "topic"
     ] in {"ports", "rivers"}
     assert KVRAGRetriever(engine=rag, filters={"topic": "none"}).invoke("anything") == []
-    hybrid = KVRAGRetriever(engine=rag, k=2, hybrid=True).invoke("When does the river Tam flood?")
+    hybrid = KVRAGRetriever(engine=rag, k=2, bm25=True).invoke("When does the river Tam flood?")
     assert hybrid[0].page_content == facts[2][0]
     with pytest.raises(InvalidRequestError, match="top_k"):
         KVRAGRetriever(engine=rag, k=0).invoke("anything")

@@ -132,7 +132,7 @@ def test_events_reach_llama_index_instrumentation(rag, vector_index):
 def test_mixing_another_llm_empty_retrieval_and_non_text_nodes(rag):
     with pytest.raises(InvalidRequestError, match="owns the KV cache"):
         KVRAGQueryEngine(rag, llm=MockLLM())
-    KVRAGQueryEngine(rag, llm=KVRAGLLM(rag.kv))  # the model that owns the cache is fine
+    KVRAGQueryEngine(rag, llm=KVRAGLLM(rag.kvmodel))  # the model that owns the cache is fine
     engine = KVRAGQueryEngine(rag)
     assert engine.synthesize(QueryBundle(Q), []).response == NO_CONTEXT
     with pytest.raises(InvalidRequestError, match="ImageNode"):
@@ -140,7 +140,7 @@ def test_mixing_another_llm_empty_retrieval_and_non_text_nodes(rag):
 
 
 def test_kvrag_as_settings_llm(rag):
-    llm = KVRAGLLM(rag.kv, max_new_tokens=5)
+    llm = KVRAGLLM(rag.kvmodel, max_new_tokens=5)
     Settings.llm = llm
     try:
         done = Settings.llm.complete("Say hi.")

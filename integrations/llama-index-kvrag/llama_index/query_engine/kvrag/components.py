@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
@@ -26,15 +27,19 @@ class KVRAGRetriever(BaseRetriever):
         *,
         similarity_top_k: int = 5,
         filters: Optional[Dict[str, Any]] = None,
-        hybrid: bool = False,
+        bm25: bool = False,
+        hybrid: Optional[bool] = None,
         **kwargs: Any,
     ) -> None:
-        self.engine, self.similarity_top_k, self.filters, self.hybrid = engine, similarity_top_k, filters, hybrid
+        if hybrid is not None:
+            warnings.warn("KVRAGRetriever(hybrid=) is renamed bm25=", DeprecationWarning, stacklevel=2)
+            bm25 = hybrid
+        self.engine, self.similarity_top_k, self.filters, self.bm25 = engine, similarity_top_k, filters, bm25
         super().__init__(**kwargs)
 
     def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
         sources = self.engine.retrieve(
-            query_bundle.query_str, top_k=self.similarity_top_k, filters=self.filters, hybrid=self.hybrid
+            query_bundle.query_str, top_k=self.similarity_top_k, filters=self.filters, bm25=self.bm25
         )
         return [
             NodeWithScore(node=TextNode(id_=s.id, text=s.text, metadata=s.metadata), score=s.score) for s in sources
@@ -54,7 +59,7 @@ class KVRAGKVTransform(TransformComponent):
     _engine: KVRAG = PrivateAttr()
 
     def __init__(self, engine: KVRAG, **kwargs: Any) -> None:
-        super().__init__(encoder=engine.kv.encoder_id, **kwargs)
+        super().__init__(encoder=engine.kvmodel.encoder_id, **kwargs)
         self._engine = engine
 
     @classmethod
@@ -115,10 +120,7 @@ class KVRAGLLM(CustomLLM):
         return self._kv
 
     def _render_chat(self, messages: Sequence[Any]) -> str:
-        rendered = [{"role": m.role.value, "content": m.content or ""} for m in messages]
-        if getattr(self._kv.tokenizer, "chat_template", None):
-            return self._kv.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
-        return "\n".join(f"{m['role']}: {m['content']}" for m in rendered) + "\nassistant:"
+        return self._kv.layout.chat_prompt([{"role": m.role.value, "content": m.content or ""} for m in messages])
 
     @classmethod
     def class_name(cls) -> str:

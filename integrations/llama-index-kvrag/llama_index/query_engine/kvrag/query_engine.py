@@ -13,6 +13,7 @@ from llama_index.core.instrumentation.events.base import BaseEvent
 from llama_index.core.schema import ImageNode, MetadataMode, NodeWithScore, QueryBundle, TextNode
 
 from kvrag import KVRAG, Answer, InvalidRequestError
+from kvrag.request import scores_of
 
 dispatcher = instrument.get_dispatcher(__name__)
 
@@ -75,10 +76,10 @@ class KVRAGQueryEngine(BaseQueryEngine):
     ) -> None:
         from llama_index.query_engine.kvrag.components import KVRAGLLM, KVRAGRetriever
 
-        if llm is not None and not (isinstance(llm, KVRAGLLM) and llm.kv is engine.kv):
+        if llm is not None and not (isinstance(llm, KVRAGLLM) and llm.kv is engine.kvmodel):
             raise InvalidRequestError(
                 f"the query engine generates with the model that owns the KV cache; {type(llm).__name__} is not that "
-                "model and its caches cannot be mixed. Pass llm=None (or KVRAGLLM(engine.kv))."
+                "model and its caches cannot be mixed. Pass llm=None (or KVRAGLLM(engine.kvmodel))."
             )
         self.engine = engine
         self.retriever = retriever or KVRAGRetriever(engine=engine)
@@ -96,8 +97,7 @@ class KVRAGQueryEngine(BaseQueryEngine):
         return await self.retriever.aretrieve(query_bundle)
 
     def _arguments(self, nodes: Sequence[NodeWithScore]) -> dict:
-        scores = [n.score for n in nodes]
-        return {**self.options, "scores": scores if all(s is not None for s in scores) else None}
+        return {**self.options, "scores": scores_of([n.score for n in nodes])}
 
     @staticmethod
     def _record(answer: Answer, metadata: dict) -> dict:

@@ -1,0 +1,114 @@
+"""What an answer is: its text, why it ended, the chunks it was given and what it cost.
+
+Plain records, built once per answer by `kvrag.pipeline`; `to_dict` is the documented JSON form. This
+module computes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+
+@dataclass(slots=True)
+class AnswerStats:
+    """What one answer cost and what the strategy decided."""
+
+    strategy: str  # registered strategy name
+    picker: str | None  # the picker that chose the target; None when the strategy needs no target
+    order: list[int]  # indices into the given chunks, first to last in the stitched prompt
+    target: int | None  # index of the picked target, when the strategy used one
+    target_given: int | None  # the known target passed by the caller, if any
+    context_tokens: int  # chunk tokens in the prompt (prefix and suffix excluded)
+    recomputed_tokens: int  # context tokens whose KV was computed fresh for this answer
+    budget: float  # the budget asked for, as a fraction of context tokens
+    budget_tokens: int  # floor(budget x context_tokens)
+    overspend_tokens: int  # recomputed tokens beyond budget_tokens (a long target recomputed whole)
+    extra_token_layers: int  # work outside the plan's prefill (check layer, attention pass, oracle), token x layer
+    extra_work: list[str]  # what that extra work was
+    prompt_tokens: int  # prefix + context + suffix
+    chunks_encoded: int  # chunks given as text and encoded inside this call
+    encode_s: float  # seconds spent encoding those chunks (part of ttft_s)
+    ttft_s: float  # seconds from the call to the first generated token
+    new_tokens: int  # generated tokens, EOS excluded
+    total_s: float  # seconds from the call to the end of generation
+    store_hits: int = 0  # chunks whose KV came from a store (retrieval engine)
+    retrieve_s: float = 0.0  # seconds spent retrieving and loading chunk KV (retrieval engine; part of ttft_s)
+
+    @property
+    def recomputed_fraction(self) -> float:
+        return self.recomputed_tokens / self.context_tokens if self.context_tokens else 0.0
+
+    @property
+    def target_correct(self) -> bool | None:
+        """Whether the picked target is the known one (None when either is unknown)."""
+        if self.target is None or self.target_given is None:
+            return None
+        return self.target == self.target_given
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "recomputed_fraction": self.recomputed_fraction, "target_correct": self.target_correct}
+
+    @classmethod
+    def of_prompt(cls, prompt_tokens: int, new_tokens: int, ttft_s: float, total_s: float) -> AnswerStats:
+        """The stats of plain generation from a whole prompt (no chunks, nothing reused)."""
+        return cls(
+            strategy="full_prefill",
+            picker=None,
+            order=[],
+            target=None,
+            target_given=None,
+            context_tokens=0,
+            recomputed_tokens=0,
+            budget=1.0,
+            budget_tokens=0,
+            overspend_tokens=0,
+            extra_token_layers=0,
+            extra_work=[],
+            prompt_tokens=prompt_tokens,
+            chunks_encoded=0,
+            encode_s=0.0,
+            ttft_s=ttft_s,
+            new_tokens=new_tokens,
+            total_s=total_s,
+        )
+
+
+@dataclass(slots=True)
+class Source:
+    """A chunk an answer was given, as the retrieval engine found it."""
+
+    id: str  # chunk id, "<doc_id>#<n>"
+    text: str
+    score: float  # retrieval score (cosine similarity; fused rank score with hybrid retrieval)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Answer:
+    """Generated text with its stats."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "eos", "stop" (a stop string) or "length" (max_new_tokens)
+    stats: AnswerStats
+    sources: list[Source] = field(default_factory=list)  # retrieved chunks, in the order they were given
+
+    def to_dict(self) -> dict[str, Any]:
+        """The documented JSON form: text, finish_reason, sources, stats."""
+        return {
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "sources": [asdict(s) for s in self.sources],
+            "stats": self.stats.to_dict(),
+        }
+
+
+def last_answer(items: Iterable[str | Answer]) -> Answer:
+    """The Answer that ends an answer stream (its text pieces are dropped)."""
+    result = None
+    for result in items:
+        pass
+    if not isinstance(result, Answer):
+        raise RuntimeError("the answer stream ended without an Answer")
+    return result

@@ -1,0 +1,165 @@
+"""From a request's chunks (texts or ChunkKV) to their token ids and, when asked, their KV: the one way to get it.
+
+`ChunkSource` binds a KVModel to an optional store and namespace; it owns the one chunk key (namespace
+included) that the engine, the study and the bench all use. `Chunks` is one request's set: token ids at
+once (checked), KV only for the chunks a plan or a picker reads, each fetched once: from the store, else
+encoded (and stored). It never plans and never runs a prefill.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+from kvrag.encode import encode_chunks
+from kvrag.errors import StoreError
+from kvrag.kv import ChunkKey, ChunkKV
+from kvrag.store import KVStore, StoreWarning
+
+if TYPE_CHECKING:
+    from kvrag.kvmodel import KVModel
+
+
+class ChunkSource:
+    """Where a model's chunk KV comes from: a store (optional) under a namespace, else fresh encoding.
+
+    Args:
+        kvmodel: the model the KV belongs to.
+        store: where chunk KV is kept; None encodes every text chunk a request reads.
+        namespace: enters every key, so namespaces sharing one store never serve each other's KV.
+    """
+
+    def __init__(self, kvmodel: KVModel, store: KVStore | None = None, namespace: str = "") -> None:
+        self.kvmodel, self.store, self.namespace = kvmodel, store, namespace
+        if store is not None:  # the store serves this model's entries only, read back as the model runs
+            store.bind(encoder=kvmodel.encoder_id, dtype=kvmodel.prefix.keys.dtype, device=kvmodel.prefix.keys.device)
+
+    def key(self, ids: Sequence[int]) -> ChunkKey:
+        """A chunk's store key under this model, its chunk prefix and this namespace."""
+        return self.kvmodel.chunk_key(ids, namespace=self.namespace)
+
+    def chunks(self, given: Sequence[str | ChunkKV]) -> Chunks:
+        """One request's chunks (their ids checked against the model now, their KV fetched when read)."""
+        return Chunks(self, given)
+
+    def load(self, key: str) -> ChunkKV | None:
+        """A chunk's stored KV; a store that fails to answer is a miss (the chunk is recomputed) and a warning."""
+        if self.store is None:
+            return None
+        try:
+            return self.store.get(key)
+        except StoreError as err:
+            warnings.warn(f"kvrag: the KV store failed ({err}); recomputing the chunk instead", StoreWarning, 4)
+            return None
+
+    def encode_and_store(
+        self, ids: Sequence[Sequence[int]], keys: Sequence[str], *, on_batch: Callable[[int], None] | None = None
+    ) -> None:
+        """Encode chunks and store their KV under `keys` (ingestion), a group of about one encoding forward at
+        a time: stored before the next is encoded, so memory holds one group's KV however many chunks.
+
+        The caller holds the model's lock. A store that fails raises StoreError (ingestion must not lose KV).
+        """
+        model = self.kvmodel
+        for group in _groups([len(i) for i in ids], max(model.batch_tokens, 1)):
+            kvs = encode_chunks(
+                model.model,
+                model.chunk_prefix,
+                [ids[i] for i in group],
+                batch_tokens=model.batch_tokens,
+                on_batch=on_batch,
+                encoder=model.encoder_id,
+            )
+            for i, kv in zip(group, kvs):
+                self.store.put(keys[i], kv)  # type: ignore[union-attr]
+            del kvs
+
+    def keep(self, key: str, kv: ChunkKV) -> ChunkKV:
+        """Store freshly encoded KV; return it as a later load would (the same answer either way)."""
+        if self.store is None:
+            return kv
+        try:
+            self.store.put(key, kv)
+        except StoreError as err:
+            warnings.warn(f"kvrag: could not store a chunk's KV ({err}); answering anyway", StoreWarning, 4)
+        return self.store.as_stored(kv)
+
+
+class Chunks:
+    """One request's chunks: ids now, KV on first read, with what getting it cost.
+
+    Attributes:
+        ids: each chunk's token ids, in the given order.
+        store_hits: chunks whose KV came from the store.
+        encoded: chunks encoded by this request.
+        encode_s: seconds spent encoding them; load_s: seconds spent reading the store.
+    """
+
+    def __init__(self, source: ChunkSource, given: Sequence[str | ChunkKV]) -> None:
+        self.source = source
+        self.given = list(given)
+        self.ids = [source.kvmodel.chunk_ids(i, c) for i, c in enumerate(self.given)]
+        self._kv: list[ChunkKV | None] = [c if isinstance(c, ChunkKV) else None for c in self.given]
+        self.store_hits = self.encoded = 0
+        self.encode_s = self.load_s = 0.0
+
+    def __len__(self) -> int:
+        return len(self.given)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(i) for i in self.ids]
+
+    def texts(self) -> list[str]:
+        """Each chunk's text (a ChunkKV's decoded from its ids)."""
+        tok = self.source.kvmodel.tokenizer
+        return [c if isinstance(c, str) else tok.decode(c.token_ids) for c in self.given]
+
+    def kv(self, indices: Iterable[int] | None = None) -> list[ChunkKV]:
+        """The KV of `indices` (default: every chunk), fetched once each: stored, else encoded together.
+
+        The caller holds the model's lock (`kvrag.pipeline.prefill` does, for planning and execution).
+        """
+        wanted = list(range(len(self.given)) if indices is None else indices)
+        missing = list(dict.fromkeys(i for i in wanted if self._kv[i] is None))
+        if missing:
+            self._fetch(missing)
+        return [self._kv[i] for i in wanted]  # type: ignore[misc]
+
+    def _fetch(self, missing: list[int]) -> None:
+        source, model = self.source, self.source.kvmodel
+        keys = {i: source.key(self.ids[i]) for i in missing} if source.store is not None else {}
+        t0 = time.perf_counter()
+        for i in keys:
+            self._kv[i] = source.load(keys[i])
+        self.load_s += time.perf_counter() - t0
+        fresh = [i for i in missing if self._kv[i] is None]
+        self.store_hits += len(missing) - len(fresh)
+        if not fresh:
+            return
+        t0 = time.perf_counter()
+        encoded = encode_chunks(
+            model.model,
+            model.chunk_prefix,
+            [self.ids[i] for i in fresh],
+            batch_tokens=model.batch_tokens,
+            encoder=model.encoder_id,
+        )
+        self.encode_s += time.perf_counter() - t0
+        self.encoded += len(fresh)
+        for i, kv in zip(fresh, encoded):
+            self._kv[i] = source.keep(keys[i], kv) if i in keys else kv
+
+
+def _groups(lengths: Sequence[int], tokens: int) -> list[list[int]]:
+    """Consecutive chunk indices in groups of about `tokens` tokens (at least one chunk a group)."""
+    groups: list[list[int]] = [[]]
+    total = 0
+    for i, n in enumerate(lengths):
+        if groups[-1] and total + n > tokens:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return [g for g in groups if g]

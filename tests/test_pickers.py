@@ -1,0 +1,78 @@
+"""kvrag.pickers: which chunk is the target, by score, the model's own reading, words, or the known target."""
+
+import pytest
+import torch
+from tiny import byte_tokenizer, tiny_model
+
+from kvrag import InvalidRequestError, KVModel
+
+CHUNKS = [
+    "Alpha station logs the weather every hour.",
+    "The harbour master keeps ships' names in a ledger.",
+    "Cats sleep most of the day and hunt at night, mostly mice.",
+    "Zed is a short one.",
+    "The archive opens at nine and closes at five on weekdays.",
+]
+Q = "When does the archive open?"
+
+
+@pytest.fixture(scope="module")
+def kv():
+    return KVModel(tiny_model("llama"), byte_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def enc(kv):
+    return kv.encode(CHUNKS)
+
+
+def test_pickers_and_their_errors(kv, enc):
+    assert kv.answer(Q, enc, scores=[0, 0, 0, 0, 1.0], max_new_tokens=1).stats.picker == "retriever"
+    a = kv.answer(Q, enc, picker="retriever", scores=[0, 1.0, 0, 0, 0], target=4, max_new_tokens=1)
+    assert a.stats.target == 1 and a.stats.target_given == 4 and a.stats.target_correct is False
+    assert kv.answer(Q, enc, target=2, max_new_tokens=1).stats.picker == "oracle"
+    with pytest.raises(
+        InvalidRequestError,
+        match="unknown picker 'best': use one of attention, fused, lexical, likelihood, oracle, retriever",
+    ):
+        kv.answer(Q, enc, picker="best", max_new_tokens=1)
+    with pytest.raises(InvalidRequestError, match="oracle picker needs the known target"):
+        kv.answer(Q, enc, picker="oracle", max_new_tokens=1)
+    with pytest.raises(InvalidRequestError, match="target 9 is not a chunk index"):
+        kv.answer(Q, enc, strategy="spread", target=9, max_new_tokens=1)
+    for budget in (0, -0.1, 1.01, float("nan")):
+        with pytest.raises(InvalidRequestError, match=r"budget must be a fraction of context tokens in \(0, 1\]"):
+            kv.answer(Q, enc, strategy="token_select", budget=budget, max_new_tokens=1)
+
+
+def test_the_likelihood_picker_scores_each_chunk_as_a_plain_forward_would(kv, enc):
+    probe = kv.prefill(Q, enc, strategy="target_recompute", picker="likelihood").probe
+    got = probe.question_likelihood()
+    suffix = kv.layout.suffix_ids(Q)
+    for c, chunk in enumerate(enc):
+        ids = kv.layout.prefix_ids + chunk.token_ids.tolist() + suffix
+        with torch.inference_mode():
+            logits = kv.model(input_ids=torch.tensor([ids])).logits[0].float()
+        logp = torch.log_softmax(logits[-len(suffix) : -1], -1)
+        want = logp.gather(-1, torch.tensor(suffix[1:]).view(-1, 1)).mean()
+        assert abs(float(got[c]) - float(want)) < 1e-4
+    run = kv.prefill(Q, enc, strategy="target_recompute", picker="likelihood")
+    assert run.decision.target == int(got.argmax()) and run.decision.picker == "likelihood"
+    layers = kv.model.config.num_hidden_layers
+    assert run.probe.extra_token_layers == len(enc) * len(suffix) * layers
+
+
+def test_the_lexical_picker_fuses_the_question_words_with_the_scores(kv, enc):
+    # dense scores tie chunks 2 and 4; only chunk 4 shares the question's words ("archive", "open")
+    run = kv.prefill(Q, enc, strategy="target_recompute", picker="lexical", scores=[0.1, 0.1, 0.5, 0.1, 0.5])
+    assert run.decision.target == 4
+    fused = kv.prefill(Q, enc, strategy="target_recompute", picker="fused", scores=[0.1, 0.1, 0.5, 0.1, 0.5])
+    assert fused.decision.target in range(5) and fused.probe.extra_token_layers > 0
+
+
+def test_the_retriever_without_scores_takes_the_first_of_a_ranked_list():
+    from kvrag.pickers import get_picker
+
+    assert get_picker("retriever")(3, None, None, None) == 0
+    assert get_picker("retriever")(3, [0.2, 0.9, 0.9], None, None) == 1  # ties go to the earlier chunk
+    assert get_picker("oracle")(3, None, 2, None) == 2
