@@ -1,8 +1,9 @@
 """KVRAG: the KV-aware retrieval engine. Documents in, answers out; every chunk's KV computed once and kept.
 
 It owns the index (records, vectors), the KV store and one KVModel, and wires them: ingestion splits,
-embeds, encodes and stores; a query retrieves, loads each chunk's KV from the store (encoding only the
-misses), and answers with a strategy. Strategy and model logic stay in KVModel.
+embeds, encodes and stores; a query retrieves, makes the request, and hands it with its chunks (through
+the store: only the KV a plan reuses is read, misses are encoded) to `kvrag.pipeline`. Planning and
+model work stay out of it; the index folder on disk is `kvrag.folder`'s.
 """
 
 from __future__ import annotations
@@ -469,12 +470,12 @@ class KVRAG:
         self,
         question: str,
         *,
+        started_at: float | None = None,
+        phases: Phases | None = None,
         top_k: int = 5,
         filters: Filters | None = None,
         bm25: bool = False,
         hybrid: bool | None = None,
-        started_at: float | None = None,
-        phases: Phases | None = None,
         **options: Any,
     ) -> Iterator[str | Answer]:
         """Retrieve, then yield the answer's text pieces as decoded, then the final Answer (with sources).

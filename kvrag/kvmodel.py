@@ -2,7 +2,8 @@
 
 This is the public surface the retrieval engine, the strategies and the adapters build on: encode chunk
 texts to chunk KV, and answer a question over a caller-given list of chunks (texts or their KV) with any
-registered strategy. It owns one model, its prompt layout and its prefix KV; it never retrieves.
+registered strategy. It owns one model, its prompt layout, its prefix KV, its lock and its in-process
+executor; an answer itself goes through `kvrag.pipeline` (plan, execute, decode). It never retrieves.
 """
 
 from __future__ import annotations

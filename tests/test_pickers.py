@@ -2,18 +2,11 @@
 
 import pytest
 import torch
+from tiny import STRATEGY_CHUNKS as CHUNKS
+from tiny import STRATEGY_QUESTION as Q
 from tiny import byte_tokenizer, tiny_model
 
 from kvrag import InvalidRequestError, KVModel
-
-CHUNKS = [
-    "Alpha station logs the weather every hour.",
-    "The harbour master keeps ships' names in a ledger.",
-    "Cats sleep most of the day and hunt at night, mostly mice.",
-    "Zed is a short one.",
-    "The archive opens at nine and closes at five on weekdays.",
-]
-Q = "When does the archive open?"
 
 
 @pytest.fixture(scope="module")

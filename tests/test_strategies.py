@@ -4,6 +4,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny import STRATEGY_CHUNKS as CHUNKS
+from tiny import STRATEGY_QUESTION as Q
 from tiny import byte_tokenizer, plan_of, recomputed_tokens, tiny_model
 
 from kvrag import STRATEGIES, InvalidRequestError, KVModel
@@ -13,14 +15,6 @@ from kvrag.probe import Probe
 from kvrag.recompute import full_prefill
 from kvrag.strategies import BUILTIN_STRATEGIES, TEMPER_T, Plan
 
-CHUNKS = [
-    "Alpha station logs the weather every hour.",
-    "The harbour master keeps ships' names in a ledger.",
-    "Cats sleep most of the day and hunt at night, mostly mice.",
-    "Zed is a short one.",
-    "The archive opens at nine and closes at five on weekdays.",
-]
-Q = "When does the archive open?"
 STUDY = BUILTIN_STRATEGIES
 
 

@@ -173,3 +173,14 @@ def recomputed_tokens(plan: Any, lengths: list[int]) -> int:
     if plan.full_prefill:
         return sum(lengths[c] for c in plan.order)
     return sum(int(s.numel()) for s in plan.recompute.values())
+
+
+# Five chunks of different lengths, and a question whose answer is in the last (strategy and picker tests).
+STRATEGY_CHUNKS = [
+    "Alpha station logs the weather every hour.",
+    "The harbour master keeps ships' names in a ledger.",
+    "Cats sleep most of the day and hunt at night, mostly mice.",
+    "Zed is a short one.",
+    "The archive opens at nine and closes at five on weekdays.",
+]
+STRATEGY_QUESTION = "When does the archive open?"
