@@ -12,6 +12,7 @@ from typing import Any, Collection, Sequence
 
 import torch
 
+from kvrag.compat import with_cache
 from kvrag.kv import ChunkKV
 from kvrag.recompute import Prefill, StitchedCache
 
@@ -101,7 +102,13 @@ class PaddedBatch:
         mask = None
         if self.mask is not None:
             mask = torch.cat([self.mask, self.mask.new_ones((self.size, step + t))], dim=1)
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True)
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            **with_cache(self.model, self.cache),
+            use_cache=True,
+        )
         return out.logits.float()
 
     def subset(self, rows: Sequence[int], step: int) -> PaddedBatch:

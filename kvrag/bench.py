@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvrag.compat import with_cache
 from kvrag.demo import sample_docs
 from kvrag.documents import split_text
 from kvrag.embed import Embedder
@@ -138,7 +139,7 @@ class _Context:
                 input_ids=input_ids,
                 position_ids=positions,
                 attention_mask=mask,
-                cache=cache,
+                **with_cache(self.kv.model, cache),
                 use_cache=True,
                 logits_to_keep=1,
             )
@@ -248,7 +249,7 @@ def raw_forward(kv: KVModel, chunk_ids: list[list[int]]) -> None:
         kv.model(
             input_ids=ids,
             position_ids=positions,
-            cache=prefix_cache(kv.prefix, len(group)),
+            **with_cache(kv.model, prefix_cache(kv.prefix, len(group))),
             use_cache=True,
             logits_to_keep=1,
         )

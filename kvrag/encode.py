@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
+from kvrag.compat import with_cache
 from kvrag.kv import ChunkKV
 
 DEFAULT_BATCH_TOKENS = 4096
@@ -43,7 +44,7 @@ def encode_prefix(model: torch.nn.Module, prefix_ids: Sequence[int]) -> ChunkKV:
     device = next(model.parameters()).device
     ids = torch.tensor([list(prefix_ids)], dtype=torch.long, device=device)  # [1, P]
     cache = DynamicCache()
-    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
     keys, values = stacked_kv(cache, 0, 0, ids.shape[1])
     return ChunkKV(token_ids=ids[0].clone(), keys=keys, values=values, start=0)
 
@@ -96,7 +97,7 @@ def encode_chunks(
             ids[row, : lengths[i]] = torch.as_tensor(chunk_ids[i], dtype=torch.long)
         positions = torch.arange(start, start + width, device=device).expand(len(group), -1)  # [B, T_max]
         cache = prefix_cache(prefix, len(group))
-        model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, position_ids=positions, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
         for row, i in enumerate(group):
             keys, values = stacked_kv(cache, row, start, start + lengths[i])
             out[i] = ChunkKV(

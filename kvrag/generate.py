@@ -13,6 +13,7 @@ from typing import Any, ContextManager, Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
+from kvrag.compat import with_cache
 from kvrag.errors import InvalidRequestError
 
 
@@ -83,7 +84,7 @@ def decode(
             out = model(
                 input_ids=torch.tensor([[token]], device=device),
                 position_ids=torch.tensor([[position + step]], device=device),
-                cache=cache,
+                **with_cache(model, cache),
                 use_cache=True,
             )
         logits = out.logits[0, -1].float()

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from kvrag.batch import PaddedBatch
 from kvrag.chunks import Chunks
+from kvrag.compat import with_cache
 from kvrag.encode import stacked_kv
 from kvrag.kv import ChunkKV
 from kvrag.recompute import as_cache, full_prefill, recompute
@@ -118,7 +119,7 @@ class Probe:
             self.model(
                 input_ids=ids.view(1, -1),
                 position_ids=torch.arange(P, P + len(ids), device=device).view(1, -1),
-                cache=cache,
+                **with_cache(self.model, cache),
                 use_cache=True,
                 logits_to_keep=1,
             )

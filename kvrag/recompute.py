@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvrag.compat import with_cache
 from kvrag.kv import ChunkKV
 from kvrag.rope import Repositioner
 from kvrag.timing import Phases, phase
@@ -315,7 +316,7 @@ def recompute(
             input_ids=input_ids,
             position_ids=layout.query_positions.view(1, -1),
             attention_mask=mask,
-            cache=cache,
+            **with_cache(model, cache),
             use_cache=True,
             logits_to_keep=logits_to_keep,
             **forward_kwargs,
@@ -359,7 +360,7 @@ def full_prefill(
     out = model(
         input_ids=input_ids[:, shared:],
         position_ids=torch.arange(shared, n, device=device).view(1, -1) if shared else None,
-        cache=fresh,
+        **with_cache(model, fresh),
         use_cache=True,
         logits_to_keep=logits_to_keep,
     )

@@ -8,6 +8,9 @@ This module never decides where a chunk goes; it only moves keys.
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import torch
 
 from kvrag.errors import UnsupportedModelError
@@ -25,14 +28,41 @@ def find_rotary(model: torch.nn.Module) -> torch.nn.Module:
     return rotary
 
 
-class Repositioner:
-    """Moves cached keys to new positions with the model's own rotary frequencies."""
+def rotary_of_config(config: Any, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The rotary module a Hugging Face config's causal LM builds (`<Arch>RotaryEmbedding`), without its weights.
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.rotary = find_rotary(model)
+    For a process that holds the model elsewhere (a serving engine's worker) and must re-position keys
+    with exactly the frequencies the model uses.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    name = model_class.__name__.removesuffix("ForCausalLM") + "RotaryEmbedding"
+    rotary_class = getattr(sys.modules[model_class.__module__], name, None)
+    if rotary_class is None:
+        raise UnsupportedModelError(
+            f"{model_class.__name__} has no {name}: its positions are not rotary, so cached keys cannot be "
+            "re-positioned."
+        )
+    return rotary_class(config=config).to(device)
+
+
+class Repositioner:
+    """Moves cached keys to new positions with the model's own rotary frequencies.
+
+    Args:
+        model: the causal LM (its model-level `rotary_emb` is used); or None with `rotary` given.
+        rotary: the rotary module itself (`rotary_of_config`), where the model lives in another process.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, *, rotary: torch.nn.Module | None = None) -> None:
+        if rotary is None and model is None:
+            raise ValueError("give the model or its rotary module")
+        self.rotary = rotary if rotary is not None else find_rotary(model)  # type: ignore[arg-type]
         # yarn multiplies cos/sin by an attention factor; that factor is already inside the stored keys.
         self.scaling = float(getattr(self.rotary, "attention_scaling", 1.0) or 1.0)
-        device = next(model.parameters()).device
+        buffers = list(self.rotary.buffers()) or list(self.rotary.parameters())
+        device = buffers[0].device if buffers else torch.device("cpu")
         cos, _ = self.angles(torch.zeros(1, dtype=torch.long, device=device))
         self.rotary_dim = cos.shape[-1]  # D_rot <= head_dim: partial rotary rotates only the first D_rot dims
 

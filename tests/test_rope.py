@@ -49,3 +49,16 @@ def test_shift_does_not_modify_its_input_and_keeps_dtype():
     before = keys.clone()
     moved = Repositioner(model).shift(keys, torch.arange(5))
     assert moved.dtype == torch.bfloat16 and torch.equal(keys, before)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "gemma"])
+def test_the_rotary_module_built_from_the_config_moves_keys_exactly_as_the_models_own(arch):
+    """A serving engine's worker holds no transformers model: it re-positions with the config's rotary module."""
+    from kvrag.rope import rotary_of_config
+
+    model = tiny_model(arch)
+    own, built = Repositioner(model), Repositioner(rotary=rotary_of_config(model.config))
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    keys = torch.randn(2, 2, 5, head_dim)
+    deltas = torch.tensor([3, 7, 100, 2, 9])
+    assert own.rotary_dim == built.rotary_dim and torch.equal(own.shift(keys, deltas), built.shift(keys, deltas))

@@ -1,0 +1,11 @@
+"""vllm-kvrag: kvrag's plans served by vLLM, through kvrag's own KV connector.
+
+- `vllm_kvrag.connector.KVRAGConnector`: loaded by vLLM (`kv_connector_module_path="vllm_kvrag.connector"`);
+  fills a planned prompt's head with kvrag's stored chunk KV, re-positioned.
+- `vllm_kvrag.executor.VLLMExecutor`: kvrag's executor over a `vllm.LLM`; `connector_config` makes its
+  `kv_transfer_config`.
+"""
+
+from vllm_kvrag.plan import Piece, TransferPlan
+
+__all__ = ["Piece", "TransferPlan"]

@@ -1,0 +1,219 @@
+"""KVRAGConnector: vLLM's KV connector that fills a prompt's head with kvrag's stored chunk KV, re-positioned.
+
+Loaded by vLLM through `kv_connector_module_path="vllm_kvrag.connector"`; no patch to vLLM. For a request
+whose `kv_transfer_params` carry a kvrag plan (`vllm_kvrag.plan`), the scheduler side reports the
+plan's pieces (the prefix, then the reused chunks) as matched tokens, as far as their entries are in the
+store and block alignment allows; vLLM computes the rest (the recomputed chunks, the suffix) and decodes.
+The worker side reads each piece's entry from kvrag's store (the same keys and format: disk or Redis),
+rotates its keys from the position they were encoded at to their place with kvrag's own re-positioning,
+and writes keys and values into the request's blocks with vLLM's own cache-write op. It never saves
+anything: kvrag's exact entries are kvrag's to write. An entry that has gone or is damaged by the time it
+is read is reported as a load error, and vLLM recomputes those tokens (`kv_load_failure_policy="recompute"`).
+
+Configuration (`KVTransferConfig.kv_connector_extra_config`): `store` ("disk" or "redis"), `path` (disk),
+`url` and `namespace` (redis), `storage_dtype` (as the entries were written, default float16).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvrag.errors import KVRAGError
+from kvrag.kv import ChunkKV
+from kvrag.model import check_architecture
+from kvrag.rope import Repositioner, rotary_of_config
+from kvrag.store import DiskStore, KVStore, RedisStore
+from vllm_kvrag.plan import TransferPlan
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+class KVRAGLoadWarning(UserWarning):
+    """A stored entry could not be read when its tokens were due; vLLM computes those tokens itself."""
+
+
+@dataclass(slots=True)
+class _Load:
+    """One request's tokens [begin, end) to fill from the store, into its blocks."""
+
+    plan: TransferPlan
+    block_ids: list[int]
+    begin: int
+    end: int
+
+
+@dataclass
+class KVRAGConnectorMetadata(KVConnectorMetadata):
+    loads: list[_Load] = field(default_factory=list)
+
+
+def open_store(extra: dict[str, Any]) -> KVStore:
+    """kvrag's store named by the connector's extra config."""
+    kind = extra.get("store", "disk")
+    storage = str(extra.get("storage_dtype", "float16"))
+    if kind == "disk":
+        if not extra.get("path"):
+            raise KVRAGError("the kvrag connector's store is 'disk': give kv_connector_extra_config['path']")
+        return DiskStore(extra["path"], storage)
+    if kind == "redis":
+        return RedisStore(extra["url"], namespace=extra.get("namespace", "kvrag"), storage_dtype=storage)
+    raise KVRAGError(f"the kvrag connector's store must be 'disk' or 'redis', got {kind!r}")
+
+
+class KVRAGConnector(KVConnectorBase_V1):
+    """Fills the head of a planned request's prompt with kvrag's stored KV (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        hf_config = vllm_config.model_config.hf_config
+        check_architecture(hf_config)  # a model kvrag refuses is refused here, with the same message
+        self._block_size = vllm_config.cache_config.block_size
+        self._store = open_store(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        self._dtype = vllm_config.model_config.dtype
+        self._pending: dict[str, tuple[TransferPlan, int, int]] = {}  # scheduler: request id -> plan, begin, end
+        self._errors: set[int] = set()  # worker: blocks whose KV could not be loaded this step
+        self._repositioner: Repositioner | None = None
+        if role == KVConnectorRole.WORKER:
+            self._repositioner = Repositioner(rotary=rotary_of_config(hf_config))
+
+    # -- scheduler side ---------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        plan = TransferPlan.from_params(request.kv_transfer_params)
+        if plan is None:
+            return 0, False
+        prompt = len(request.prompt_token_ids or [])
+        reused = min(self._available(plan), prompt - 1)  # at least one prompt token is computed, for its logits
+        end = reused // self._block_size * self._block_size  # what block alignment leaves over is computed
+        if end <= num_computed_tokens:
+            return 0, False
+        self._pending[request.request_id] = (plan, num_computed_tokens, end)
+        return end - num_computed_tokens, False
+
+    def _available(self, plan: TransferPlan) -> int:
+        """Tokens from the prompt's start whose entries are in the store (up to the first missing one)."""
+        covered = 0
+        for piece in plan.pieces:
+            if piece.key not in self._store:
+                break
+            covered += piece.length
+        return covered
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            self._pending.pop(request.request_id, None)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVRAGConnectorMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._pending:
+                plan, begin, end = self._pending.pop(new.req_id)
+                meta.loads.append(_Load(plan, list(new.block_ids[0]), begin, end))
+        # A request preempted before its load ran computes its prompt itself when it resumes.
+        self._pending.clear()
+        return meta
+
+    # -- worker side ------------------------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVRAGConnectorMetadata)
+        for load in meta.loads:
+            stitched = self._stitch(load)
+            if stitched is None:
+                self._errors |= {load.block_ids[t // self._block_size] for t in range(load.begin, load.end)}
+                continue
+            keys, values = stitched  # [L, T, H_kv, D] for the tokens begin..end-1
+            slots = torch.tensor(
+                [load.block_ids[t // self._block_size] * self._block_size + t % self._block_size
+                 for t in range(load.begin, load.end)],
+                dtype=torch.long,
+            )  # fmt: skip
+            for name, layer in forward_context.no_compile_layers.items():
+                cache = getattr(layer, "kv_cache", None)
+                found = _LAYER.search(name)
+                if cache is None or found is None:
+                    continue
+                i = int(found.group(1))
+                _write(layer, cache, keys[i], values[i], slots.to(cache.device))
+
+    def _stitch(self, load: _Load) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys (re-positioned) and values of tokens [begin, end): [L, T, H_kv, D] each; None if an entry fails."""
+        assert self._repositioner is not None
+        self._store.bind(encoder=load.plan.encoder, dtype=self._dtype, device="cpu")
+        keys, values = [], []
+        for piece in load.plan.pieces:
+            if piece.position >= load.end:
+                break
+            kv: ChunkKV | None = self._store.get(piece.key)
+            if kv is None or len(kv) != piece.length or kv.start != piece.start:
+                warnings.warn(
+                    f"kvrag: the stored entry {piece.key[:12]} is missing or damaged; vLLM computes its tokens",
+                    KVRAGLoadWarning,
+                    stacklevel=2,
+                )
+                return None
+            k = kv.keys  # [L, H_kv, T, D], post-RoPE at kv.start
+            if piece.position != piece.start:
+                k = self._repositioner.shift(k, torch.full((len(kv),), piece.position - piece.start))
+            keys.append(k)
+            values.append(kv.values)
+        k_all = torch.cat(keys, dim=2)[:, :, load.begin : load.end]
+        v_all = torch.cat(values, dim=2)[:, :, load.begin : load.end]
+        return k_all.transpose(1, 2).contiguous(), v_all.transpose(1, 2).contiguous()  # [L, T, H_kv, D]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv writes every layer before the forward starts
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # kvrag's exact entries are written by kvrag; approximate KV is never saved
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+
+def _write(layer: Any, cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write [T, H_kv, D] keys and values into a layer's paged cache at `slots`, with vLLM's own write op."""
+    isa = getattr(layer, "isa", None)
+    if isa is None or cache.dim() != 4:
+        raise KVRAGError(
+            f"kvrag's connector writes KV through vLLM's CPU attention backend; layer {type(layer).__name__} with "
+            f"a cache of shape {tuple(cache.shape)} is another backend, which this connector does not write yet"
+        )
+    from vllm import _custom_ops as ops
+
+    blocks, heads, block_size, _ = cache.shape
+    key_cache, value_cache = cache.view(blocks, heads, block_size * 2, -1).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(
+        keys.to(cache.dtype),
+        values.to(cache.dtype),
+        key_cache,
+        value_cache,
+        slots,
+        isa,
+        k_scale=getattr(layer, "_k_scale_float", 1.0),
+        v_scale=getattr(layer, "_v_scale_float", 1.0),
+        kv_cache_dtype=getattr(getattr(layer, "impl", None), "kv_cache_dtype", "auto"),
+    )

@@ -1,0 +1,158 @@
+"""VLLMExecutor: kvrag's executor seam over a vLLM engine with kvrag's connector.
+
+kvrag retrieves, picks and plans; this executor turns the plan's job into one vLLM request: the prompt's
+token ids, and a transfer plan (`vllm_kvrag.plan`) naming the stored entries that fill its head (the
+prefix, then the reused chunks in stitched order). vLLM computes the rest (the recomputed chunks and the
+suffix) and decodes; tokens stream back as vLLM's engine steps produce them.
+
+Only plans whose recomputed set is the prompt's tail run here (`reuse`, `reorder`, `target_recompute`,
+`attention_select`, `insert_full_kv`, `target_only`, the full-prefill ones): vLLM computes a prompt's
+tail, never tokens inside reused KV. Others are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+from kvrag.chunks import ChunkSource
+from kvrag.errors import InvalidRequestError
+from kvrag.executor import Job
+from kvrag.generate import Sampling
+from kvrag.kv import ChunkKV, chunk_key
+from kvrag.store import KVStore
+from kvrag.timing import Phases
+from vllm_kvrag.plan import Piece, TransferPlan
+
+if TYPE_CHECKING:
+    from kvrag.kvmodel import KVModel
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True)
+class VLLMPrefill:
+    """A request ready for vLLM: its prompt and transfer plan (vLLM runs prefill and decoding together)."""
+
+    prompt_ids: list[int]
+    plan: TransferPlan | None  # None: vLLM computes the whole prompt
+    next_position: int  # prompt tokens
+    recomputed_tokens: int  # context tokens vLLM computes (the plan's, plus what block alignment leaves over)
+    request_id: str = ""
+    logits: Any = None  # vLLM returns tokens, not logits
+    cache: Any = None
+
+
+class VLLMExecutor:
+    """Runs kvrag jobs on a vLLM engine (`vllm.LLM`) whose KV connector is `vllm_kvrag.connector.KVRAGConnector`.
+
+    Args:
+        kvmodel: the kvrag model whose chunk KV is stored (the same weights vLLM serves).
+        llm: the vLLM engine, made with `kv_transfer_config=connector_config(...)`.
+        store: the store the connector reads (a DiskStore or RedisStore, the engine's own when shared).
+        namespace: the engine's namespace (it enters every chunk's key).
+    """
+
+    def __init__(self, kvmodel: KVModel, llm: Any, store: KVStore, namespace: str = "") -> None:
+        self.kvmodel, self.llm, self.store = kvmodel, llm, store
+        self.source = ChunkSource(kvmodel, store, namespace)  # binds the store to kvmodel's encoder
+        self.block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
+        prefix = kvmodel.prefix
+        self.prefix_key = chunk_key(kvmodel.fingerprint.digest, [], kvmodel.layout.prefix_ids, salt="prefix")
+        if self.prefix_key not in store:
+            store.put(self.prefix_key, ChunkKV(prefix.token_ids, prefix.keys, prefix.values, 0, kvmodel.encoder_id))
+
+    # -- the seam ---------------------------------------------------------------------------------------
+
+    def prefill(self, job: Job, *, phases: Phases | None = None, pooled: bool = False) -> VLLMPrefill:
+        kv = self.kvmodel
+        ids = [*kv.layout.prefix_ids, *(t for c in job.chunk_ids for t in c), *job.suffix_ids]
+        if job.full_prefill:
+            return VLLMPrefill(ids, None, len(ids), job.context_tokens)
+        reused = _reused_head(job)
+        pieces = [Piece(self.prefix_key, 0, 0, len(kv.prefix))]
+        at = len(kv.prefix)
+        for ids_c, chunk in zip(job.chunk_ids[:reused], job.chunks[:reused]):
+            pieces.append(Piece(self._entry(ids_c, chunk), chunk.start, at, len(chunk)))
+            at += len(chunk)
+        plan = TransferPlan(tuple(pieces), kv.encoder_id)
+        loaded = min(plan.reused, len(ids) - 1) // self.block_size * self.block_size
+        return VLLMPrefill(ids, plan, len(ids), job.context_tokens - max(0, loaded - len(kv.prefix)))
+
+    def decode(self, prefill: VLLMPrefill, sampling: Sampling) -> Iterator[int]:  # type: ignore[override]
+        from vllm import SamplingParams
+
+        prefill.request_id = f"kvrag-{next(_ids)}"
+        params = SamplingParams(
+            max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            extra_args={"kv_transfer_params": prefill.plan.to_params()} if prefill.plan else None,
+        )
+        prompt: dict[str, Any] = {"prompt_token_ids": prefill.prompt_ids}
+        if prefill.plan is not None:
+            prompt["cache_salt"] = prefill.plan.salt  # approximate KV never meets an exact prompt's blocks
+        engine = self.llm.llm_engine
+        engine.add_request(prefill.request_id, prompt, params)
+        sent = 0
+        while True:
+            for out in engine.step():
+                if out.request_id != prefill.request_id:
+                    continue
+                tokens = out.outputs[0].token_ids
+                yield from tokens[sent:]
+                sent = len(tokens)
+                if out.finished:
+                    return
+
+    def release(self, prefill: VLLMPrefill) -> None:
+        engine = self.llm.llm_engine
+        if prefill.request_id and engine.has_unfinished_requests():
+            engine.abort_request([prefill.request_id])
+
+    # -- entries ----------------------------------------------------------------------------------------
+
+    def _entry(self, ids: list[int], chunk: ChunkKV) -> str:
+        """The store key holding this chunk's KV exactly as the plan uses it (stored now if it is not)."""
+        key = self.source.key(ids)
+        if chunk.start != len(self.kvmodel.prefix):  # replaced KV (a slice of a full prefill): its own entry
+            key = chunk_key(self.kvmodel.fingerprint.digest, [chunk.start], ids, salt=f"{self.source.namespace}/at")
+        if key not in self.store:
+            self.store.put(key, chunk)
+        return key
+
+
+def _reused_head(job: Job) -> int:
+    """How many of the job's chunks keep their stored KV: all before the first recomputed one, which with every
+    later chunk must be recomputed whole (vLLM computes a prompt's tail, nothing inside reused KV)."""
+    n = len(job.chunks)
+    recomputed = sorted(job.recompute)
+    head = recomputed[0] if recomputed else n
+    whole = all(int(job.recompute[c].numel()) == len(job.chunk_ids[c]) for c in recomputed)
+    if recomputed != list(range(head, n)) or not whole:
+        raise InvalidRequestError(
+            "this plan recomputes tokens inside reused KV (chunk positions "
+            f"{recomputed} of {n}, in part or out of the prompt's tail); vLLM computes only a prompt's tail: run "
+            "it on kvrag's transformers executor, or use reuse, reorder, target_recompute or target_only"
+        )
+    if job.key_scale:
+        raise InvalidRequestError(
+            "this plan scales reused keys (a tempered strategy); vLLM's attention takes no per-chunk scale: run it on "
+            "kvrag's transformers executor"
+        )
+    return head
+
+
+def connector_config(store: dict[str, Any]) -> Any:
+    """vLLM's KVTransferConfig that loads kvrag's connector over `store` (the connector's extra config)."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="KVRAGConnector",
+        kv_connector_module_path="vllm_kvrag.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=store,
+    )
