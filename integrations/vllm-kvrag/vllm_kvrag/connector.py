@@ -101,8 +101,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         if plan is None:
             return 0, False
         prompt = len(request.prompt_token_ids or [])
-        reused = min(self._available(plan), prompt - 1)  # at least one prompt token is computed, for its logits
-        end = reused // self._block_size * self._block_size  # what block alignment leaves over is computed
+        end = min(self._available(plan), prompt - 1)  # at least one prompt token is computed, for its logits
         if end <= num_computed_tokens:
             return 0, False
         self._pending[request.request_id] = (plan, num_computed_tokens, end)

@@ -40,6 +40,7 @@ class VLLMPrefill:
     next_position: int  # prompt tokens
     recomputed_tokens: int  # context tokens vLLM computes (the plan's, plus what block alignment leaves over)
     request_id: str = ""
+    first_logprobs: dict[int, float] | None = None  # the first token's top log-probabilities, when asked for
     logits: Any = None  # vLLM returns tokens, not logits
     cache: Any = None
 
@@ -54,8 +55,10 @@ class VLLMExecutor:
         namespace: the engine's namespace (it enters every chunk's key).
     """
 
-    def __init__(self, kvmodel: KVModel, llm: Any, store: KVStore, namespace: str = "") -> None:
+    def __init__(self, kvmodel: KVModel, llm: Any, store: KVStore, namespace: str = "", *, logprobs: int = 0) -> None:
         self.kvmodel, self.llm, self.store = kvmodel, llm, store
+        self.logprobs = logprobs  # keep the first token's top-k log-probabilities on each prefill (comparisons)
+        self.last_prefill: VLLMPrefill | None = None
         self.source = ChunkSource(kvmodel, store, namespace)  # binds the store to kvmodel's encoder
         self.block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
         prefix = kvmodel.prefix
@@ -66,6 +69,10 @@ class VLLMExecutor:
     # -- the seam ---------------------------------------------------------------------------------------
 
     def prefill(self, job: Job, *, phases: Phases | None = None, pooled: bool = False) -> VLLMPrefill:
+        self.last_prefill = self._prefill(job)
+        return self.last_prefill
+
+    def _prefill(self, job: Job) -> VLLMPrefill:
         kv = self.kvmodel
         ids = [*kv.layout.prefix_ids, *(t for c in job.chunk_ids for t in c), *job.suffix_ids]
         if job.full_prefill:
@@ -77,7 +84,7 @@ class VLLMExecutor:
             pieces.append(Piece(self._entry(ids_c, chunk), chunk.start, at, len(chunk)))
             at += len(chunk)
         plan = TransferPlan(tuple(pieces), kv.encoder_id)
-        loaded = min(plan.reused, len(ids) - 1) // self.block_size * self.block_size
+        loaded = min(plan.reused, len(ids) - 1)
         return VLLMPrefill(ids, plan, len(ids), job.context_tokens - max(0, loaded - len(kv.prefix)))
 
     def decode(self, prefill: VLLMPrefill, sampling: Sampling) -> Iterator[int]:  # type: ignore[override]
@@ -89,6 +96,7 @@ class VLLMExecutor:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             seed=sampling.seed,
+            logprobs=self.logprobs or None,
             extra_args={"kv_transfer_params": prefill.plan.to_params()} if prefill.plan else None,
         )
         prompt: dict[str, Any] = {"prompt_token_ids": prefill.prompt_ids}
@@ -102,6 +110,9 @@ class VLLMExecutor:
                 if out.request_id != prefill.request_id:
                     continue
                 tokens = out.outputs[0].token_ids
+                if self.logprobs and prefill.first_logprobs is None and out.outputs[0].logprobs:
+                    first = out.outputs[0].logprobs[0]
+                    prefill.first_logprobs = {int(t): float(lp.logprob) for t, lp in first.items()}
                 yield from tokens[sent:]
                 sent = len(tokens)
                 if out.finished:

@@ -1,0 +1,59 @@
+"""One vLLM engine (CPU build, float32) with kvrag's connector over a disk store, shared by the tests.
+
+Skipped where vLLM is not installed: `make test` runs these in their own venv (.venv-vllm)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm only (make test runs these tests there)")
+
+
+@pytest.fixture(scope="session")
+def folder():
+    from kvrag.model import convert_default
+
+    return str(convert_default()[0])
+
+
+@pytest.fixture(scope="session")
+def store_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("kv")
+
+
+@pytest.fixture(scope="session")
+def kv(folder):
+    from kvrag import KVModel
+
+    return KVModel.from_pretrained(folder, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def store(store_root):
+    from kvrag.store import DiskStore
+
+    return DiskStore(store_root, "float32")
+
+
+@pytest.fixture(scope="session")
+def llm(folder, store_root):
+    from vllm import LLM
+
+    from vllm_kvrag.executor import connector_config
+
+    return LLM(
+        model=folder,
+        dtype="float32",
+        max_model_len=4096,
+        block_size=32,  # the CPU backend's smallest: what alignment leaves over of a reused head is computed
+        enforce_eager=True,
+        gpu_memory_utilization=0.1,  # on the CPU backend: the share of memory kept for the paged KV
+        kv_transfer_config=connector_config({"store": "disk", "path": str(store_root), "storage_dtype": "float32"}),
+    )
+
+
+@pytest.fixture(scope="session")
+def executor(kv, llm, store):
+    from vllm_kvrag.executor import VLLMExecutor
+
+    return VLLMExecutor(kv, llm, store, logprobs=5)

@@ -1,0 +1,105 @@
+"""kvrag's plans on vLLM's CPU build through kvrag's connector, against vLLM's own full prefill and kvrag's
+transformers path (float32)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from kvrag import InvalidRequestError, Request, pipeline
+from kvrag.chunks import ChunkSource
+from kvrag.study import load_items
+
+FILLER = " It is one of the old towns of the coast, with narrow streets, a market on Tuesdays and a lighthouse."
+TEXTS = [
+    "The harbour of Velloria holds forty-two ships and is run by Mara Quell, its keeper since 2011." + FILLER * 2,
+    "The river Tam floods every spring and leaves the lower fields under water until May." + FILLER * 2,
+    "The archive opens at nine in the morning and closes at five, except on Sundays." + FILLER * 2,
+]
+Q = "Who runs the harbour of Velloria?"
+
+
+def answer(kv, executor, store, question, chunks, **options):
+    request = Request.of(question, chunks, **options)
+    chunks = ChunkSource(kv, store).chunks(request.chunks)
+    *_, final = pipeline.stream(kv, request, chunks, executor, started_at=time.perf_counter())
+    return final
+
+
+def test_exact_reuse_gives_vllms_own_full_prefill_and_kvrags_tokens(kv, executor, store):
+    """One chunk right behind the prefix: its stored KV is exact, so the connector's answer is full prefill's."""
+    through = answer(kv, executor, store, Q, TEXTS[:1], strategy="reuse", max_new_tokens=16)
+    own = answer(kv, executor, store, Q, TEXTS[:1], strategy="full_prefill", max_new_tokens=16)  # no plan: vLLM alone
+    hf = answer(kv, kv.executor, store, Q, TEXTS[:1], strategy="full_prefill", max_new_tokens=16)
+    assert through.stats.recomputed_tokens == 0 < through.stats.context_tokens  # the whole chunk loaded
+    assert through.token_ids == own.token_ids == hf.token_ids and "Mara" in through.text
+
+
+def test_every_token_recomputed_is_vllms_full_prefill(kv, executor, store):
+    through = answer(kv, executor, store, Q, TEXTS, strategy="full_prefill", max_new_tokens=16)
+    hf = answer(kv, kv.executor, store, Q, TEXTS, strategy="full_prefill", max_new_tokens=16)
+    assert through.token_ids == hf.token_ids and through.stats.recomputed_tokens == through.stats.context_tokens
+
+
+@pytest.mark.parametrize("strategy", ["reuse", "reorder", "target_recompute", "target_only"])
+def test_approximate_plans_give_kvrags_own_answers(kv, executor, store, strategy):
+    """Stitched, re-positioned KV through the connector: the same greedy tokens as kvrag's transformers path."""
+    options = dict(strategy=strategy, scores=[0.9, 0.2, 0.4], max_new_tokens=16)
+    through = answer(kv, executor, store, Q, TEXTS, **options)
+    hf = answer(kv, kv.executor, store, Q, TEXTS, **options)
+    assert through.stats.order == hf.stats.order and through.token_ids == hf.token_ids
+
+
+def test_target_recompute_agrees_with_the_transformers_path_on_study_items(kv, executor, store, capsys):
+    items, _ = load_items("builtin:all", limit=7)  # 21 items, the three families
+    same, largest = 0, 0.0
+    for item in items:
+        texts = [c.text for c in item.chunks]
+        options = dict(strategy="target_recompute", target=item.target_index, max_new_tokens=16)
+        request = Request.of(item.question, texts, **options)
+        prefilled = kv.prefill(request)
+        logp = torch.log_softmax(prefilled.prefill.logits[-1].float(), -1)
+        hf = answer(kv, kv.executor, store, item.question, texts, **options)
+        through = answer(kv, executor, store, item.question, texts, **options)
+        same += through.token_ids == hf.token_ids
+        job = executor.last_prefill
+        assert job is not None and job.first_logprobs
+        largest = max(largest, max(abs(lp - float(logp[t])) for t, lp in job.first_logprobs.items()))
+    with capsys.disabled():
+        print(f"\ntarget_recompute, vLLM against transformers: {same}/{len(items)} greedy answers equal; largest "
+              f"first-token log-probability difference over vLLM's top 5: {largest:.2e}")  # fmt: skip
+    assert len(items) >= 20 and same >= math.ceil(0.95 * len(items)) and largest < 1e-2
+
+
+def test_a_missing_or_damaged_entry_is_computed_by_vllm(kv, executor, store):
+    """The store's entry gone before scheduling, or damaged before the worker reads it: vLLM computes those
+    tokens itself and the answer comes (exact: the reused chunk's tokens are then computed in place)."""
+    text = "The lighthouse of Corran was built in 1853 by the engineer Ada Renn." + FILLER * 2
+    question = "Who built the lighthouse of Corran?"
+    own = answer(kv, executor, store, question, [text], strategy="full_prefill", max_new_tokens=12)
+    for damage in ("delete", "corrupt"):
+        request = Request.of(question, [text], strategy="reuse", max_new_tokens=12).with_default(None)
+        chunks = ChunkSource(kv, store).chunks(request.chunks)
+        run = pipeline.prefill(kv, request, chunks, executor)  # the plan is made and its entries stored
+        key = run.prefill.plan.pieces[1].key
+        path = store._path(key)
+        if damage == "delete":
+            store.delete(key)
+        else:
+            blob = bytearray(path.read_bytes())
+            blob[-5] ^= 0xFF
+            path.write_bytes(bytes(blob))
+        tokens = list(executor.decode(run.prefill, request.sampling))
+        executor.release(run.prefill)
+        assert tokens[: len(own.token_ids)] == own.token_ids, damage
+        store.delete(key)
+
+
+def test_plans_inside_reused_kv_are_refused_with_the_reason(kv, executor, store):
+    with pytest.raises(InvalidRequestError, match="recomputes tokens inside reused KV"):
+        answer(kv, executor, store, Q, TEXTS, strategy="token_select", budget=0.1, max_new_tokens=4)
+    with pytest.raises(InvalidRequestError, match="scales reused keys"):
+        answer(kv, executor, store, Q, TEXTS, strategy="tempered", max_new_tokens=4)
