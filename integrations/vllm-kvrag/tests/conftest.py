@@ -1,12 +1,10 @@
 """One vLLM engine (CPU build, float32) with kvrag's connector over a disk store, shared by the tests.
 
-Skipped where vLLM is not installed: `make test` runs these in their own venv (.venv-vllm)."""
+The test modules skip where vLLM is not installed: `make test` runs them in their own venv (.venv-vllm)."""
 
 from __future__ import annotations
 
 import pytest
-
-pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm only (make test runs these tests there)")
 
 
 @pytest.fixture(scope="session")

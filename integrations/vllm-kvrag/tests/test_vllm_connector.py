@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 
+pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm only (make test runs these tests there)")
+
 from kvrag import InvalidRequestError, Request, pipeline
 from kvrag.chunks import ChunkSource
 from kvrag.study import load_items
@@ -103,3 +105,21 @@ def test_plans_inside_reused_kv_are_refused_with_the_reason(kv, executor, store)
         answer(kv, executor, store, Q, TEXTS, strategy="token_select", budget=0.1, max_new_tokens=4)
     with pytest.raises(InvalidRequestError, match="scales reused keys"):
         answer(kv, executor, store, Q, TEXTS, strategy="tempered", max_new_tokens=4)
+
+
+def test_the_engine_retrieves_and_plans_here_and_answers_through_vllm(kv, executor, store_root):
+    """KVRAG over the same disk store as the connector: ingestion stores each chunk's KV once; a query on the
+    vLLM executor reads it from there and answers as the engine does in-process."""
+    from kvrag import KVRAG
+    from kvrag.embed import Embedder
+    from kvrag.store import DiskStore
+
+    embedder = Embedder()
+    here = KVRAG(kv, embedder=embedder, store=DiskStore(store_root, "float32"))
+    here.ingest(TEXTS, split=False, progress=False)
+    there = KVRAG(kv, embedder=embedder, store=DiskStore(store_root, "float32"), index=here.index, executor=executor)
+    for strategy in ("target_recompute", "reuse"):
+        want = here.query(Q, strategy=strategy, top_k=3, max_new_tokens=12)
+        got = there.query(Q, strategy=strategy, top_k=3, max_new_tokens=12)
+        assert got.token_ids == want.token_ids and got.stats.order == want.stats.order
+        assert [s.id for s in got.sources] == [s.id for s in want.sources] and got.stats.chunks_encoded == 0
