@@ -45,28 +45,17 @@ class VLLMPrefill:
     cache: Any = None
 
 
-class VLLMExecutor:
-    """Runs kvrag jobs on a vLLM engine (`vllm.LLM`) whose KV connector is `vllm_kvrag.connector.KVRAGConnector`.
+class PlannedRequests:
+    """What both vLLM executors share: a job becomes a prompt and a transfer plan, its entries in the store."""
 
-    Args:
-        kvmodel: the kvrag model whose chunk KV is stored (the same weights vLLM serves).
-        llm: the vLLM engine, made with `kv_transfer_config=connector_config(...)`.
-        store: the store the connector reads (a DiskStore or RedisStore, the engine's own when shared).
-        namespace: the engine's namespace (it enters every chunk's key).
-    """
-
-    def __init__(self, kvmodel: KVModel, llm: Any, store: KVStore, namespace: str = "", *, logprobs: int = 0) -> None:
-        self.kvmodel, self.llm, self.store = kvmodel, llm, store
-        self.logprobs = logprobs  # keep the first token's top-k log-probabilities on each prefill (comparisons)
+    def __init__(self, kvmodel: KVModel, store: KVStore, namespace: str = "") -> None:
+        self.kvmodel, self.store = kvmodel, store
         self.last_prefill: VLLMPrefill | None = None
         self.source = ChunkSource(kvmodel, store, namespace)  # binds the store to kvmodel's encoder
-        self.block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
         prefix = kvmodel.prefix
         self.prefix_key = chunk_key(kvmodel.fingerprint.digest, [], kvmodel.layout.prefix_ids, salt="prefix")
         if self.prefix_key not in store:
             store.put(self.prefix_key, ChunkKV(prefix.token_ids, prefix.keys, prefix.values, 0, kvmodel.encoder_id))
-
-    # -- the seam ---------------------------------------------------------------------------------------
 
     def prefill(self, job: Job, *, phases: Phases | None = None, pooled: bool = False) -> VLLMPrefill:
         self.last_prefill = self._prefill(job)
@@ -84,8 +73,35 @@ class VLLMExecutor:
             pieces.append(Piece(self._entry(ids_c, chunk), chunk.start, at, len(chunk)))
             at += len(chunk)
         plan = TransferPlan(tuple(pieces), kv.encoder_id)
-        loaded = min(plan.reused, len(ids) - 1)
+        loaded = min(plan.reused, len(ids) - 1)  # the connector leaves the last prompt token to compute
         return VLLMPrefill(ids, plan, len(ids), job.context_tokens - max(0, loaded - len(kv.prefix)))
+
+    # -- entries ----------------------------------------------------------------------------------------
+
+    def _entry(self, ids: list[int], chunk: ChunkKV) -> str:
+        """The store key holding this chunk's KV exactly as the plan uses it (stored now if it is not)."""
+        key = self.source.key(ids)
+        if chunk.start != len(self.kvmodel.prefix):  # replaced KV (a slice of a full prefill): its own entry
+            key = chunk_key(self.kvmodel.fingerprint.digest, [chunk.start], ids, salt=f"{self.source.namespace}/at")
+        if key not in self.store:
+            self.store.put(key, chunk)
+        return key
+
+
+class VLLMExecutor(PlannedRequests):
+    """Runs kvrag jobs on a vLLM engine (`vllm.LLM`) whose KV connector is `vllm_kvrag.connector.KVRAGConnector`.
+
+    Args:
+        kvmodel: the kvrag model whose chunk KV is stored (the same weights vLLM serves).
+        llm: the vLLM engine, made with `kv_transfer_config=connector_config(...)`.
+        store: the store the connector reads (a DiskStore or RedisStore, the engine's own when shared).
+        namespace: the engine's namespace (it enters every chunk's key).
+        logprobs: keep the first token's top-k log-probabilities on each prefill (comparisons).
+    """
+
+    def __init__(self, kvmodel: KVModel, llm: Any, store: KVStore, namespace: str = "", *, logprobs: int = 0) -> None:
+        super().__init__(kvmodel, store, namespace)
+        self.llm, self.logprobs = llm, logprobs
 
     def decode(self, prefill: VLLMPrefill, sampling: Sampling) -> Iterator[int]:  # type: ignore[override]
         from vllm import SamplingParams
@@ -122,17 +138,6 @@ class VLLMExecutor:
         engine = self.llm.llm_engine
         if prefill.request_id and engine.has_unfinished_requests():
             engine.abort_request([prefill.request_id])
-
-    # -- entries ----------------------------------------------------------------------------------------
-
-    def _entry(self, ids: list[int], chunk: ChunkKV) -> str:
-        """The store key holding this chunk's KV exactly as the plan uses it (stored now if it is not)."""
-        key = self.source.key(ids)
-        if chunk.start != len(self.kvmodel.prefix):  # replaced KV (a slice of a full prefill): its own entry
-            key = chunk_key(self.kvmodel.fingerprint.digest, [chunk.start], ids, salt=f"{self.source.namespace}/at")
-        if key not in self.store:
-            self.store.put(key, chunk)
-        return key
 
 
 def _reused_head(job: Job) -> int:
