@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Se
 from kvrag import pipeline
 from kvrag.aio import in_thread, to_thread
 from kvrag.answer import Answer, Source, last_answer
-from kvrag.chunks import ChunkSource
+from kvrag.chunks import Chunks, ChunkSource
 from kvrag.defaults import load_default
 from kvrag.documents import Item, split_text, to_documents
 from kvrag.embed import Embedder
@@ -511,10 +511,16 @@ class KVRAG:
         yield from self._answer(request, sources, t0, time.perf_counter() - t0, phases)
 
     def _answer(
-        self, request: Request, sources: list[Source], t0: float, retrieve_s: float, phases: Phases | None
+        self,
+        request: Request,
+        sources: list[Source],
+        t0: float,
+        retrieve_s: float,
+        phases: Phases | None,
+        chunks: Chunks | None = None,
     ) -> Iterator[str | Answer]:
         request.with_default(self.defaults)  # the index's tuned default; else the model's shipped one (pipeline)
-        chunks = self.source.chunks(request.chunks)
+        chunks = chunks if chunks is not None else self.source.chunks(request.chunks)
         yield from pipeline.stream(
             self.kvmodel,
             request,
@@ -545,11 +551,12 @@ class KVRAG:
         if not chunks:
             raise EmptyInputError("no chunks given: pass at least one chunk text")
         request = Request.of(question, chunks, scores=scores, **options)
+        given = self.source.chunks(request.chunks)  # tokenized once: the keys here, the KV in the pipeline
         with self._lock:
             by_key = {r.key: r for r in self.index.records.values()}
         sources = []
         for i, text in enumerate(request.chunks):
-            record = by_key.get(self.source.key(self.kvmodel.chunk_ids(i, text)))  # type: ignore[arg-type]
+            record = by_key.get(self.source.key(given.ids[i]))
             sources.append(
                 Source(
                     id=record.id if record else f"given#{i}",
@@ -558,7 +565,7 @@ class KVRAG:
                     metadata=dict(record.metadata) if record else {},
                 )
             )
-        yield from self._answer(request, sources, t0, 0.0, phases)
+        yield from self._answer(request, sources, t0, 0.0, phases, given)
 
     def answer(self, question: str, chunks: Sequence[str], **kwargs: Any) -> Answer:
         """Answer over caller-given chunk texts; the arguments are those of `stream_over`."""
