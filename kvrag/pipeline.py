@@ -57,7 +57,8 @@ def job_of(decision: Decision, chunks: Chunks, suffix_ids: Sequence[int], *, roo
     ids = [chunks.ids[c] for c in plan_.order]
     if plan_.full_prefill:
         return Job(ids, [], list(suffix_ids), full_prefill=True, room=room, logits_to_keep=logits_to_keep)
-    stored = dict(zip(plan_.order, chunks.kv(c for c in plan_.order if c not in plan_.replace)))
+    reused = [c for c in plan_.order if c not in plan_.replace]
+    stored = dict(zip(reused, chunks.kv(reused)))
     at = {c: j for j, c in enumerate(plan_.order)}
     return Job(
         ids,
