@@ -16,11 +16,12 @@ from kvrag.errors import (
     KVRAGError,
     LayoutError,
     ModelNotFoundError,
+    NoMatchError,
     StoreError,
     UnsupportedModelError,
 )
 from kvrag.kv import ChunkKV, chunk_key
-from kvrag.answer import Answer, AnswerStats, Source
+from kvrag.answer import NO_CONTEXT, Answer, AnswerStats, Source
 from kvrag.chunks import Chunks, ChunkSource
 from kvrag.executor import Executor, HFExecutor, Job
 from kvrag.kvmodel import KVModel
@@ -37,6 +38,8 @@ from kvrag.strategies import STRATEGIES, Plan, PlanRequest, register_strategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "NO_CONTEXT",
+    "NoMatchError",
     "Answer",
     "AnswerStats",
     "check_architecture",

@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
+# The answer the framework adapters give when retrieval finds nothing: no generation runs (stock LlamaIndex
+# answers "Empty Response" the same way), in every call and streaming mode, with finish_reason "no_context".
+NO_CONTEXT = "No context was found for the question."
+
 
 @dataclass(slots=True)
 class AnswerStats:
@@ -90,9 +94,35 @@ class Answer:
 
     text: str
     token_ids: list[int]
-    finish_reason: str  # "eos", "stop" (a stop string) or "length" (max_new_tokens)
+    finish_reason: str  # "eos", "stop" (a stop string), "length" (max_new_tokens), "no_context" (nothing retrieved)
     stats: AnswerStats
     sources: list[Source] = field(default_factory=list)  # retrieved chunks, in the order they were given
+
+    @classmethod
+    def no_context(cls, retrieve_s: float = 0.0) -> Answer:
+        """`NO_CONTEXT` with nothing generated: what an adapter answers when retrieval found no chunk."""
+        stats = AnswerStats(
+            strategy="none",
+            picker=None,
+            order=[],
+            target=None,
+            target_given=None,
+            context_tokens=0,
+            recomputed_tokens=0,
+            budget=0.0,
+            budget_tokens=0,
+            overspend_tokens=0,
+            extra_token_layers=0,
+            extra_work=[],
+            prompt_tokens=0,
+            chunks_encoded=0,
+            encode_s=0.0,
+            ttft_s=retrieve_s,
+            new_tokens=0,
+            total_s=retrieve_s,
+            retrieve_s=retrieve_s,
+        )
+        return cls(text=NO_CONTEXT, token_ids=[], finish_reason="no_context", stats=stats)
 
     def to_dict(self) -> dict[str, Any]:
         """The documented JSON form: text, finish_reason, sources, stats."""

@@ -26,6 +26,7 @@ from kvrag.errors import (
     EmptyInputError,
     IndexLoadError,
     InvalidRequestError,
+    NoMatchError,
     StoreError,
 )
 from kvrag.executor import Executor
@@ -506,7 +507,7 @@ class KVRAG:
         request = Request.of(question, **options)  # checked before any retrieval work
         sources = self.retrieve(question, top_k=top_k, filters=filters, bm25=_bm25_flag(bm25, hybrid))
         if not sources:
-            raise EmptyInputError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
+            raise NoMatchError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
         request.with_chunks([s.text for s in sources], [s.score for s in sources])
         yield from self._answer(request, sources, t0, time.perf_counter() - t0, phases)
 

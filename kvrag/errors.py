@@ -22,6 +22,10 @@ class EmptyInputError(KVRAGError, ValueError):
     """A text, chunk list or question was empty or whitespace only."""
 
 
+class NoMatchError(EmptyInputError):
+    """Retrieval found no chunk for the question (the filters match none). Adapters answer `NO_CONTEXT` instead."""
+
+
 class ContextOverflowError(KVRAGError, ValueError):
     """A chunk or a stitched prompt does not fit in the model's context window."""
 

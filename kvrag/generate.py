@@ -7,8 +7,9 @@ lower, so decoding needs no mask. This module never builds a prompt or a cache.
 from __future__ import annotations
 
 import contextlib
+import numbers
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Iterator, Sequence
+from typing import Any, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -30,13 +31,28 @@ class Sampling:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
+        if self.stop is None:
+            self.stop = ()
+        if not isinstance(self.stop, Iterable) or not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = tuple(s for s in self.stop if s)
+        _check_number("max_new_tokens", self.max_new_tokens, integer=True)
+        _check_number("temperature", self.temperature)
+        _check_number("top_p", self.top_p)
+        if self.seed is not None:
+            _check_number("seed", self.seed, integer=True)
         if self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if not self.temperature >= 0:
             raise InvalidRequestError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def _check_number(name: str, value: Any, integer: bool = False) -> None:
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise InvalidRequestError(f"{name} must be {'an int' if integer else 'a number'}, got {value!r}")
 
 
 def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:

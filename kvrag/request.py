@@ -121,6 +121,13 @@ def as_index(target: Any, n: int) -> int | None:
     return index
 
 
+def check_options(**options: Any) -> dict[str, Any]:
+    """Check a request's options (all but its question and chunks) where they are given, e.g. when an adapter
+    is built, so a misspelt key or a bad budget fails there rather than at the first query. Returns them."""
+    Request.of("(options check)", **dict(options))
+    return options
+
+
 def check_scores(scores: Sequence[Any], n: int) -> list[float]:
     """One finite score a chunk, as floats."""
     if len(scores) != n:

@@ -67,6 +67,14 @@ def test_top_p_keeps_only_the_nucleus():
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
+        ({"max_new_tokens": "3"}, "max_new_tokens must be an int"),
+        ({"max_new_tokens": None}, "max_new_tokens must be an int"),
+        ({"max_new_tokens": 2.0}, "max_new_tokens must be an int"),
+        ({"max_new_tokens": True}, "max_new_tokens must be an int"),
+        ({"temperature": ""}, "temperature must be a number"),
+        ({"seed": "a"}, "seed must be an int"),
+        ({"stop": 5}, "stop must be a string or a list of strings"),
+        ({"stop": ["ok", 3]}, "stop must be a string or a list of strings"),
     ],
 )
 def test_bad_sampling_values_are_refused(kwargs, match):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvrag import EmptyInputError, InvalidRequestError, Request
-from kvrag.request import DEFAULT_BUDGET, scores_of
+from kvrag.request import DEFAULT_BUDGET, check_options, scores_of
 
 
 @pytest.mark.parametrize("budget", [0, -0.1, 1.0001, math.nan, math.inf, "0.1", True, 10**9])
@@ -78,3 +78,14 @@ def test_scores_of_is_all_or_nothing():
     assert scores_of([0.5, None]) is None
     assert scores_of([True, 0.5]) is None
     assert scores_of([]) is None
+
+
+def test_check_options_refuses_what_a_request_would_and_returns_the_rest():
+    options = {"strategy": "reuse", "budget": 0.1, "max_new_tokens": 8, "stop": ["\n"]}
+    assert check_options(**options) == options
+    with pytest.raises(InvalidRequestError, match="unknown argument.*temprature"):
+        check_options(temprature=0.5)
+    with pytest.raises(InvalidRequestError, match="budget"):
+        check_options(budget=5)
+    with pytest.raises(InvalidRequestError, match="strategy"):
+        check_options(strategy="no_such_strategy")
