@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -31,7 +31,7 @@ from kvrag.errors import (
 )
 from kvrag.executor import Executor
 from kvrag.folder import MANIFEST, IndexFolder
-from kvrag.index import ChunkIndex, ChunkRecord, Filters
+from kvrag.index import ChunkIndex, ChunkRecord, Filters, check_filters, check_top_k
 from kvrag.kvmodel import KVModel
 from kvrag.layout import check_unicode
 from kvrag.request import Request
@@ -474,9 +474,9 @@ class KVRAG:
         bm25 = _bm25_flag(bm25, hybrid)
         if not isinstance(question, str) or not question.strip():
             raise EmptyInputError("the question is empty or whitespace only: ask something")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 10_000:
-            raise InvalidRequestError(f"top_k must be an int in 1..10000, got {top_k!r}")
+        check_top_k(top_k)
         check_unicode(question, "the question")
+        filters = check_filters(filters)
         vector = self.embedder.embed([question])[0]
         with self._lock:
             if not len(self.index):
@@ -540,19 +540,36 @@ class KVRAG:
     def stream_over(
         self,
         question: str,
-        chunks: Sequence[str],
+        chunks: Sequence[str | Source],
         *,
         scores: Sequence[float] | None = None,
         started_at: float | None = None,
+        retrieve_s: float = 0.0,
         phases: Phases | None = None,
         **options: Any,
     ) -> Iterator[str | Answer]:
-        """`stream` over caller-given chunk texts (no retrieval); their KV comes from the store when stored."""
+        """`stream` over caller-given chunks (no retrieval); their KV comes from the store when stored.
+
+        `chunks` are texts, or the `Source`s of a `retrieve` the caller ran itself (their ids, scores and
+        metadata are kept; `retrieve_s` is the seconds it took, reported in the stats).
+        """
         t0 = started_at if started_at is not None else time.perf_counter()
         if not chunks:
             raise EmptyInputError("no chunks given: pass at least one chunk text")
-        request = Request.of(question, chunks, scores=scores, **options)
+        retrieved = all(isinstance(c, Source) for c in chunks)
+        texts = [c.text for c in chunks] if retrieved else list(chunks)
+        if retrieved and scores is None:
+            scores = [c.score for c in chunks]
+        request = Request.of(question, texts, scores=scores, **options)
         given = self.source.chunks(request.chunks)  # tokenized once: the keys here, the KV in the pipeline
+        if retrieved:
+            sources = [replace(c, metadata=dict(c.metadata)) for c in chunks]
+        else:
+            sources = self._sources_of(request, given)
+        yield from self._answer(request, sources, t0, retrieve_s, phases, given)
+
+    def _sources_of(self, request: Request, given: Chunks) -> list[Source]:
+        """Sources for caller-given texts: the indexed chunk's id and metadata where the text is indexed."""
         with self._lock:
             by_key = {r.key: r for r in self.index.records.values()}
         sources = []
@@ -566,9 +583,9 @@ class KVRAG:
                     metadata=dict(record.metadata) if record else {},
                 )
             )
-        yield from self._answer(request, sources, t0, 0.0, phases, given)
+        return sources
 
-    def answer(self, question: str, chunks: Sequence[str], **kwargs: Any) -> Answer:
+    def answer(self, question: str, chunks: Sequence[str | Source], **kwargs: Any) -> Answer:
         """Answer over caller-given chunk texts; the arguments are those of `stream_over`."""
         return last_answer(self.stream_over(question, chunks, **kwargs))
 
@@ -581,12 +598,14 @@ class KVRAG:
         async for item in in_thread(lambda: self.stream(question, **kwargs)):
             yield item
 
-    async def astream_over(self, question: str, chunks: Sequence[str], **kwargs: Any) -> AsyncIterator[str | Answer]:
+    async def astream_over(
+        self, question: str, chunks: Sequence[str | Source], **kwargs: Any
+    ) -> AsyncIterator[str | Answer]:
         """`stream_over` in a worker thread."""
         async for item in in_thread(lambda: self.stream_over(question, chunks, **kwargs)):
             yield item
 
-    async def aanswer(self, question: str, chunks: Sequence[str], **kwargs: Any) -> Answer:
+    async def aanswer(self, question: str, chunks: Sequence[str | Source], **kwargs: Any) -> Answer:
         """`answer` in a worker thread."""
         return await to_thread(self.answer, question, chunks, **kwargs)
 

@@ -40,6 +40,41 @@ def words(text: str) -> list[str]:
     return re.findall(r"\w+", text.lower())
 
 
+SCALARS = (str, int, float, bool, type(None))
+
+
+MAX_TOP_K = 10_000
+
+
+def check_top_k(top_k: Any) -> int:
+    """How many chunks a retrieval returns: an int in 1..MAX_TOP_K."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K:
+        raise InvalidRequestError(f"top_k must be an int in 1..{MAX_TOP_K}, got {top_k!r}")
+    return top_k
+
+
+def check_filters(filters: Any) -> dict[str, Any] | None:
+    """Metadata filters as kvrag reads them: None, or a mapping of str keys to a value or a list of accepted values."""
+    if filters is None:
+        return None
+    if not isinstance(filters, Mapping):
+        raise InvalidRequestError(
+            f"filters is a {type(filters).__name__}: give a dict of metadata key to value, e.g. "
+            '{"source": "a.txt"} or {"year": [2023, 2024]}'
+        )
+    checked: dict[str, Any] = {}
+    for name, wanted in filters.items():
+        if not isinstance(name, str):
+            raise InvalidRequestError(f"filter key {name!r} is a {type(name).__name__}: metadata keys are str")
+        values = wanted if isinstance(wanted, (list, tuple, set, frozenset)) else [wanted]
+        if not all(isinstance(v, SCALARS) for v in values):
+            raise InvalidRequestError(
+                f"filter {name!r} wants {wanted!r}: give a str, number, bool or None, or a list of them"
+            )
+        checked[name] = list(wanted) if isinstance(wanted, (set, frozenset)) else wanted
+    return checked
+
+
 def _matches(metadata: Mapping[str, Any], filters: Filters) -> bool:
     for name, wanted in filters.items():
         value = metadata.get(name)

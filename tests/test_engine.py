@@ -13,7 +13,7 @@ from tiny import FACTS, byte_tokenizer, save_tiny, in_threads
 from kvrag.documents import DocumentError, split_text
 from kvrag.embed import Embedder
 from kvrag.engine import KVRAG
-from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError
+from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError, NoMatchError
 from kvrag.kvmodel import Answer
 
 
@@ -89,6 +89,23 @@ def test_answer_over_given_chunks_uses_the_store(rag):
     stored = rag.store_kv(["Yet another unseen text.", "Yet another unseen text.", FACTS[1][0]])
     assert stored.encoded == 1 and stored.store_hits == 2
     assert a.sources[0].metadata["topic"] == "buildings" and a.sources[1].id == "given#1"
+
+
+def test_answer_over_retrieved_sources_equals_query_and_keeps_their_ids_and_scores(rag):
+    question = "Who built the lighthouse?"
+    expected = rag.query(question, top_k=3, max_new_tokens=4)
+    sources = rag.retrieve(question, top_k=3)
+    answer = rag.answer(question, sources, max_new_tokens=4, retrieve_s=0.25)
+    assert answer.token_ids == expected.token_ids and answer.sources == expected.sources
+    assert answer.stats.order == expected.stats.order and answer.stats.retrieve_s >= 0.25
+
+
+def test_filters_that_match_nothing_raise_no_match_and_bad_filters_are_refused(rag):
+    with pytest.raises(NoMatchError, match="no chunk matches the filters"):
+        rag.query("Who built the lighthouse?", filters={"topic": "none"})
+    for bad, phrase in [("x", "filters is a str"), ({"topic": {"$in": ["a"]}}, "filter 'topic' wants")]:
+        with pytest.raises(InvalidRequestError, match=phrase):
+            rag.retrieve("Who built the lighthouse?", filters=bad)
 
 
 def test_four_threads_answer_as_one_thread_does(rag):

@@ -10,11 +10,12 @@ import asyncio
 import warnings
 from typing import Any
 
-from kvrag import KVRAG, Source
+from kvrag import KVRAG, InvalidRequestError, Source
+from kvrag.index import check_filters, check_top_k
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field
 
 
 def to_document(source: Source) -> Document:
@@ -22,6 +23,9 @@ def to_document(source: Source) -> Document:
     return Document(
         page_content=source.text, id=source.id, metadata={**source.metadata, "id": source.id, "score": source.score}
     )
+
+
+SEARCH_KWARGS = ("k", "filter", "filters", "bm25")  # a call's keyword arguments, and `search_kwargs`' keys
 
 
 class KVRAGRetriever(BaseRetriever):
@@ -33,10 +37,14 @@ class KVRAGRetriever(BaseRetriever):
 
     Args:
         engine: the kvrag engine to search.
-        k: how many chunks to return (`top_k`); `invoke(query, k=3)` overrides it for one call.
+        k: how many chunks to return (`top_k`).
         filters: metadata filters (`{"key": value}` or `{"key": [values]}`), applied before top-k, so a
             filter that matches fewer than k chunks returns only those.
         bm25: fuse the dense and BM25 rankings by reciprocal rank (`hybrid` is its deprecated name).
+        search_kwargs: the same settings in a vector store retriever's words: `{"k": 3, "filter": {...}}`.
+
+    A call overrides them for itself: `invoke(query, k=3, filter={"source": "a.txt"})` (`filters=` and
+    `bm25=` too). Arguments are checked when the retriever is built, and a call's when it is made.
 
     Example:
         >>> retriever = KVRAGRetriever(engine=KVRAG.from_defaults("./my-index"), k=3)
@@ -49,43 +57,71 @@ class KVRAGRetriever(BaseRetriever):
     k: int = Field(default=5, description="how many chunks to return (top_k)")
     filters: dict[str, Any] | None = Field(default=None, description="metadata filters, applied before top-k")
     bm25: bool = Field(default=False, description="fuse dense and BM25 rankings")
+    search_kwargs: dict[str, Any] = Field(default_factory=dict, description="k, filter, bm25 (vector store style)")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed(cls, values: Any) -> Any:
-        if isinstance(values, dict) and "hybrid" in values:
-            warnings.warn("KVRAGRetriever(hybrid=) is renamed bm25=", DeprecationWarning, stacklevel=4)
-            values = {**values, "bm25": values.pop("hybrid")}
-        return values
+    def __init__(self, **kwargs: Any) -> None:
+        # Checked before pydantic sees them, so a mistake is kvrag's error (pydantic would wrap it).
+        if "hybrid" in kwargs:
+            warnings.warn("KVRAGRetriever(hybrid=) is renamed bm25=", DeprecationWarning, stacklevel=2)
+            kwargs["bm25"] = kwargs.pop("hybrid")
+        unknown = sorted(set(kwargs) - set(type(self).model_fields))
+        if unknown:
+            ours = [name for name in type(self).model_fields if name not in BaseRetriever.model_fields]
+            raise InvalidRequestError(
+                f"unknown argument(s) {', '.join(unknown)}: KVRAGRetriever takes {', '.join(ours)}"
+            )
+        engine = kwargs.get("engine")
+        if not isinstance(engine, KVRAG):
+            raise InvalidRequestError(f"engine is a {type(engine).__name__}: pass a kvrag.KVRAG")
+        search = _search_arguments(kwargs.get("search_kwargs") or {}, "search_kwargs")
+        for name, value in search.items():
+            if kwargs.get(name) is not None and kwargs[name] != value:
+                raise InvalidRequestError(f"{name} is given twice (as {name}= and in search_kwargs): give it once")
+            kwargs[name] = value
+        kwargs["filters"] = check_filters(kwargs.get("filters"))
+        check_top_k(kwargs.get("k", 5))
+        super().__init__(**kwargs)
 
-    def _search(self, query: str, k: int | None, filters: dict[str, Any] | None, bm25: bool | None) -> list[Document]:
+    def _search(self, query: str, arguments: dict[str, Any]) -> list[Document]:
+        call = _search_arguments(arguments, "a call")
         sources = self.engine.retrieve(
             query,
-            top_k=self.k if k is None else k,
-            filters=self.filters if filters is None else filters,
-            bm25=self.bm25 if bm25 is None else bm25,
+            top_k=call.get("k", self.k),
+            filters=call.get("filters", self.filters),
+            bm25=call.get("bm25", self.bm25),
         )
         return [to_document(s) for s in sources]
 
     def _get_relevant_documents(
-        self,
-        query: str,
-        *,
-        run_manager: CallbackManagerForRetrieverRun,
-        k: int | None = None,
-        filters: dict[str, Any] | None = None,
-        bm25: bool | None = None,
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
-        return self._search(query, k, filters, bm25)
+        return self._search(query, kwargs)
 
     async def _aget_relevant_documents(
-        self,
-        query: str,
-        *,
-        run_manager: AsyncCallbackManagerForRetrieverRun,
-        k: int | None = None,
-        filters: dict[str, Any] | None = None,
-        hybrid: bool | None = None,
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
         # The engine embeds and searches synchronously: a worker thread keeps the event loop free.
-        return await asyncio.to_thread(self._search, query, k, filters, hybrid)
+        return await asyncio.to_thread(self._search, query, kwargs)
+
+
+def _search_arguments(arguments: Any, where: str) -> dict[str, Any]:
+    """k / filter / filters / bm25 from a call's keyword arguments or `search_kwargs`, as k / filters / bm25."""
+    if not isinstance(arguments, dict):
+        raise InvalidRequestError(f"{where} is a {type(arguments).__name__}: give a dict of {', '.join(SEARCH_KWARGS)}")
+    unknown = sorted(set(arguments) - set(SEARCH_KWARGS))
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown search argument(s) {', '.join(unknown)} in {where}: it takes {', '.join(SEARCH_KWARGS)}"
+        )
+    if "filter" in arguments and "filters" in arguments:
+        raise InvalidRequestError(f"{where} gives both filter and filters: give one")
+    out = {k: v for k, v in arguments.items() if v is not None}
+    if "filter" in out:
+        out["filters"] = out.pop("filter")
+    if "filters" in out:
+        out["filters"] = check_filters(out["filters"])
+    if "k" in out:
+        check_top_k(out["k"])
+    if "bm25" in out and not isinstance(out["bm25"], bool):
+        raise InvalidRequestError(f"bm25 must be True or False, got {out['bm25']!r}")
+    return out

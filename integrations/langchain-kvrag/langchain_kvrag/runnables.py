@@ -1,27 +1,37 @@
 """KVRAGRunnable: kvrag's answers as a LangChain runnable.
 
-Translation only: a question goes to the engine's retrieve-and-answer calls (`query`, `stream`, `aquery`,
-`astream`); a `{"question", "documents"}` dict goes to `KVRAG.answer` over exactly those documents' text.
-Strategies, budgets, KV loading and generation stay in kvrag; this module never looks inside an answer
-beyond `Answer.to_dict()`.
+Translation only: a question goes to the engine's retrieval (`KVRAG.retrieve`) and its answer over what it
+found (`KVRAG.stream_over`); a `{"question", "documents"}` dict goes to `stream_over` over exactly those
+documents' text. Strategies, budgets, KV loading and generation stay in kvrag; this module never looks inside
+an answer beyond `Answer.to_dict()`, and reports the generation to LangChain's callbacks (`callbacks.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from contextlib import aclosing, closing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Union
+from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence, Union
 
-from kvrag import KVRAG, Answer, EmptyInputError, InvalidRequestError
-from kvrag.request import scores_of
+from kvrag import KVRAG, NO_CONTEXT, Answer, InvalidRequestError, KVModel, Request, Source
+from kvrag.answer import last_answer
+from kvrag.index import check_filters, check_top_k
+from kvrag.request import check_options, scores_of
+from langchain_core.callbacks import AsyncCallbackManagerForChainRun, CallbackManagerForChainRun
 from langchain_core.documents import Document
+from langchain_core.prompt_values import PromptValue
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.runnables.utils import AddableDict, ConfigurableFieldSpec
 from pydantic import ConfigDict, Field
 from typing_extensions import NotRequired, TypedDict
 
+from langchain_kvrag.callbacks import AsyncGenerationRun, GenerationRun, ModelCall
+
 # Fields a call may override through `config["configurable"]`, under these ids.
 CONFIGURABLE = ("strategy", "budget", "top_k")
+GENERATION_KEYS = ("temperature", "top_p", "seed", "stop")  # generation_kwargs beside max_new_tokens
+INPUT_KEYS = ("question", "documents", "context")  # a dict input; `context` is the LCEL name for documents
 
 
 class QuestionWithDocuments(TypedDict):
@@ -42,7 +52,8 @@ class _Request:
     question: str
     texts: list[str] | None  # chunk texts to answer over; None: the engine retrieves
     scores: list[float] | None  # one retrieval score a text, when every document carried one
-    options: dict[str, Any]  # keyword arguments of KVRAG.query / stream / answer
+    retrieval: dict[str, Any]  # top_k, filters, bm25 of KVRAG.retrieve (when texts is None)
+    options: dict[str, Any]  # the request's options (KVRAG.stream_over)
 
 
 class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
@@ -50,11 +61,14 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
 
     Input:
         - a question (`str`): the engine retrieves `top_k` chunks (with `filters`, `bm25`) and answers.
-        - `{"question": str, "documents": [Document, ...]}`: the engine answers over exactly those documents'
-          `page_content`, in the given order, with `metadata["score"]` as their scores when every document has
-          one. Documents from `KVRAGRetriever` find their KV in the engine's store; text from any other
-          retriever is encoded once (and stored), which shows in `stats["chunks_encoded"]`. An empty
-          `documents` list raises `kvrag.EmptyInputError`. Without `documents` the engine retrieves.
+        - `{"question": str, "documents": [Document, ...]}` (or `"context"`, LCEL's usual name): the engine
+          answers over exactly those documents' `page_content`, in the given order, with `metadata["score"]` as
+          their scores when every document has one. Documents from `KVRAGRetriever` find their KV in the
+          engine's store; text from any other retriever is encoded once (and stored), which shows in
+          `stats["chunks_encoded"]`. A `top_k` set on the runnable or per call caps them (the first `top_k`).
+          Without `documents` the engine retrieves. Other keys are refused.
+        - nothing retrieved (filters that match nothing, or an empty `documents` list): the answer is
+          `kvrag.NO_CONTEXT` with `finish_reason` "no_context" and nothing is generated, in every mode.
 
     Output: the answer text, or with `return_dict=True`
     `{"answer": text, "finish_reason": ..., "sources": [{"id", "text", "score", "metadata"}], "stats": {...}}`
@@ -62,23 +76,34 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
     `return_dict=True` they yield `{"answer": piece}` chunks and then one
     `{"finish_reason", "sources", "stats"}` chunk, so the chunks added up equal `invoke`'s dict.
 
+    Callbacks: each call is a chain run, and its generation a child chat model run ("kvrag"): started with the
+    context and the question, one `on_llm_new_token` a piece, ended with `usage_metadata` and kvrag's stats in
+    `response_metadata`, so tracers, `astream_events` (`on_chat_model_stream`) and token counters see it.
+
     `strategy`, `budget` and `top_k` are configurable per call:
     `runnable.with_config(configurable={"strategy": "reuse", "budget": 0.1, "top_k": 3})`.
 
+    Serialization: `dumps` records the configuration and the engine's folder (`index`); `loads` and pickling
+    reopen the engine from it with `KVRAG.load`. An engine without a folder cannot be rebuilt from a
+    description: build it with a path (`KVRAG.from_defaults(path)`) to serialize the runnable.
+
     Args:
-        engine: the kvrag engine.
-        strategy: a registered kvrag strategy (`kvrag.STRATEGIES`).
-        budget: fraction of context tokens a budgeted strategy may recompute, in (0, 1].
-        top_k: chunks to retrieve for a question input.
+        engine: the kvrag engine; or give `index`.
+        index: an index folder to open the engine from (`KVRAG.load(index)`); set from `engine.path`.
+        strategy: a registered kvrag strategy (`kvrag.STRATEGIES`); None: the index's tuned default, else
+            the model's shipped one.
+        budget: fraction of context tokens a budgeted strategy may recompute, in (0, 1]; None: the default's.
+        top_k: chunks to retrieve for a question input (and, when set, the most documents answered over).
         filters: metadata filters for retrieval (`{"key": value}` or `{"key": [values]}`).
         bm25: fuse dense and BM25 rankings in retrieval.
         picker: how a target strategy picks its target ("retriever", "attention", "oracle"); None: kvrag's default.
         max_new_tokens: generation limit.
-        generation_kwargs: further decoding arguments of `KVModel.stream` (`temperature`, `top_p`, `seed`, `stop`).
+        generation_kwargs: further decoding arguments (`temperature`, `top_p`, `seed`, `stop`).
         return_dict: return the answer with its sources and stats instead of the text alone.
 
-    Errors are kvrag's own (`kvrag.KVRAGError`): `EmptyInputError` for an empty question, an empty index
-    or no documents, `InvalidRequestError` for an unknown strategy or a bad budget or top_k.
+    Errors are kvrag's own (`kvrag.KVRAGError`), raised when the runnable is built for its arguments and at
+    the call for its input: `EmptyInputError` for an empty question or an empty index, `InvalidRequestError`
+    for an unknown argument, strategy, input key or a bad budget, top_k or filter.
 
     Example:
         >>> from langchain_core.runnables import RunnablePassthrough
@@ -89,9 +114,10 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    engine: KVRAG
-    strategy: str = Field(default="target_recompute", description="the kvrag strategy that repairs the stitched KV")
-    budget: float = Field(default=0.05, description="fraction of context tokens a budgeted strategy may recompute")
+    engine: KVRAG | None = Field(default=None, exclude=True, description="the kvrag engine")
+    index: str | None = Field(default=None, description="the index folder the engine is opened from")
+    strategy: str | None = Field(default=None, description="the kvrag strategy that repairs the stitched KV")
+    budget: float | None = Field(default=None, description="fraction of context tokens a strategy may recompute")
     top_k: int = Field(default=5, description="chunks to retrieve for a question")
     filters: dict[str, Any] | None = Field(default=None, description="metadata filters for retrieval")
     bm25: bool = Field(default=False, description="fuse dense and BM25 rankings in retrieval")
@@ -99,6 +125,63 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
     max_new_tokens: int = Field(default=256, description="generation limit")
     generation_kwargs: dict[str, Any] = Field(default_factory=dict, description="temperature, top_p, seed, stop")
     return_dict: bool = Field(default=False, description="return answer, sources and stats instead of the text")
+
+    def __init__(self, **kwargs: Any) -> None:
+        # Checked before pydantic sees them, so a mistake is kvrag's error (pydantic would wrap it).
+        unknown = sorted(set(kwargs) - set(type(self).model_fields))
+        if unknown:
+            ours = [name for name in type(self).model_fields if name not in RunnableSerializable.model_fields]
+            raise InvalidRequestError(
+                f"unknown argument(s) {', '.join(unknown)}: KVRAGRunnable takes {', '.join(ours)}"
+            )
+        engine, index = kwargs.get("engine"), kwargs.get("index")
+        if engine is None and index is None:
+            raise InvalidRequestError("KVRAGRunnable needs engine= (a kvrag.KVRAG) or index= (an index folder)")
+        if engine is not None and not isinstance(engine, KVRAG):
+            hint = ": for a model alone use langchain_kvrag.ChatKVRAG" if isinstance(engine, KVModel) else ""
+            raise InvalidRequestError(f"engine is a {type(engine).__name__}, not a kvrag.KVRAG{hint}")
+        if engine is None:
+            kwargs["engine"] = KVRAG.load(index)
+        elif index is None and engine.path is not None:
+            kwargs["index"] = str(engine.path)
+        generation = kwargs.get("generation_kwargs") or {}
+        if not isinstance(generation, Mapping) or set(generation) - set(GENERATION_KEYS):
+            extra = sorted(set(generation) - set(GENERATION_KEYS)) if isinstance(generation, Mapping) else generation
+            raise InvalidRequestError(
+                f"generation_kwargs {extra!r} is not understood: it takes {', '.join(GENERATION_KEYS)} "
+                "(max_new_tokens is its own argument)"
+            )
+        kwargs["filters"] = check_filters(kwargs.get("filters"))
+        super().__init__(**kwargs)
+        check_options(**self._options(self.strategy, self.budget))
+        check_top_k(self.top_k)
+
+    # -- serialization ----------------------------------------------------------------------------------
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["langchain_kvrag", "runnables"]
+
+    def to_json(self) -> Any:
+        if self.index is None:  # an in-memory engine: nothing on disk to reopen it from
+            return self.to_json_not_implemented()
+        return super().to_json()
+
+    def __reduce__(self) -> Any:
+        if self.index is None:
+            raise TypeError(
+                "a KVRAGRunnable over an engine without a folder cannot be pickled (its model, index and KV live "
+                "in this process only): build the engine with a path, KVRAG.from_defaults(path), and pickling "
+                "reopens it there"
+            )
+        return (_reopen, (type(self), self.model_dump(exclude={"engine"}, exclude_unset=True) | {"index": self.index}))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KVRAGRunnable:
+        return self.model_copy()  # the engine is shared, never copied
 
     @property
     def config_specs(self) -> list[ConfigurableFieldSpec]:
@@ -117,34 +200,54 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
 
     # -- translation ------------------------------------------------------------------------------------
 
-    def _request(self, value: Any, config: RunnableConfig | None) -> _Request:
-        configurable = (config or {}).get("configurable") or {}
-        chosen = {name: configurable.get(name, getattr(self, name)) for name in CONFIGURABLE}
-        options: dict[str, Any] = {
-            "strategy": chosen["strategy"],
-            "budget": chosen["budget"],
+    def _options(self, strategy: str | None, budget: float | None) -> dict[str, Any]:
+        return {
+            "strategy": strategy,
+            "budget": budget,
             "picker": self.picker,
             "max_new_tokens": self.max_new_tokens,
             **self.generation_kwargs,
         }
-        retrieval = {"top_k": chosen["top_k"], "filters": self.filters, "bm25": self.bm25}
+
+    def _request(self, value: Any, config: RunnableConfig | None) -> _Request:
+        configurable = (config or {}).get("configurable") or {}
+        chosen = {name: configurable.get(name, getattr(self, name)) for name in CONFIGURABLE}
+        options = self._options(chosen["strategy"], chosen["budget"])
+        top_k = check_top_k(chosen["top_k"])
+        retrieval = {"top_k": top_k, "filters": self.filters, "bm25": self.bm25}
         if isinstance(value, str):
-            return _Request(value, None, None, {**options, **retrieval})
+            return _Request(value, None, None, retrieval, options)
+        if isinstance(value, PromptValue):
+            raise InvalidRequestError(
+                f"KVRAGRunnable got a {type(value).__name__}, a whole prompt: send a prompt to "
+                "langchain_kvrag.ChatKVRAG (a chat model), or give this runnable {'question': str, 'documents': [...]} "
+                "so kvrag lays out the context and reuses its KV"
+            )
         if not isinstance(value, Mapping) or not isinstance(value.get("question"), str):
             raise InvalidRequestError(
                 f"KVRAGRunnable takes a question (str) or a dict {{'question': str, 'documents': [Document, ...]}}, "
                 f"got {_describe(value)}: to feed a retriever, compose "
                 "{'question': RunnablePassthrough(), 'documents': retriever} | runnable"
             )
-        question = value["question"]
-        if "documents" not in value:
-            return _Request(question, None, None, {**options, **retrieval})
-        documents = value["documents"]
-        if not documents:
-            raise EmptyInputError(
-                f"no documents to answer {question!r} over: the retriever found nothing (ingest documents or loosen "
-                "its filters), or pass a question alone to let the kvrag engine retrieve"
+        unknown = sorted(set(map(str, value)) - set(INPUT_KEYS))
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown input key(s) {', '.join(unknown)}: the dict input takes 'question' and 'documents' (or "
+                "'context', its LCEL name)"
             )
+        if "documents" in value and "context" in value:
+            raise InvalidRequestError("the input has both 'documents' and 'context': give the documents once")
+        key = "documents" if "documents" in value else "context" if "context" in value else None
+        question = value["question"]
+        if key is None:
+            return _Request(question, None, None, retrieval, options)
+        documents = value[key]
+        if isinstance(documents, (str, Document)) or not isinstance(documents, Sequence):
+            raise InvalidRequestError(
+                f"{key} is a {type(documents).__name__}: pass a list of Documents (or of str), e.g. [Document(...)]"
+            )
+        if "top_k" in configurable or "top_k" in self.model_fields_set:
+            documents = documents[:top_k]
         texts, raw_scores = [], []
         for i, doc in enumerate(documents):
             if isinstance(doc, Document):
@@ -154,8 +257,17 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
                 texts.append(doc)
                 raw_scores.append(None)
             else:
-                raise InvalidRequestError(f"documents[{i}] is a {type(doc).__name__}: pass LangChain Documents or str")
-        return _Request(question, texts, scores_of(raw_scores), options)
+                raise InvalidRequestError(f"{key}[{i}] is a {type(doc).__name__}: pass LangChain Documents or str")
+        return _Request(question, texts, scores_of(raw_scores), retrieval, options)
+
+    def _call(self, request: _Request) -> tuple[float, Sequence[str | Source], float]:
+        """The chunks to answer over: the given texts, else the engine's retrieval (timed)."""
+        t0 = time.perf_counter()
+        if request.texts is not None:
+            return t0, request.texts, 0.0
+        Request.of(request.question, **request.options)  # a bad option fails before any retrieval work
+        sources = self.engine.retrieve(request.question, **request.retrieval)
+        return t0, sources, time.perf_counter() - t0
 
     def _output(self, answer: Answer) -> KVRAGOutput:
         if not self.return_dict:
@@ -175,41 +287,84 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
 
     # -- the engine calls -------------------------------------------------------------------------------
 
-    def _items(self, request: _Request) -> Iterator[str | Answer]:
-        if request.texts is None:
-            return self.engine.stream(request.question, **request.options)
-        return self.engine.stream_over(request.question, request.texts, scores=request.scores, **request.options)
-
-    def _aitems(self, request: _Request) -> AsyncIterator[str | Answer]:
-        if request.texts is None:
-            return self.engine.astream(request.question, **request.options)
-        return self.engine.astream_over(request.question, request.texts, scores=request.scores, **request.options)
-
-    def _answer(self, value: Any, config: RunnableConfig) -> KVRAGOutput:
-        request = self._request(value, config)
-        if request.texts is None:
-            return self._output(self.engine.query(request.question, **request.options))
-        return self._output(
-            self.engine.answer(request.question, request.texts, scores=request.scores, **request.options)
+    def _items(self, request: _Request, run_manager: CallbackManagerForChainRun | None) -> Iterator[str | Answer]:
+        t0, chunks, retrieve_s = self._call(request)
+        if not chunks:
+            yield NO_CONTEXT
+            yield Answer.no_context(retrieve_s)
+            return
+        run = GenerationRun(run_manager, self._model_call(request, chunks))
+        stream = self.engine.stream_over(
+            request.question, chunks, scores=request.scores, started_at=t0, retrieve_s=retrieve_s, **request.options
         )
+        try:
+            with closing(stream):  # an abandoned stream releases the engine's generator at once
+                for item in stream:
+                    if isinstance(item, str):
+                        run.token(item)
+                    else:
+                        run.end(item)
+                    yield item
+        except Exception as err:
+            run.error(err)
+            raise
 
-    async def _aanswer(self, value: Any, config: RunnableConfig) -> KVRAGOutput:
-        request = self._request(value, config)
-        if request.texts is None:
-            return self._output(await self.engine.aquery(request.question, **request.options))
-        return self._output(
-            await self.engine.aanswer(request.question, request.texts, scores=request.scores, **request.options)
+    async def _aitems(
+        self, request: _Request, run_manager: AsyncCallbackManagerForChainRun | None
+    ) -> AsyncIterator[str | Answer]:
+        t0, chunks, retrieve_s = await asyncio.to_thread(self._call, request)  # the loop stays free
+        if not chunks:
+            yield NO_CONTEXT
+            yield Answer.no_context(retrieve_s)
+            return
+        run = await AsyncGenerationRun(self._model_call(request, chunks)).start(run_manager)
+        stream = self.engine.astream_over(
+            request.question, chunks, scores=request.scores, started_at=t0, retrieve_s=retrieve_s, **request.options
         )
+        try:
+            async with aclosing(stream):  # type: ignore[type-var]
+                async for item in stream:
+                    if isinstance(item, str):
+                        await run.token(item)
+                    else:
+                        await run.end(item)
+                    yield item
+        except Exception as err:
+            await run.error(err)
+            raise
 
-    def _stream(self, inputs: Iterator[Any], config: RunnableConfig) -> Iterator[Any]:
+    def _model_call(self, request: _Request, chunks: Sequence[str | Source]) -> ModelCall:
+        texts = [c.text if isinstance(c, Source) else c for c in chunks]
+        return ModelCall.of(request.question, texts, request.options, self.engine.model_source)
+
+    def _answer(
+        self, value: Any, config: RunnableConfig, run_manager: CallbackManagerForChainRun | None = None
+    ) -> KVRAGOutput:
+        return self._output(last_answer(self._items(self._request(value, config), run_manager)))
+
+    async def _aanswer(
+        self, value: Any, config: RunnableConfig, run_manager: AsyncCallbackManagerForChainRun | None = None
+    ) -> KVRAGOutput:
+        answer = None
+        async for answer in self._aitems(self._request(value, config), run_manager):
+            pass
+        return self._output(answer)  # type: ignore[arg-type]
+
+    def _stream(
+        self, inputs: Iterator[Any], config: RunnableConfig, run_manager: CallbackManagerForChainRun | None = None
+    ) -> Iterator[Any]:
         request = self._request(next(inputs), config)
-        # closing: an abandoned stream releases the engine's generator at once
-        with closing(self._items(request)) as items:  # type: ignore[type-var]
+        with closing(self._items(request, run_manager)) as items:
             yield from self._shape(items)
 
-    async def _astream(self, inputs: AsyncIterator[Any], config: RunnableConfig) -> AsyncIterator[Any]:
+    async def _astream(
+        self,
+        inputs: AsyncIterator[Any],
+        config: RunnableConfig,
+        run_manager: AsyncCallbackManagerForChainRun | None = None,
+    ) -> AsyncIterator[Any]:
         request = self._request(await anext(inputs), config)
-        async with aclosing(self._aitems(request)) as items:  # type: ignore[type-var]
+        async with aclosing(self._aitems(request, run_manager)) as items:  # type: ignore[type-var]
             async for chunk in self._ashape(items):
                 yield chunk
 
@@ -246,6 +401,11 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
 
         async for chunk in self._atransform_stream_with_config(single(), self._astream, config, **kwargs):
             yield chunk
+
+
+def _reopen(cls: type[KVRAGRunnable], config: dict[str, Any]) -> KVRAGRunnable:
+    """Unpickling: the runnable's configuration, its engine reopened from the index folder."""
+    return cls(**config)
 
 
 def _describe(value: Any) -> str:

@@ -18,7 +18,7 @@ BIG = "The tide turned and the ships came in. " * 130_000  # ~5 MB
         ("", EmptyInputError, "question is empty"),
         ("  \n\t", EmptyInputError, "question is empty"),
         ({"question": Q, "documents": [Document(page_content="   ")]}, EmptyInputError, "chunk is empty"),
-        ({"question": Q, "documents": []}, EmptyInputError, "no documents"),
+        ({"question": Q, "documents": "some text"}, InvalidRequestError, "documents is a str"),
         ("Who runs \udcff?", InvalidRequestError, "not valid Unicode"),
         ({"question": Q, "documents": [Document(page_content="caf\udce9")]}, InvalidRequestError, "not valid Unicode"),
         ({"question": Q, "documents": [Document(page_content=BIG)]}, ContextOverflowError, "split it"),

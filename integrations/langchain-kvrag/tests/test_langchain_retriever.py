@@ -73,3 +73,35 @@ def test_composes_with_a_lambda_and_reports_callbacks(rag):
     assert len(ids) == 2 and all("#" in i for i in ids)
     assert events == [("start", "Who built the lighthouse?"), ("end", 2)]
     assert all(isinstance(d, Document) for d in KVRAGRetriever(engine=rag).batch(["a tower", "a river"])[0])
+
+
+def test_a_vector_store_retrievers_vocabulary_is_understood(rag):
+    question = "Who built it?"
+    expected = KVRAGRetriever(engine=rag, k=2, filters={"topic": "buildings"}).invoke(question)
+    assert len(expected) == 2
+    styled = KVRAGRetriever(engine=rag, search_kwargs={"k": 2, "filter": {"topic": "buildings"}})
+    assert styled.invoke(question) == expected
+    assert KVRAGRetriever(engine=rag).invoke(question, k=2, filter={"topic": "buildings"}) == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, phrase",
+    [
+        ({"filters": "x"}, "filters is a str"),
+        ({"filters": {"topic": {"$eq": "ports"}}}, "filter 'topic' wants"),
+        ({"search_kwargs": {"k": 2, "score_threshold": 0.5}}, "unknown search argument.*score_threshold"),
+        ({"search_kwargs": {"k": 2}, "k": 3}, "k is given twice"),
+        ({"similarity_top_k": 3}, "unknown argument.*similarity_top_k"),
+        ({"k": "3"}, "top_k must be"),
+    ],
+)
+def test_bad_arguments_fail_when_the_retriever_is_built(rag, kwargs, phrase):
+    with pytest.raises(InvalidRequestError, match=phrase):
+        KVRAGRetriever(engine=rag, **kwargs)
+
+
+def test_a_call_with_an_argument_it_does_not_take_is_refused(rag):
+    with pytest.raises(InvalidRequestError, match="unknown search argument.*fetch_k"):
+        KVRAGRetriever(engine=rag).invoke("anything", fetch_k=20)
+    with pytest.raises(InvalidRequestError, match="both filter and filters"):
+        KVRAGRetriever(engine=rag).invoke("anything", filter={}, filters={})

@@ -7,7 +7,7 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.runnables import ConfigurableField, RunnableLambda, RunnablePassthrough
 
-from kvrag import EmptyInputError, InvalidRequestError
+from kvrag import NO_CONTEXT, EmptyInputError, InvalidRequestError
 from langchain_kvrag import KVRAGRetriever, KVRAGRunnable
 
 Q = "Who runs Velloria's harbour?"
@@ -26,6 +26,25 @@ def chain(rag):
     return {"question": RunnablePassthrough(), "documents": KVRAGRetriever(engine=rag, k=3)} | KVRAGRunnable(
         engine=rag, max_new_tokens=8, return_dict=True
     )
+
+
+class ModelRecorder(BaseCallbackHandler):
+    """What a tracer sees of model runs."""
+
+    def __init__(self):
+        self.starts, self.tokens, self.ends, self.errors = [], [], [], []
+
+    def on_chat_model_start(self, serialized, messages, *, run_id, parent_run_id=None, **kwargs):
+        self.starts.append({"messages": messages, "parent": parent_run_id, **kwargs})
+
+    def on_llm_new_token(self, token, *, chunk=None, **kwargs):
+        self.tokens.append((token, chunk))
+
+    def on_llm_end(self, response, **kwargs):
+        self.ends.append(response)
+
+    def on_llm_error(self, error, **kwargs):
+        self.errors.append(type(error).__name__)
 
 
 class Recorder(BaseCallbackHandler):
@@ -182,15 +201,34 @@ async def test_astream_events(runnable):
     assert streamed == events[-1]["data"]["output"] == runnable.invoke(Q)
 
 
-def test_no_documents_is_a_clear_error(rag):
-    nothing = {
+def test_nothing_retrieved_answers_no_context_in_every_mode_without_generating(rag):
+    """The same for both adapters: filters that match nothing, or an empty document list, answer NO_CONTEXT."""
+    chain = {
         "question": RunnablePassthrough(),
         "documents": KVRAGRetriever(engine=rag, filters={"topic": "none"}),
     } | KVRAGRunnable(engine=rag, max_new_tokens=2)
-    with pytest.raises(EmptyInputError, match="no documents"):
-        nothing.invoke(Q)
-    with pytest.raises(EmptyInputError, match="no documents"):
-        list(nothing.stream(Q))
+    own = KVRAGRunnable(engine=rag, filters={"topic": "none"}, max_new_tokens=2)
+    for runnable in (chain, own):
+        recorder = ModelRecorder()
+        assert runnable.invoke(Q, config={"callbacks": [recorder]}) == NO_CONTEXT
+        assert "".join(runnable.stream(Q)) == NO_CONTEXT
+        assert recorder.starts == []  # nothing generated: no model run
+    as_dict = KVRAGRunnable(engine=rag, filters={"topic": "none"}, return_dict=True)
+    out = as_dict.invoke(Q)
+    assert out["answer"] == NO_CONTEXT and out["finish_reason"] == "no_context" and out["sources"] == []
+    assert out["stats"]["new_tokens"] == 0 and out["stats"]["strategy"] == "none"
+    total = None
+    for chunk in as_dict.stream(Q):
+        total = chunk if total is None else total + chunk
+    assert total == out | {"stats": total["stats"]} and total["finish_reason"] == "no_context"
+    assert KVRAGRunnable(engine=rag).invoke({"question": Q, "documents": []}) == NO_CONTEXT
+
+
+async def test_nothing_retrieved_answers_no_context_async(rag):
+    own = KVRAGRunnable(engine=rag, filters={"topic": "none"}, max_new_tokens=2)
+    assert await own.ainvoke(Q) == NO_CONTEXT
+    assert "".join([p async for p in own.astream(Q)]) == NO_CONTEXT
+    assert await KVRAGRunnable(engine=rag).ainvoke({"question": Q, "context": []}) == NO_CONTEXT
 
 
 def test_a_bare_document_list_is_refused_with_the_fix(rag):
