@@ -77,6 +77,10 @@ def _text(content: str | list[Any], i: int) -> str:
     return "".join(parts)
 
 
+def _rebuild(cls: type[ChatKVRAG], config: dict[str, Any]) -> ChatKVRAG:
+    return cls(**config)
+
+
 class ChatKVRAG(BaseChatModel):
     """kvrag's model (the embedded SmolLM2-135M-Instruct by default, or any supported one) as a chat model.
 
@@ -166,6 +170,26 @@ class ChatKVRAG(BaseChatModel):
     @classmethod
     def get_lc_namespace(cls) -> list[str]:
         return ["langchain_kvrag", "chat_models"]
+
+    def to_json(self) -> Any:
+        if self.kvmodel is not None and self.model is None:  # a live model whose source is not known
+            return self.to_json_not_implemented()
+        return super().to_json()
+
+    def __reduce__(self) -> Any:
+        # The configuration, not the weights: unpickling loads the model by its source (shared in that process).
+        if self.kvmodel is not None and self.model is None:
+            raise TypeError(
+                "a ChatKVRAG built on a KVModel cannot be pickled without the model's source: pass model= (its "
+                "Hugging Face id or folder) beside kvmodel=, or build it with engine= or model="
+            )
+        return (
+            _rebuild,
+            (type(self), self.model_dump(exclude={"engine", "kvmodel"}, exclude_unset=True) | {"model": self.model}),
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ChatKVRAG:
+        return self.model_copy()  # the loaded model is shared, never copied
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(

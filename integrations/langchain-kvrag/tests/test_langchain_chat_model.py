@@ -1,5 +1,7 @@
 """ChatKVRAG against langchain-tests' standard chat model suites, plus what those suites do not reach."""
 
+import pickle
+
 import pytest
 from langchain_core.load import dumpd, load
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
@@ -149,3 +151,18 @@ def test_dumps_and_loads_round_trip_with_the_class_named():
     }
     loaded = load(serialized, valid_namespaces=["langchain_kvrag"], allowed_objects=[ChatKVRAG])
     assert isinstance(loaded, ChatKVRAG) and loaded.dict() == chat.dict()
+
+
+def test_pickling_carries_the_configuration_and_reloads_the_model_by_its_source(rag, model_dir):
+    chat = ChatKVRAG(model=str(model_dir), max_tokens=4, temperature=0.0)
+    again = pickle.loads(pickle.dumps(chat))
+    assert (
+        again.model == str(model_dir)
+        and again.max_tokens == 4
+        and again.invoke("Hi").content == chat.invoke("Hi").content
+    )
+    on_engine = pickle.loads(pickle.dumps(ChatKVRAG(engine=rag, max_tokens=4)))
+    assert on_engine.engine is None and on_engine.model == rag.model_source
+    with pytest.raises(TypeError, match="pass model="):
+        pickle.dumps(ChatKVRAG(kvmodel=rag.kvmodel))
+    assert dumpd(ChatKVRAG(kvmodel=rag.kvmodel))["type"] == "not_implemented"
