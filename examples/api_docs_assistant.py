@@ -18,7 +18,8 @@ import torch
 from llama_index.core import Document, VectorStoreIndex
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.node_parser import SentenceSplitter
-from llama_index.query_engine.kvrag import KVRAGEmbedding, KVRAGKVTransform, KVRAGQueryEngine
+from llama_index.embeddings.kvrag import KVRAGEmbedding
+from llama_index.query_engine.kvrag import KVRAGKVTransform, KVRAGQueryEngine
 
 from kvrag import KVRAG, KVModel, MemoryStore
 from kvrag.demo import sample_docs
@@ -47,9 +48,10 @@ def main() -> None:
         f"ingested {len(nodes)} nodes from {len({c['source'] for c in chunks})} pages in "
         f"{time.perf_counter() - t0:.1f} s (KV of {len(rag.store)} nodes stored)\n"
     )
-    retriever = VectorStoreIndex(nodes, embed_model=embed).as_retriever(similarity_top_k=args.top_k)
-    kvrag_engine = KVRAGQueryEngine(rag, retriever, streaming=True, max_new_tokens=48, stop=["\n\n"])
-    reference = KVRAGQueryEngine(rag, retriever, strategy="full_prefill", max_new_tokens=48, stop=["\n\n"])
+    index = VectorStoreIndex(nodes, embed_model=embed)  # the one index of the nodes; kvrag's store holds their KV
+    generation = dict(similarity_top_k=args.top_k, max_new_tokens=48, stop=["\n\n"])
+    kvrag_engine = KVRAGQueryEngine.from_index(index, rag, streaming=True, **generation)
+    reference = KVRAGQueryEngine.from_index(index, rag, strategy="full_prefill", **generation)
 
     for item in questions[: 1 if args.quick else 3]:
         print(f"Q: {item['question']}")

@@ -1,4 +1,5 @@
-"""Same question, same strategy: the core API, the LlamaIndex engine and the LangChain runnable agree."""
+"""Same question, same strategy (or none: the same default): the core API, the LlamaIndex engine and the LangChain
+runnable agree, and both adapters answer an empty retrieval alike."""
 
 import pytest
 from tiny import save_tiny
@@ -22,7 +23,7 @@ def rag(tmp_path_factory):
     return engine
 
 
-@pytest.mark.parametrize("strategy", ["target_recompute", "reuse", "full_prefill", "token_select"])
+@pytest.mark.parametrize("strategy", [None, "target_recompute", "reuse", "full_prefill", "token_select"])
 def test_core_llama_index_and_langchain_give_the_same_text(rag, strategy):
     from langchain_kvrag import KVRAGRunnable
     from llama_index.query_engine.kvrag import KVRAGQueryEngine, KVRAGRetriever
@@ -33,3 +34,19 @@ def test_core_llama_index_and_langchain_give_the_same_text(rag, strategy):
     llama = KVRAGQueryEngine(rag, KVRAGRetriever(rag, similarity_top_k=3), **options).query(question).response
     chain = KVRAGRunnable(engine=rag, strategy=strategy, budget=0.2, top_k=3, max_new_tokens=8).invoke(question)
     assert core == llama == chain and len(core) > 0
+
+
+def test_nothing_retrieved_is_the_same_no_context_answer_in_both_adapters(rag):
+    from langchain_kvrag import KVRAGRunnable
+    from llama_index.query_engine.kvrag import KVRAGQueryEngine, KVRAGRetriever
+
+    from kvrag import NO_CONTEXT
+
+    question, none = "Who runs Velloria's harbour?", {"topic": "none"}
+    llama = KVRAGQueryEngine(rag, KVRAGRetriever(rag, filters=none)).query(question)
+    chain = KVRAGRunnable(engine=rag, filters=none, return_dict=True).invoke(question)
+    assert llama.response == chain["answer"] == NO_CONTEXT
+    untimed = [
+        {k: v for k, v in stats.items() if not k.endswith("_s")} for stats in (llama.metadata["kvrag"], chain["stats"])
+    ]
+    assert untimed[0] == untimed[1] and untimed[0]["new_tokens"] == 0 and chain["finish_reason"] == "no_context"

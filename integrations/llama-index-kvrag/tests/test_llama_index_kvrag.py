@@ -1,29 +1,17 @@
-"""The LlamaIndex adapter on a tiny model: a VectorStoreIndex retriever, streaming, async, ingestion, events."""
+"""The LlamaIndex adapter on a tiny model: a VectorStoreIndex retriever, streaming, async, ingestion."""
 
 import asyncio
 
 import pytest
-from tiny import save_tiny
 
-from kvrag import KVRAG, InvalidRequestError
-from kvrag.embed import Embedder
-from llama_index.core import Document, Settings, VectorStoreIndex
+from kvrag import KVRAG, InvalidRequestError, KVModel, MemoryStore
+from llama_index.core import Document, VectorStoreIndex
 from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
 from llama_index.core.ingestion import IngestionCache, IngestionPipeline
-from llama_index.core.instrumentation import get_dispatcher
-from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.llms import MockLLM
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import ImageNode, NodeWithScore, QueryBundle
-from llama_index.query_engine.kvrag import (
-    KVRAGAnswerEvent,
-    KVRAGEmbedding,
-    KVRAGKVTransform,
-    KVRAGLLM,
-    KVRAGQueryEngine,
-    KVRAGRetriever,
-)
-from llama_index.query_engine.kvrag.query_engine import NO_CONTEXT
+from llama_index.query_engine.kvrag import KVRAGKVTransform, KVRAGLLM, KVRAGQueryEngine, KVRAGRetriever
 
 TEXTS = [
     "The lighthouse of Karsa was built in 1872 by the engineer Mira Holt.",
@@ -35,15 +23,10 @@ Q = "Who runs Velloria's harbour?"
 
 
 @pytest.fixture(scope="module")
-def rag(tmp_path_factory):
-    root = tmp_path_factory.mktemp("li")
-    save_tiny(root / "model")
-    return KVRAG.from_defaults(None, model=str(root / "model"), chunk_tokens=120, overlap=8, cache_dir=root / "cache")
-
-
-@pytest.fixture(scope="module")
-def embed_model():
-    return KVRAGEmbedding(Embedder())
+def rag(model_dir, embedder):
+    return KVRAG(
+        KVModel.from_pretrained(model_dir), embedder=embedder, store=MemoryStore(), chunk_tokens=120, overlap=8
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +71,8 @@ def test_streaming_and_async(rag, vector_index):
     assert asyncio.run(run()) == (plain.response, plain.response)
 
 
-def test_ingestion_transform_fills_the_store_so_the_query_encodes_nothing(tmp_path, embed_model):
-    root = tmp_path
-    save_tiny(root / "model")
-    fresh = KVRAG.from_defaults(None, model=str(root / "model"), cache_dir=root / "cache")
+def test_ingestion_transform_fills_the_store_so_the_query_encodes_nothing(model_dir, embedder, embed_model):
+    fresh = KVRAG(KVModel.from_pretrained(model_dir), embedder=embedder, store=MemoryStore())
     transform = KVRAGKVTransform(fresh)
     assert transform.to_dict() == KVRAGKVTransform(fresh).to_dict()  # deterministic: the pipeline cache keys on it
     pipeline = IngestionPipeline(
@@ -105,50 +86,9 @@ def test_ingestion_transform_fills_the_store_so_the_query_encodes_nothing(tmp_pa
     assert response.metadata["kvrag"]["chunks_encoded"] == 0 and response.metadata["kvrag"]["store_hits"] == 3
 
 
-def test_events_reach_llama_index_instrumentation(rag, vector_index):
-    seen = []
-
-    class Recorder(BaseEventHandler):
-        @classmethod
-        def class_name(cls):
-            return "Recorder"
-
-        def handle(self, event, **kwargs):
-            seen.append(event)
-
-    root = get_dispatcher()
-    handler = Recorder()
-    root.add_event_handler(handler)
-    try:
-        KVRAGQueryEngine(rag, vector_index.as_retriever(similarity_top_k=2), max_new_tokens=3).query(Q)
-    finally:
-        root.event_handlers.remove(handler)
-    names = [e.class_name() for e in seen]
-    assert "QueryStartEvent" in names and "QueryEndEvent" in names
-    kvrag_events = [e for e in seen if isinstance(e, KVRAGAnswerEvent)]
-    assert len(kvrag_events) == 1 and kvrag_events[0].stats["new_tokens"] == 3
-
-
-def test_mixing_another_llm_empty_retrieval_and_non_text_nodes(rag):
+def test_mixing_another_llm_and_non_text_nodes(rag, vector_index):
     with pytest.raises(InvalidRequestError, match="owns the KV cache"):
-        KVRAGQueryEngine(rag, llm=MockLLM())
-    KVRAGQueryEngine(rag, llm=KVRAGLLM(rag.kvmodel))  # the model that owns the cache is fine
-    engine = KVRAGQueryEngine(rag)
-    assert engine.synthesize(QueryBundle(Q), []).response == NO_CONTEXT
+        KVRAGQueryEngine(rag, vector_index.as_retriever(), llm=MockLLM())
+    engine = KVRAGQueryEngine(rag, vector_index.as_retriever(), llm=KVRAGLLM(rag.kvmodel))  # the cache's own model
     with pytest.raises(InvalidRequestError, match="ImageNode"):
         engine.synthesize(QueryBundle(Q), [NodeWithScore(node=ImageNode(image="aGk="), score=1.0)])
-
-
-def test_kvrag_as_settings_llm(rag):
-    llm = KVRAGLLM(rag.kvmodel, max_new_tokens=5)
-    Settings.llm = llm
-    try:
-        done = Settings.llm.complete("Say hi.")
-        streamed = list(Settings.llm.stream_complete("Say hi."))
-        assert done.text == streamed[-1].text and done.raw["new_tokens"] == 5
-        chat = Settings.llm.chat(
-            [__import__("llama_index.core.llms", fromlist=["ChatMessage"]).ChatMessage(role="user", content="Say hi.")]
-        )
-        assert chat.message.content
-    finally:
-        Settings.llm = MockLLM()
