@@ -119,6 +119,14 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument("--runs", type=int, default=3)
 
     bench = sub.add_parser(
+        "bench-decode", help="ms a decoded token after a kvrag prefill, beside the transformers step and the floor"
+    )
+    _model_args(bench)
+    bench.add_argument("--contexts", default="1000,4000", help="context sizes in tokens (default 1000,4000)")
+    bench.add_argument("--tokens", type=int, default=32, help="tokens decoded a run (default 32)")
+    bench.add_argument("--runs", type=int, default=3, help="timed runs of each, the median is kept (default 3)")
+
+    bench = sub.add_parser(
         "bench", help="time to first token of every strategy beside full prefill and the lower bound; write bench.*"
     )
     _model_args(bench)
@@ -218,6 +226,15 @@ def _bench_ingest(args: argparse.Namespace) -> None:
 
     kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
     ingest_benchmark(kv, copies=args.copies, runs=args.runs)
+
+
+def _bench_decode(args: argparse.Namespace) -> None:
+    from kvrag.bench_decode import decode_benchmark
+    from kvrag.kvmodel import KVModel
+
+    kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+    decode_benchmark(kv, contexts=contexts, tokens=args.tokens, runs=args.runs)
 
 
 def _store(args: argparse.Namespace) -> Any:
@@ -447,6 +464,7 @@ def _shard(spec: str | None) -> tuple[int, int]:
 COMMANDS = {
     "demo": _demo,
     "bench-ingest": _bench_ingest,
+    "bench-decode": _bench_decode,
     "bench": _bench,
     "study": _study,
     "ingest": _ingest,

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from kvrag.compat import with_cache
 from kvrag.errors import InvalidRequestError
+from kvrag.fastdecode import Room, decoder_of
 
 
 @dataclass(slots=True)
@@ -79,8 +80,12 @@ def decode(
     sampling: Sampling,
     eos_ids: Sequence[int],
     lock: ContextManager[Any] | None = None,
+    fast_decoding: bool = True,
 ) -> Iterator[int]:
-    """Yield token ids: the first from `first_logits`, the rest one forward each, until EOS or the limit.
+    """Yield token ids: the first from `first_logits`, the rest one step each, until EOS or the limit.
+
+    A step is `kvrag.fastdecode`'s where it takes the model (`fast_decoding=False` forces the transformers
+    forward), else a transformers forward.
 
     An EOS id is yielded, then the iterator ends. The caller stops early (stop strings) by closing it.
     `lock` is held around each forward and never across a yield, so a paused or abandoned iterator
@@ -89,21 +94,39 @@ def decode(
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=first_logits.device).manual_seed(sampling.seed)
-    device = next(model.parameters()).device
-    logits = first_logits
-    for step in range(sampling.max_new_tokens):
-        token = pick_token(logits, sampling, generator)
-        yield token
-        if token in eos_ids or step + 1 == sampling.max_new_tokens:
-            return
+    fast = decoder_of(model) if fast_decoding else None
+    if fast is not None:
         with lock or contextlib.nullcontext():
-            out = model(
-                input_ids=torch.tensor([[token]], device=device),
-                position_ids=torch.tensor([[position + step]], device=device),
-                **with_cache(model, cache),
-                use_cache=True,
-            )
-        logits = out.logits[0, -1].float()
+            room = Room.of(cache, sampling.max_new_tokens)
+            cos, sin = fast.rotary(position, sampling.max_new_tokens)  # [steps, d]: the positions decoded into
+    logits = first_logits
+    step = 0
+    try:
+        for step in range(sampling.max_new_tokens):
+            token = pick_token(logits, sampling, generator)
+            yield token
+            if token in eos_ids or step + 1 == sampling.max_new_tokens:
+                return
+            with lock or contextlib.nullcontext():
+                if fast is not None:
+                    logits = fast.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)
+                else:
+                    logits = _forward(model, cache, token, position + step)
+    finally:
+        if fast is not None:
+            room.commit(cache, room.filled + step)  # the tokens fed so far, as a forward would have left the cache
+
+
+def _forward(model: torch.nn.Module, cache: DynamicCache, token: int, position: int) -> torch.Tensor:
+    """Logits [V] of one token through the whole transformers forward (the cache grows by one)."""
+    device = next(model.parameters()).device
+    out = model(
+        input_ids=torch.tensor([[token]], device=device),
+        position_ids=torch.tensor([[position]], device=device),
+        **with_cache(model, cache),
+        use_cache=True,
+    )
+    return out.logits[0, -1].float()
 
 
 class Detokenizer:

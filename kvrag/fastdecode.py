@@ -1,0 +1,251 @@
+"""One decode step written for speed, on the model's own weights: what `generate.decode` runs for llama-family
+models instead of a whole transformers forward.
+
+On CPU a token's step is mostly vector-matrix products, and torch runs each of them on one core at about a
+third of the memory bandwidth (docs/performance.md). Here each product is split by output rows into one part
+a thread, run as one batched matmul over views of the same weights: the same dot products (bitwise), on every
+core. q, k and v are one such product, and so are gate and up: their weights are stacked once and the
+model's own modules view the stack (no second copy). The rest of a step is a short loop over layers: the
+rotary embedding looked up from a table that the model's own rotary module computes (so scaled RoPE is the
+model's), the new key and value written into the cache's preallocated room, attention over the filled slots,
+and no mask, position or cache bookkeeping. Its tokens are those of the transformers forward (tested in
+float32 on every architecture it takes). It never builds a prompt or a cache: the prefill's cache is read and
+extended in place.
+
+Taken: llama, mistral, qwen2 and qwen3 (rotate-half RoPE, RMSNorm, gated SiLU MLP, no sliding window).
+Anything else decodes through transformers (`supports` says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+TAKEN = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class Product:
+    """x [in] times a weight [out, in], split by output rows into `parts` batched products (one a thread).
+
+    The parts are views of the weight, so nothing is copied, and each output is the same dot product as
+    `F.linear`'s.
+    """
+
+    __slots__ = ("parts", "split", "bias", "out")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parts: int) -> None:
+        out, inner = weight.shape
+        self.parts = parts if out % parts == 0 else 1
+        self.split = weight.view(self.parts, out // self.parts, inner).transpose(1, 2)  # [P, in, out / P]
+        self.bias, self.out = bias, out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.bmm(x.expand(self.parts, 1, x.shape[-1]), self.split).view(self.out)
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass(slots=True)
+class FastLayer:
+    """One decoder layer's weights as a single-token step reads them."""
+
+    norm_in: torch.Tensor  # [D] input RMSNorm weight
+    qkv: Product  # q, k and v stacked: [(Hq + 2 Hkv) d, D]
+    q_norm: torch.Tensor | None  # [d] per-head RMSNorm of queries (qwen3), else None
+    k_norm: torch.Tensor | None  # [d] per-head RMSNorm of keys (qwen3), else None
+    o: Product  # [D, Hq d]
+    norm_post: torch.Tensor  # [D] post-attention RMSNorm weight
+    gate_up: Product  # gate and up stacked: [2F, D]
+    down: Product  # [D, F]
+
+
+def supports(model: torch.nn.Module) -> str | None:
+    """None when `FastDecoder` takes this model; else why it decodes through transformers."""
+    config = model.config
+    if config.model_type not in TAKEN:
+        return f"model type {config.model_type!r} (fast decoding takes {', '.join(TAKEN)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "a sliding attention window"
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not hasattr(model, "lm_head"):
+        return "no model.layers / lm_head"
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn.o_proj, "bias", None) is not None or any(
+            getattr(getattr(mlp, n), "bias", None) is not None for n in ("gate_proj", "up_proj", "down_proj")
+        ):
+            return "biases outside the q/k/v projections"
+        if getattr(attn, "sliding_window", None):
+            return "a sliding attention window"
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
+        return "logit soft-capping"
+    return None
+
+
+class FastDecoder:
+    """One model's weights as a step reads them, and its single-token step over a prefill's cache."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        reason = supports(model)
+        if reason is not None:
+            raise ValueError(f"fast decoding does not take this model: {reason}")
+        config, inner = model.config, model.model
+        self.model = model
+        self.eps = config.rms_norm_eps
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scale = inner.layers[0].self_attn.scaling
+        self.embed = inner.embed_tokens.weight  # [V, D]
+        self.norm = inner.norm.weight  # [D]
+        parts = max(1, torch.get_num_threads())
+        self.lm_head = Product(model.lm_head.weight, None, parts)  # [V, D]
+        self.layers = [self._layer(layer, parts) for layer in inner.layers]
+
+    @staticmethod
+    def _layer(layer: torch.nn.Module, parts: int) -> FastLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        return FastLayer(
+            norm_in=layer.input_layernorm.weight,
+            qkv=Product(_stacked(*projections), _stacked_bias(*projections), parts),
+            q_norm=q_norm.weight if q_norm is not None else None,
+            k_norm=k_norm.weight if k_norm is not None else None,
+            o=Product(attn.o_proj.weight, None, parts),
+            norm_post=layer.post_attention_layernorm.weight,
+            gate_up=Product(_stacked(mlp.gate_proj, mlp.up_proj), None, parts),
+            down=Product(mlp.down_proj.weight, None, parts),
+        )
+
+    def rotary(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [count, d] for positions start.. from the model's rotary module (its scaling included)."""
+        positions = torch.arange(start, start + count, device=self.embed.device)[None]
+        probe = self.embed[:1][None]  # the module reads only its dtype and device
+        cos, sin = self.model.model.rotary_emb(probe, positions)
+        return cos[0], sin[0]
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # as transformers' RMSNorm: in float32, then back to the input dtype before the weight
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def step(
+        self,
+        token: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        filled: int,
+    ) -> torch.Tensor:
+        """Logits [V] for `token` at the position whose rotary rows are cos, sin [d]; its key and value go to slot
+        `filled` of every layer's keys/values buffers [H_kv, capacity, d], whose first `filled` slots attend."""
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        x = self.embed[token]  # [D]
+        for i, layer in enumerate(self.layers):
+            h = self._rms(x, layer.norm_in)
+            qkv = layer.qkv(h)  # [(Hq + 2 Hkv) d]
+            q = qkv[: hq * d].view(hq, d)
+            k = qkv[hq * d : (hq + hkv) * d].view(hkv, d)
+            v = qkv[(hq + hkv) * d :].view(hkv, d)
+            if layer.q_norm is not None:
+                q, k = self._rms(q, layer.q_norm), self._rms(k, layer.k_norm)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            keys[i][:, filled] = k
+            values[i][:, filled] = v
+            # the heads that share a kv head form that head's query rows: attention needs no repeated keys and,
+            # for one new token seeing every cached one, no mask; the scale goes on q alone (torch's attention
+            # also scales every cached key, a pass over the whole cache)
+            scores = (q.view(hkv, hq // hkv, d) * self.scale) @ keys[i][:, : filled + 1].transpose(1, 2)  # [H_kv, G, T]
+            weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+            out = weights @ values[i][:, : filled + 1]  # [H_kv, G, d]
+            x = x + layer.o(out.reshape(hq * d))
+            h = self._rms(x, layer.norm_post)
+            gate, up = layer.gate_up(h).chunk(2)
+            x = x + layer.down(F.silu(gate) * up)
+        return self.lm_head(self._rms(x, self.norm)).float()
+
+
+def _stacked(*linears: torch.nn.Linear) -> torch.Tensor:
+    """The linears' weights stacked by rows in one tensor, which their own weights then view: one product here,
+    the same values for the transformers forward, and no second copy of the weights."""
+    fused = torch.cat([m.weight for m in linears]).contiguous()
+    row = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = fused[row : row + rows]
+        row += rows
+    return fused
+
+
+def _stacked_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    """The linears' biases stacked the same way (a missing one as zeros); None when none has one."""
+    if all(m.bias is None for m in linears):
+        return None
+    fused = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in linears])
+    row = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        if m.bias is not None:
+            m.bias.data = fused[row : row + rows]
+        row += rows
+    return fused
+
+
+def decoder_of(model: torch.nn.Module) -> FastDecoder | None:
+    """The model's FastDecoder, made once and kept on the model; None when it does not take the model."""
+    decoder = getattr(model, "_kvrag_fast_decoder", None)
+    if decoder is None and supports(model) is None:
+        # made outside inference mode: the fused tensors become the model's weights, which autograd may see
+        with torch.inference_mode(False), torch.no_grad():
+            decoder = FastDecoder(model)
+        model._kvrag_fast_decoder = decoder  # type: ignore[attr-defined]
+    return decoder
+
+
+@dataclass(slots=True)
+class Room:
+    """A cache's keys and values as buffers with free slots after the filled ones, for `FastDecoder.step`."""
+
+    keys: list[torch.Tensor]  # per layer [H_kv, capacity, d]
+    values: list[torch.Tensor]  # per layer [H_kv, capacity, d]
+    filled: int  # slots in use, the same in every layer
+
+    @classmethod
+    def of(cls, cache: Any, room: int) -> Room:
+        """The cache's own preallocated room when it has enough (a StitchedCache), else its KV copied once into
+        buffers with `room` free slots, which the cache then holds."""
+        filled = cache.layers[0].keys.shape[-2]
+        keys, values = [], []
+        for layer in cache.layers:
+            own = getattr(layer, "_keys", None)
+            if own is None or not layer._in_room(filled + room):
+                k, v = layer.keys, layer.values  # [1, H_kv, T, d]
+                own = k.new_empty((*k.shape[:2], filled + room, k.shape[-1]))
+                own_v = v.new_empty((*v.shape[:2], filled + room, v.shape[-1]))
+                own[:, :, :filled].copy_(k)
+                own_v[:, :, :filled].copy_(v)
+                layer._keys, layer._values = own, own_v
+            keys.append(layer._keys[0])
+            values.append(layer._values[0])
+        return cls(keys, values, filled)
+
+    def commit(self, cache: Any, filled: int) -> None:
+        """Show the cache's layers the first `filled` slots, as a transformers forward leaves them."""
+        self.filled = filled
+        for layer in cache.layers:
+            layer.keys, layer.values = layer._keys[:, :, :filled], layer._values[:, :, :filled]

@@ -1,0 +1,95 @@
+"""The fast decode step gives the transformers forward's tokens, on every architecture it takes, and leaves the
+cache as that forward would; the others decode through transformers."""
+
+import pytest
+import torch
+from tiny import ARCHS, tiny_model
+
+from kvrag.fastdecode import FastDecoder, Room, decoder_of, supports
+from kvrag.generate import Sampling, decode
+from kvrag.recompute import full_prefill
+
+TAKEN = [name for name, (model_type, _) in ARCHS.items() if model_type in ("llama", "mistral", "qwen2", "qwen3")]
+OTHERS = [name for name in ARCHS if name not in TAKEN]
+
+
+def _ids(n, seed=1):
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _decode(model, ids, steps, fast):
+    out = full_prefill(model, ids)
+    sampling = Sampling(max_new_tokens=steps)
+    tokens = list(decode(model, out.cache, out.logits[-1], out.next_position, sampling, eos_ids=(), fast_decoding=fast))
+    return tokens, out.cache
+
+
+@pytest.mark.parametrize("name", TAKEN)
+def test_fast_tokens_and_cache_equal_the_transformers_forward(name):
+    model = tiny_model(name)
+    assert supports(model) is None
+    ids = _ids(90)
+    slow, slow_cache = _decode(model, ids, 40, fast=False)
+    fast, fast_cache = _decode(model, ids, 40, fast=True)
+    assert fast == slow and len(set(fast)) > 3  # a varied continuation, not one token repeated
+    assert len(slow_cache.layers) == len(fast_cache.layers)
+    for a, b in zip(slow_cache.layers, fast_cache.layers):
+        assert a.keys.shape == b.keys.shape == (1, a.keys.shape[1], 90 + 39, a.keys.shape[-1])
+        torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b.values, a.values, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", TAKEN)
+def test_each_step_logits_match_the_forwards(name):
+    model = tiny_model(name)
+    decoder = decoder_of(model)
+    ids = _ids(50, seed=2)
+    reference = model(torch.tensor([ids])).logits[0].float()  # [T, V] over the whole sequence at once
+    out = full_prefill(model, ids[:20])
+    room = Room.of(out.cache, 30)
+    cos, sin = decoder.rotary(20, 30)
+    for step, token in enumerate(ids[20:]):
+        logits = decoder.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)
+        torch.testing.assert_close(logits, reference[20 + step], rtol=1e-4, atol=1e-4)
+
+
+def _storage_bytes(model):
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    return sum(storages.values())
+
+
+def test_stacking_the_weights_keeps_the_forward_bitwise_and_adds_no_copy():
+    model = tiny_model("qwen2", seed=5)  # q/k/v biases are stacked too
+    ids = torch.tensor([_ids(40, seed=3)])
+    before = model(ids).logits.clone()
+    bytes_before = _storage_bytes(model)
+    FastDecoder(model)
+    assert torch.equal(model(ids).logits, before)
+    assert _storage_bytes(model) == bytes_before  # the modules view the stacks: no second copy
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()
+
+
+def test_a_split_product_equals_linear_bitwise():
+    from kvrag.fastdecode import Product
+
+    weight, bias, x = torch.randn(96, 40), torch.randn(96), torch.randn(40)
+    for parts in (1, 2, 3, 5):  # 5 does not divide 96: one part
+        assert torch.equal(Product(weight, bias, parts)(x), torch.nn.functional.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_other_architectures_say_why_and_decode_through_transformers(name):
+    model = tiny_model(name)
+    assert supports(model) is not None and decoder_of(model) is None
+    slow, _ = _decode(model, _ids(30), 8, fast=False)
+    assert _decode(model, _ids(30), 8, fast=True)[0] == slow
+
+
+def test_a_stopped_decode_leaves_the_fed_tokens_in_the_cache():
+    model = tiny_model("llama")
+    out = full_prefill(model, _ids(30))
+    tokens = decode(model, out.cache, out.logits[-1], out.next_position, Sampling(max_new_tokens=20), eos_ids=())
+    first = [next(tokens) for _ in range(5)]  # 4 of them fed back through the model
+    tokens.close()
+    assert len(first) == 5 and out.cache.layers[0].keys.shape[-2] == 30 + 4
