@@ -45,3 +45,16 @@ def test_bench_rejects_a_context_shorter_than_a_chunk(tmp_path, capsys):
     code = main(["bench", "--out", str(tmp_path), "--contexts", "100", "--chunk-tokens", "200"])
     err = capsys.readouterr().err
     assert code == 2 and "every context at least one chunk long" in err and err.count("\n") == 1
+
+
+def test_bench_decode_prints_both_steps_and_the_floor(tmp_path, capsys):
+    from kvrag.bench_decode import decode_benchmark, step_bytes
+    from kvrag.kvmodel import KVModel
+
+    kv = KVModel.from_pretrained(str(save_tiny(tmp_path / "model")))
+    rows = decode_benchmark(kv, contexts=(150,), tokens=6, runs=1, log=print)
+    (row,) = rows
+    assert row["context_tokens"] >= 150 and set(row["ms_per_token"]) == {"kvrag", "transformers_step"}
+    assert all(ms > 0 for ms in row["ms_per_token"].values()) and row["floor_ms"] > 0
+    assert step_bytes(kv, 100) > step_bytes(kv, 0) > 0  # the cached KV counts beside the weights
+    assert "fast step: yes" in capsys.readouterr().out
