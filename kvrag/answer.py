@@ -54,26 +54,38 @@ class AnswerStats:
         return {**asdict(self), "recomputed_fraction": self.recomputed_fraction, "target_correct": self.target_correct}
 
     @classmethod
-    def of_prompt(cls, prompt_tokens: int, new_tokens: int, ttft_s: float, total_s: float) -> AnswerStats:
-        """The stats of plain generation from a whole prompt (no chunks, nothing reused)."""
-        return cls(
-            strategy="full_prefill",
+    def without_chunks(cls, strategy: str, **measured: Any) -> AnswerStats:
+        """Stats of an answer over no chunks: nothing planned, reused or encoded; `measured` sets the rest."""
+        fields: dict[str, Any] = dict(
             picker=None,
             order=[],
             target=None,
             target_given=None,
             context_tokens=0,
             recomputed_tokens=0,
-            budget=1.0,
+            budget=0.0,
             budget_tokens=0,
             overspend_tokens=0,
             extra_token_layers=0,
             extra_work=[],
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=0,
             chunks_encoded=0,
             encode_s=0.0,
-            ttft_s=ttft_s,
+            ttft_s=0.0,
+            new_tokens=0,
+            total_s=0.0,
+        )
+        return cls(strategy=strategy, **{**fields, **measured})
+
+    @classmethod
+    def of_prompt(cls, prompt_tokens: int, new_tokens: int, ttft_s: float, total_s: float) -> AnswerStats:
+        """The stats of plain generation from a whole prompt (no chunks, nothing reused)."""
+        return cls.without_chunks(
+            "full_prefill",
+            budget=1.0,
+            prompt_tokens=prompt_tokens,
             new_tokens=new_tokens,
+            ttft_s=ttft_s,
             total_s=total_s,
         )
 
@@ -101,27 +113,7 @@ class Answer:
     @classmethod
     def no_context(cls, retrieve_s: float = 0.0) -> Answer:
         """`NO_CONTEXT` with nothing generated: what an adapter answers when retrieval found no chunk."""
-        stats = AnswerStats(
-            strategy="none",
-            picker=None,
-            order=[],
-            target=None,
-            target_given=None,
-            context_tokens=0,
-            recomputed_tokens=0,
-            budget=0.0,
-            budget_tokens=0,
-            overspend_tokens=0,
-            extra_token_layers=0,
-            extra_work=[],
-            prompt_tokens=0,
-            chunks_encoded=0,
-            encode_s=0.0,
-            ttft_s=retrieve_s,
-            new_tokens=0,
-            total_s=retrieve_s,
-            retrieve_s=retrieve_s,
-        )
+        stats = AnswerStats.without_chunks("none", ttft_s=retrieve_s, total_s=retrieve_s, retrieve_s=retrieve_s)
         return cls(text=NO_CONTEXT, token_ids=[], finish_reason="no_context", stats=stats)
 
     def to_dict(self) -> dict[str, Any]:

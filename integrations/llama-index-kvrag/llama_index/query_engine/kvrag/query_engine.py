@@ -289,12 +289,15 @@ class KVRAGQueryEngine(BaseQueryEngine):
             if r.delta:
                 yield r.delta
 
+    def _request(self, question: str, nodes: List[NodeWithScore]) -> tuple[list[str], str, dict]:
+        """The nodes' texts, the prompt the LLM events show, and the request's options with the nodes' scores."""
+        texts = node_texts(nodes)
+        return texts, self._prompt(question, texts), {**self.options, "scores": scores_of([n.score for n in nodes])}
+
     def _respond(self, question: str, nodes: List[NodeWithScore]) -> RESPONSE_TYPE:
         if not nodes:
             return self._no_context(asynchronous=False)
-        texts = node_texts(nodes)
-        prompt = self._prompt(question, texts)
-        options = {**self.options, "scores": scores_of([n.score for n in nodes])}
+        texts, prompt, options = self._request(question, nodes)
 
         def answers() -> Any:
             return self.engine.stream_over(question, texts, **options)
@@ -309,9 +312,7 @@ class KVRAGQueryEngine(BaseQueryEngine):
     async def _arespond(self, question: str, nodes: List[NodeWithScore]) -> RESPONSE_TYPE:
         if not nodes:
             return self._no_context(asynchronous=True)
-        texts = node_texts(nodes)
-        prompt = self._prompt(question, texts)
-        options = {**self.options, "scores": scores_of([n.score for n in nodes])}
+        texts, prompt, options = self._request(question, nodes)
 
         def answers() -> Any:
             return self.engine.astream_over(question, texts, **options)
