@@ -23,6 +23,8 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field
 
+from langchain_kvrag._arguments import refuse_unknown
+
 PROVIDER = "kvrag"
 
 # The chat template's role for each LangChain message type.
@@ -124,13 +126,12 @@ class ChatKVRAG(BaseChatModel):
     def __init__(self, **kwargs: Any) -> None:
         # Checked before pydantic sees them: a validator's ValueError would reach the user as a ValidationError,
         # not as kvrag's own error.
-        unknown = sorted(set(kwargs) - set(type(self).model_fields))
-        if unknown:
-            ours = [name for name in type(self).model_fields if name not in BaseChatModel.model_fields]
-            raise InvalidRequestError(
-                f"unknown argument(s) {', '.join(unknown)}: ChatKVRAG takes {', '.join(ours)} (and "
-                "BaseChatModel's callbacks, tags, metadata, cache, rate_limiter, disable_streaming)"
-            )
+        refuse_unknown(
+            type(self),
+            BaseChatModel,
+            kwargs,
+            " (and BaseChatModel's callbacks, tags, metadata, cache, rate_limiter, disable_streaming)",
+        )
         engine, kvmodel = kwargs.get("engine"), kwargs.get("kvmodel")
         if engine is not None and not isinstance(engine, KVRAG):
             hint = " (pass kvmodel= for a model)" if isinstance(engine, KVModel) else ""

@@ -17,6 +17,8 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field
 
+from langchain_kvrag._arguments import refuse_unknown
+
 
 def to_document(source: Source) -> Document:
     """A retrieved chunk as a Document: its text, its metadata plus its chunk `id` and retrieval `score`."""
@@ -64,12 +66,7 @@ class KVRAGRetriever(BaseRetriever):
         if "hybrid" in kwargs:
             warnings.warn("KVRAGRetriever(hybrid=) is renamed bm25=", DeprecationWarning, stacklevel=2)
             kwargs["bm25"] = kwargs.pop("hybrid")
-        unknown = sorted(set(kwargs) - set(type(self).model_fields))
-        if unknown:
-            ours = [name for name in type(self).model_fields if name not in BaseRetriever.model_fields]
-            raise InvalidRequestError(
-                f"unknown argument(s) {', '.join(unknown)}: KVRAGRetriever takes {', '.join(ours)}"
-            )
+        refuse_unknown(type(self), BaseRetriever, kwargs)
         engine = kwargs.get("engine")
         if not isinstance(engine, KVRAG):
             raise InvalidRequestError(f"engine is a {type(engine).__name__}: pass a kvrag.KVRAG")

@@ -26,6 +26,7 @@ from langchain_core.runnables.utils import AddableDict, ConfigurableFieldSpec
 from pydantic import ConfigDict, Field
 from typing_extensions import NotRequired, TypedDict
 
+from langchain_kvrag._arguments import refuse_unknown
 from langchain_kvrag.callbacks import AsyncGenerationRun, GenerationRun, ModelCall
 
 # Fields a call may override through `config["configurable"]`, under these ids.
@@ -128,12 +129,7 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
 
     def __init__(self, **kwargs: Any) -> None:
         # Checked before pydantic sees them, so a mistake is kvrag's error (pydantic would wrap it).
-        unknown = sorted(set(kwargs) - set(type(self).model_fields))
-        if unknown:
-            ours = [name for name in type(self).model_fields if name not in RunnableSerializable.model_fields]
-            raise InvalidRequestError(
-                f"unknown argument(s) {', '.join(unknown)}: KVRAGRunnable takes {', '.join(ours)}"
-            )
+        refuse_unknown(type(self), RunnableSerializable, kwargs)
         engine, index = kwargs.get("engine"), kwargs.get("index")
         if engine is None and index is None:
             raise InvalidRequestError("KVRAGRunnable needs engine= (a kvrag.KVRAG) or index= (an index folder)")
