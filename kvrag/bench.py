@@ -29,6 +29,7 @@ from kvrag.encode import _batches, encode_chunks, prefix_cache
 from kvrag.engine import KVRAG
 from kvrag.kvmodel import KVModel
 from kvrag.recompute import causal_mask, stitch_cache, stitch_layout
+from kvrag.roofline import Machine, forward_cost
 from kvrag.store import DiskStore, MemoryStore, TieredStore
 from kvrag.strategies import BUILTIN_STRATEGIES
 from kvrag.timing import Phases
@@ -40,6 +41,10 @@ PHASES = ("store load", "plan", "re-positioning", "cache assembly and mask", "fo
 TRANSFORMERS = "transformers generate"
 LOWER_BOUND = "lower bound"
 LOWER_BOUND_SUFFIX = "lower bound (suffix only)"
+# Floors from kvrag.roofline: FLOPs and bytes of the forward each strategy family must run, on this machine.
+ROOFLINE = "roofline (target + suffix)"
+ROOFLINE_SUFFIX = "roofline (suffix only)"
+ROOFLINE_FULL = "roofline (full prefill)"
 
 
 def _median_time(fn: Callable[[], Any], runs: int) -> float:
@@ -176,6 +181,8 @@ def ttft_benchmark(
     _, questions = sample_docs()
     question = questions[0]["question"]
     device = kv.prefix.keys.device
+    machine = Machine.calibrate(kv.prefix.keys.dtype, device)
+    log(f"roofline calibration: {machine.matmul_flops / 1e9:.0f} GFLOP/s, {machine.read_bytes / 1e9:.1f} GB/s")
     rows = []
     for size_index, size in enumerate(contexts):
         ctx = _Context(kv, rag, context_texts(kv, size, chunk_tokens), question)
@@ -200,7 +207,7 @@ def ttft_benchmark(
                 phases[name].append(spent)
             for name, run in references.items():
                 times[name].append(run())
-        row = _row(ctx, times, phases, device)
+        row = _row(ctx, times, phases, device, machine)
         rows.append(row)
         if on_row is not None:
             on_row(rows)  # a long run keeps what it measured so far
@@ -212,10 +219,24 @@ def ttft_benchmark(
     return rows
 
 
-def _row(ctx: _Context, times: dict[str, list[float]], phases: dict[str, list[dict[str, float]]], device: Any) -> dict:
-    """One context size's figures: medians of every strategy and reference, their phases, peak memory."""
+def _row(
+    ctx: _Context,
+    times: dict[str, list[float]],
+    phases: dict[str, list[dict[str, float]]],
+    device: Any,
+    machine: Machine,
+) -> dict:
+    """One context size's figures: medians of every strategy and reference, their floors, phases, peak memory."""
     kv = ctx.kv
+    prefix, target, suffix = len(kv.prefix), len(ctx.ids[0]), len(ctx.suffix)
+    floors = {
+        ROOFLINE: forward_cost(kv, target + suffix, prefix + ctx.context_tokens - target),
+        ROOFLINE_SUFFIX: forward_cost(kv, suffix, prefix + ctx.context_tokens),
+        ROOFLINE_FULL: forward_cost(kv, prefix + ctx.context_tokens + suffix),
+    }
     return {
+        "floor_s": {name: cost.floor(machine) for name, cost in floors.items()},
+        "machine": machine.to_dict(),
         "context_tokens": ctx.context_tokens,
         "chunks": len(ctx.texts),
         "target_tokens": len(ctx.ids[0]),

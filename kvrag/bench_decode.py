@@ -2,7 +2,7 @@
 and the floor the machine's memory bandwidth sets.
 
 A decode step must read every weight and every cached key and value once; nothing is faster than those bytes
-over the bandwidth measured here (a streaming read of a buffer larger than the caches). Each size is measured
+over the bandwidth measured here (`kvrag.roofline`: a step's FLOPs are far below what the matmul rate allows). Each size is measured
 side by side in one run: kvrag's step, the transformers forward step over the same cache, and the floor.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-import torch
 
 from kvrag import pipeline
 from kvrag.bench import context_texts
@@ -20,30 +19,7 @@ from kvrag.fastdecode import decoder_of
 from kvrag.generate import Sampling, decode
 from kvrag.kv import ChunkKV
 from kvrag.kvmodel import KVModel
-
-
-def read_bandwidth(megabytes: int = 512, runs: int = 5) -> float:
-    """Bytes a second this machine reads from memory: the best of `runs` sums over a buffer of `megabytes`."""
-    x = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
-    x.sum()  # first touch outside the timing
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
-
-
-def step_bytes(kv: KVModel, cached_tokens: int) -> int:
-    """What one decode step must read: every parameter once (tied embeddings once) and the cached keys and values."""
-    seen, weights = set(), 0
-    for p in kv.model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            weights += p.numel() * p.element_size()
-    prefix = kv.prefix  # [L, H_kv, T, D] keys and values of the chunk prefix: the per-token KV size
-    per_token = (prefix.keys[:, :, :1].numel() + prefix.values[:, :, :1].numel()) * prefix.keys.element_size()
-    return weights + per_token * cached_tokens
+from kvrag.roofline import Machine, forward_cost
 
 
 def _decode_time(kv: KVModel, question: str, encoded: list[ChunkKV], tokens: int, fast: bool) -> tuple[float, int, int]:
@@ -74,7 +50,8 @@ def decode_benchmark(
     and the bandwidth floor; the ratios are to that floor."""
     _, questions = sample_docs()
     question = questions[0]["question"]
-    bandwidth = read_bandwidth()
+    machine = Machine.calibrate(kv.prefix.keys.dtype, kv.prefix.keys.device)
+    bandwidth = machine.read_bytes
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; fast step: {'yes' if decoder_of(kv.model) else 'no'}")
     rows = []
     for size in contexts:
@@ -87,7 +64,7 @@ def decode_benchmark(
             t, cached, _steps = _decode_time(kv, question, texts, tokens, True)
             times["kvrag"].append(t)
             times["transformers_step"].append(_decode_time(kv, question, texts, tokens, False)[0])
-        floor = step_bytes(kv, cached + tokens // 2) / bandwidth
+        floor = forward_cost(kv, 1, cached + tokens // 2).floor(machine)  # a step in the middle of the answer
         ms = {name: 1000 * sorted(v)[len(v) // 2] for name, v in times.items()}
         row = {
             "context_tokens": cached,

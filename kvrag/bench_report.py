@@ -22,6 +22,9 @@ from kvrag.bench import (
     LOWER_BOUND,
     LOWER_BOUND_SUFFIX,
     PHASES,
+    ROOFLINE,
+    ROOFLINE_FULL,
+    ROOFLINE_SUFFIX,
     TRANSFORMERS,
     context_texts,
     ingest_benchmark,
@@ -142,10 +145,27 @@ def _ttft_tables(result: dict[str, Any]) -> list[str]:
     ]
     for name in [*result["strategies"], *_references(rows[0])]:
         lines.append(f"| {name} | " + " | ".join(f"{r['ttft_s'][name]:.3f}" for r in rows) + " |")
+    if "floor_s" in rows[0]:
+        lines += ["", "### Floors (s): FLOPs and bytes over this machine's calibrated rates (kvrag.roofline)", ""]
+        lines += [
+            "| | " + " | ".join(f"{r['context_tokens']:,} tokens" for r in rows) + " |",
+            "|---|" + "---|" * len(rows),
+        ]
+        for floor in rows[0]["floor_s"]:
+            lines.append(f"| {floor} | " + " | ".join(f"{r['floor_s'][floor]:.3f}" for r in rows) + " |")
     lines += ["", "### Ratios", "", "| | " + " | ".join(f"{r['context_tokens']:,}" for r in rows) + " |"]
     lines.append("|---|" + "---|" * len(rows))
-    for name in ("target_recompute", "reuse"):
+    for name in ("target_recompute", "reuse", "full_prefill"):
         if name not in result["strategies"]:
+            continue
+        floor = {"target_recompute": ROOFLINE, "reuse": ROOFLINE_SUFFIX}.get(name, ROOFLINE_FULL)
+        if "floor_s" in rows[0]:
+            lines.append(
+                f"| {name} / {floor} | "
+                + " | ".join(f"{r['ttft_s'][name] / r['floor_s'][floor]:.2f}" for r in rows)
+                + " |"
+            )
+        if name == "full_prefill":
             continue
         bound = LOWER_BOUND if name == "target_recompute" else LOWER_BOUND_SUFFIX
         lines.append(

@@ -7,7 +7,15 @@ import json
 
 from tiny import save_tiny
 
-from kvrag.bench import LOWER_BOUND, LOWER_BOUND_SUFFIX, PHASES, TRANSFORMERS
+from kvrag.bench import (
+    LOWER_BOUND,
+    LOWER_BOUND_SUFFIX,
+    PHASES,
+    ROOFLINE,
+    ROOFLINE_FULL,
+    ROOFLINE_SUFFIX,
+    TRANSFORMERS,
+)
 from kvrag.bench_report import FILES
 from kvrag.cli import main
 
@@ -30,6 +38,9 @@ def test_quick_bench_writes_every_output(tmp_path, capsys):
         assert set(row["phases_s"]["reuse"]) == {*PHASES, "other"}
         assert row["phases_s"]["target_recompute"]["forward"] > 0
         assert row["peak_memory"]["rss_high_water_mb"] > 0
+        floors = row["floor_s"]
+        assert set(floors) == {ROOFLINE, ROOFLINE_SUFFIX, ROOFLINE_FULL} and all(f > 0 for f in floors.values())
+        assert floors[ROOFLINE_SUFFIX] < floors[ROOFLINE] < floors[ROOFLINE_FULL]
     assert set(result["ingest"]["x_raw"]) >= {"raw batched forward", "kvrag encode_chunks"}
     assert {"memory", "disk (float16)", "disk (int8)"} <= set(result["store_read"])
     per_token = result["bytes_per_token"]
@@ -37,7 +48,14 @@ def test_quick_bench_writes_every_output(tmp_path, capsys):
     assert result["int8"]["items"] >= 1 and result["int8"]["finite"]
     assert set(result["int8"]["first_token_kl"]) == {"reuse", "target_recompute"}
     markdown = (out / "bench.md").read_text()
-    for section in ("Ratios", "Where the time to first token goes", "Ingest", "Store reads", "KV bytes a token"):
+    for section in (
+        "Floors",
+        "Ratios",
+        "Where the time to first token goes",
+        "Ingest",
+        "Store reads",
+        "KV bytes a token",
+    ):
         assert section in markdown
 
 
@@ -48,7 +66,8 @@ def test_bench_rejects_a_context_shorter_than_a_chunk(tmp_path, capsys):
 
 
 def test_bench_decode_prints_both_steps_and_the_floor(tmp_path, capsys):
-    from kvrag.bench_decode import decode_benchmark, step_bytes
+    from kvrag.bench_decode import decode_benchmark
+    from kvrag.roofline import forward_cost
     from kvrag.kvmodel import KVModel
 
     kv = KVModel.from_pretrained(str(save_tiny(tmp_path / "model")))
@@ -56,5 +75,6 @@ def test_bench_decode_prints_both_steps_and_the_floor(tmp_path, capsys):
     (row,) = rows
     assert row["context_tokens"] >= 150 and set(row["ms_per_token"]) == {"kvrag", "transformers_step"}
     assert all(ms > 0 for ms in row["ms_per_token"].values()) and row["floor_ms"] > 0
-    assert step_bytes(kv, 100) > step_bytes(kv, 0) > 0  # the cached KV counts beside the weights
+    assert forward_cost(kv, 1, 100).bytes > forward_cost(kv, 1, 0).bytes > 0  # the cached KV counts beside the weights
+    assert forward_cost(kv, 10, 100).flops > forward_cost(kv, 10, 0).flops > forward_cost(kv, 1, 0).flops
     assert "fast step: yes" in capsys.readouterr().out
