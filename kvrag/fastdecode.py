@@ -34,16 +34,20 @@ class Product:
     `F.linear`'s.
     """
 
-    __slots__ = ("parts", "split", "bias", "out")
+    __slots__ = ("weight", "bias", "parts", "split")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parts: int) -> None:
-        out, inner = weight.shape
+        self.weight, self.bias = weight, bias
+        self.resplit(parts)
+
+    def resplit(self, parts: int) -> None:
+        """Split into `parts` (one part when `parts` does not divide the rows)."""
+        out, inner = self.weight.shape
         self.parts = parts if out % parts == 0 else 1
-        self.split = weight.view(self.parts, out // self.parts, inner).transpose(1, 2)  # [P, in, out / P]
-        self.bias, self.out = bias, out
+        self.split = self.weight.view(self.parts, out // self.parts, inner).transpose(1, 2)  # [P, in, out / P]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.bmm(x.expand(self.parts, 1, x.shape[-1]), self.split).view(self.out)
+        y = torch.bmm(x.expand(self.parts, 1, x.shape[-1]), self.split).view(self.weight.shape[0])
         return y if self.bias is None else y + self.bias
 
 
@@ -102,9 +106,9 @@ class FastDecoder:
         self.scale = inner.layers[0].self_attn.scaling
         self.embed = inner.embed_tokens.weight  # [V, D]
         self.norm = inner.norm.weight  # [D]
-        parts = max(1, torch.get_num_threads())
-        self.lm_head = Product(model.lm_head.weight, None, parts)  # [V, D]
-        self.layers = [self._layer(layer, parts) for layer in inner.layers]
+        self.threads = max(1, torch.get_num_threads())
+        self.lm_head = Product(model.lm_head.weight, None, self.threads)  # [V, D]
+        self.layers = [self._layer(layer, self.threads) for layer in inner.layers]
 
     @staticmethod
     def _layer(layer: torch.nn.Module, parts: int) -> FastLayer:
@@ -122,6 +126,14 @@ class FastDecoder:
             gate_up=Product(_stacked(mlp.gate_proj, mlp.up_proj), None, parts),
             down=Product(mlp.down_proj.weight, None, parts),
         )
+
+    def _resplit(self, threads: int) -> None:
+        self.threads = threads
+        for product in [
+            self.lm_head,
+            *(p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+        ]:
+            product.resplit(threads)
 
     def rotary(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [count, d] for positions start.. from the model's rotary module (its scaling included)."""
@@ -154,6 +166,8 @@ class FastDecoder:
     ) -> torch.Tensor:
         """Logits [V] for `token` at the position whose rotary rows are cos, sin [d]; its key and value go to slot
         `filled` of every layer's keys/values buffers [H_kv, capacity, d], whose first `filled` slots attend."""
+        if torch.get_num_threads() != self.threads:  # one part a thread, as many as torch runs now
+            self._resplit(max(1, torch.get_num_threads()))
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         x = self.embed[token]  # [D]
         for i, layer in enumerate(self.layers):

@@ -94,11 +94,13 @@ def decode(
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=first_logits.device).manual_seed(sampling.seed)
-    fast = decoder_of(model) if fast_decoding else None
-    if fast is not None:
-        with lock or contextlib.nullcontext():
-            room = Room.of(cache, sampling.max_new_tokens)
-            cos, sin = fast.rotary(position, sampling.max_new_tokens)  # [steps, d]: the positions decoded into
+    fast = None
+    if fast_decoding:
+        with lock or contextlib.nullcontext():  # made once a model, and it restacks the model's weights
+            fast = decoder_of(model)
+            if fast is not None:
+                room = Room.of(cache, sampling.max_new_tokens)
+                cos, sin = fast.rotary(position, sampling.max_new_tokens)  # [steps, d]: the positions decoded into
     logits = first_logits
     step = 0
     try:

@@ -27,9 +27,9 @@ class Machine:
 
     @classmethod
     def calibrate(cls, dtype: torch.dtype, device: torch.device | str = "cpu", runs: int = 5) -> Machine:
-        """A few seconds of measuring: 1024x1024 matmuls and sums over a 512 MB buffer, best of `runs`."""
+        """A few seconds of measuring: 2048x2048 matmuls and sums over a 512 MB buffer, best of `runs`."""
         device = torch.device(device)
-        n = 1024
+        n = 2048
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         matmul = _best(lambda: a @ b, runs, device)

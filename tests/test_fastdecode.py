@@ -93,3 +93,16 @@ def test_a_stopped_decode_leaves_the_fed_tokens_in_the_cache():
     first = [next(tokens) for _ in range(5)]  # 4 of them fed back through the model
     tokens.close()
     assert len(first) == 5 and out.cache.layers[0].keys.shape[-2] == 30 + 4
+
+
+def test_the_step_follows_the_thread_count():
+    model = tiny_model("llama")
+    decoder = decoder_of(model)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        slow, _ = _decode(model, _ids(30, seed=4), 8, fast=False)
+        assert _decode(model, _ids(30, seed=4), 8, fast=True)[0] == slow
+        assert decoder.threads == 1 and decoder.layers[0].gate_up.parts == 1
+    finally:
+        torch.set_num_threads(threads)
