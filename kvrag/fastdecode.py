@@ -47,8 +47,11 @@ class Product:
         self.split = self.weight.view(self.parts, out // self.parts, inner).transpose(1, 2)  # [P, in, out / P]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.bmm(x.expand(self.parts, 1, x.shape[-1]), self.split).view(self.weight.shape[0])
-        return y if self.bias is None else y + self.bias
+        x = x.expand(self.parts, 1, x.shape[-1])
+        if self.bias is None:
+            return torch.bmm(x, self.split).view(self.weight.shape[0])
+        # the bias inside the product, as F.linear adds it (after the sum, before rounding in low precision)
+        return torch.baddbmm(self.bias.view(self.parts, 1, -1), x, self.split).view(self.weight.shape[0])
 
 
 @dataclass(slots=True)
@@ -79,6 +82,15 @@ def supports(model: torch.nn.Module) -> str | None:
         return "no model.layers / lm_head"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
+        linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        # plain float linears only: a quantized, adapted (LoRA), offloaded or hooked module computes something else
+        if any(type(m) is not torch.nn.Linear or m._forward_hooks or m._forward_pre_hooks for m in linears):
+            return "projections that are not plain nn.Linear (quantized, adapted or hooked)"
+        if any(not m.weight.is_floating_point() or m.weight.is_meta for m in linears):
+            return "weights that are not floating-point tensors in memory"
+        if hasattr(layer, "_hf_hook") or type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+            return "a hooked layer or an activation other than SiLU"
         if getattr(attn.o_proj, "bias", None) is not None or any(
             getattr(getattr(mlp, n), "bias", None) is not None for n in ("gate_proj", "up_proj", "down_proj")
         ):
@@ -126,6 +138,23 @@ class FastDecoder:
             gate_up=Product(_stacked(mlp.gate_proj, mlp.up_proj), None, parts),
             down=Product(mlp.down_proj.weight, None, parts),
         )
+
+    def current(self) -> bool:
+        """Whether the model still computes with the weights this decoder reads (none replaced, cast or moved)."""
+        inner = self.model.model
+        if inner.embed_tokens.weight is not self.embed or self.model.lm_head.weight is not self.lm_head.weight:
+            return False
+        for layer, fast in zip(inner.layers, self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if (
+                attn.q_proj.weight.data_ptr() != fast.qkv.weight.data_ptr()
+                or mlp.gate_proj.weight.data_ptr() != fast.gate_up.weight.data_ptr()
+                or attn.o_proj.weight.data_ptr() != fast.o.weight.data_ptr()
+                or mlp.down_proj.weight.data_ptr() != fast.down.weight.data_ptr()
+                or layer.input_layernorm.weight is not fast.norm_in
+            ):
+                return False
+        return True
 
     def _resplit(self, threads: int) -> None:
         self.threads = threads
@@ -223,12 +252,26 @@ def _stacked_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
 def decoder_of(model: torch.nn.Module) -> FastDecoder | None:
     """The model's FastDecoder, made once and kept on the model; None when it does not take the model."""
     decoder = getattr(model, "_kvrag_fast_decoder", None)
+    if decoder is not None and not decoder.current():
+        decoder = None  # the model's weights were replaced (loaded, cast, moved) since it was made
     if decoder is None and supports(model) is None:
         # made outside inference mode: the fused tensors become the model's weights, which autograd may see
         with torch.inference_mode(False), torch.no_grad():
             decoder = FastDecoder(model)
         model._kvrag_fast_decoder = decoder  # type: ignore[attr-defined]
     return decoder
+
+
+def _has_room(layer: Any, length: int) -> bool:
+    """Whether the layer's keys and values are still the head of its buffers, with room for `length` slots (a
+    GrowingLayer's own test; the same for a plain layer that an earlier fast decode gave buffers)."""
+    in_room = getattr(layer, "_in_room", None)
+    if in_room is not None:
+        return in_room(length)
+    return all(
+        view.data_ptr() == buf.data_ptr() and view.stride() == buf.stride() and length <= buf.shape[-2]
+        for view, buf in ((layer.keys, layer._keys), (layer.values, layer._values))
+    )
 
 
 @dataclass(slots=True)
@@ -247,7 +290,7 @@ class Room:
         keys, values = [], []
         for layer in cache.layers:
             own = getattr(layer, "_keys", None)
-            if own is None or not layer._in_room(filled + room):
+            if own is None or not _has_room(layer, filled + room):
                 k, v = layer.keys, layer.values  # [1, H_kv, T, d]
                 own = k.new_empty((*k.shape[:2], filled + room, k.shape[-1]))
                 own_v = v.new_empty((*v.shape[:2], filled + room, v.shape[-1]))

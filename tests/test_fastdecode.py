@@ -6,7 +6,7 @@ import torch
 from tiny import ARCHS, tiny_model
 
 from kvrag.fastdecode import FastDecoder, Room, decoder_of, supports
-from kvrag.generate import Sampling, decode
+from kvrag.generate import Sampling, _forward, decode
 from kvrag.recompute import full_prefill
 
 TAKEN = [name for name, (model_type, _) in ARCHS.items() if model_type in ("llama", "mistral", "qwen2", "qwen3")]
@@ -106,3 +106,35 @@ def test_the_step_follows_the_thread_count():
         assert decoder.threads == 1 and decoder.layers[0].gate_up.parts == 1
     finally:
         torch.set_num_threads(threads)
+
+
+def test_weights_replaced_after_the_decoder_was_made_are_the_ones_decoded_with():
+    model = tiny_model("llama", seed=7)
+    ids = _ids(30, seed=5)
+    _decode(model, ids, 4, fast=True)  # the decoder is made and kept
+    other = tiny_model("llama", seed=8)
+    model.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=True)
+    slow, _ = _decode(model, ids, 12, fast=False)
+    assert _decode(model, ids, 12, fast=True)[0] == slow
+
+
+def test_a_second_decode_continues_a_plain_cache_the_first_one_extended():
+    model = tiny_model("llama")
+    ids = _ids(30, seed=6)
+    out = full_prefill(model, ids)
+    first = list(decode(model, out.cache, out.logits[-1], out.next_position, Sampling(max_new_tokens=5), eos_ids=()))
+    fed = ids + first[:-1]  # the last token was picked, not fed
+    assert out.cache.layers[0].keys.shape[-2] == len(fed)
+    with torch.inference_mode():  # the last token through a transformers forward: the cache grows by a copy
+        logits = _forward(model, out.cache, first[-1], len(fed))
+    more = list(decode(model, out.cache, logits, len(fed) + 1, Sampling(max_new_tokens=4), eos_ids=()))
+    expected, _ = _decode(model, fed + [first[-1]], 4, fast=False)
+    assert more == expected
+
+
+def test_a_split_product_with_a_bias_equals_linear_bitwise_in_low_precision():
+    from kvrag.fastdecode import Product
+
+    for dtype in (torch.float32, torch.bfloat16):
+        weight, bias, x = torch.randn(96, 40).to(dtype), torch.randn(96).to(dtype), torch.randn(40).to(dtype)
+        assert torch.equal(Product(weight, bias, 2)(x), torch.nn.functional.linear(x, weight, bias))

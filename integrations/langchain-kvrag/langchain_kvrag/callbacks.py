@@ -84,7 +84,7 @@ class GenerationRun:
     """One generation as a child chat model run of the chain run `parent` (None: nothing is reported)."""
 
     def __init__(self, parent: CallbackManagerForChainRun | None, call: ModelCall) -> None:
-        self.call, self.run = call, None
+        self.call, self.run, self.done = call, None, False
         if parent is not None:
             child = parent.get_child()
             child.add_metadata(call.metadata, inherit=False)
@@ -97,19 +97,22 @@ class GenerationRun:
             self.run.on_llm_new_token(piece, chunk=piece_chunk(piece))
 
     def end(self, answer: Answer) -> None:
-        if self.run is not None:
+        if self.run is not None and not self.done:
             self.run.on_llm_end(result_of(answer, self.call.model_name))
+        self.done = True
 
     def error(self, err: BaseException) -> None:
-        if self.run is not None:
+        """The run's end by `err`; nothing once it ended (a stream closed after its last piece)."""
+        if self.run is not None and not self.done:
             self.run.on_llm_error(err)
+        self.done = True
 
 
 class AsyncGenerationRun:
     """`GenerationRun` for async calls: the async callback manager awaits its handlers."""
 
     def __init__(self, call: ModelCall) -> None:
-        self.call = call
+        self.call, self.done = call, False
         self.run: AsyncCallbackManagerForLLMRun | None = None
 
     async def start(self, parent: AsyncCallbackManagerForChainRun | None) -> AsyncGenerationRun:
@@ -126,9 +129,11 @@ class AsyncGenerationRun:
             await self.run.on_llm_new_token(piece, chunk=piece_chunk(piece))
 
     async def end(self, answer: Answer) -> None:
-        if self.run is not None:
+        if self.run is not None and not self.done:
             await self.run.on_llm_end(result_of(answer, self.call.model_name))
+        self.done = True
 
     async def error(self, err: BaseException) -> None:
-        if self.run is not None:
+        if self.run is not None and not self.done:
             await self.run.on_llm_error(err)
+        self.done = True

@@ -14,11 +14,11 @@ from contextlib import closing
 from typing import Any, Iterator, Sequence
 
 from kvrag import KVRAG, Answer, InvalidRequestError, KVModel
-from kvrag.model import DEFAULT_MODEL_NAME
+from kvrag.model import DEFAULT_MODEL_NAME, EMBEDDED_WEIGHTS
 from kvrag.request import check_options
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage, SystemMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field
@@ -27,8 +27,8 @@ from langchain_kvrag._arguments import refuse_unknown
 
 PROVIDER = "kvrag"
 
-# The chat template's role for each LangChain message type.
-ROLES = {"system": "system", "human": "user", "ai": "assistant"}
+# The chat template's role for each LangChain message class (their chunk classes are subclasses).
+ROLES = ((SystemMessage, "system"), (HumanMessage, "user"), (AIMessage, "assistant"))
 
 # Per-call keyword arguments a generation accepts (besides `stop`), as LangChain chat models name them.
 CALL_ARGUMENTS = ("model", "temperature", "max_tokens", "top_p", "seed", "timeout")
@@ -50,7 +50,11 @@ def chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     """LangChain messages as the `{"role", "content"}` turns a chat template reads (text only)."""
     turns = []
     for i, message in enumerate(messages):
-        role = message.role if isinstance(message, ChatMessage) else ROLES.get(message.type)
+        role = (
+            message.role
+            if isinstance(message, ChatMessage)
+            else next((r for c, r in ROLES if isinstance(message, c)), None)
+        )
         if role is None:
             raise InvalidRequestError(
                 f"message {i} is a {type(message).__name__}: ChatKVRAG has no tool calling and reads system, human "
@@ -172,14 +176,23 @@ class ChatKVRAG(BaseChatModel):
     def get_lc_namespace(cls) -> list[str]:
         return ["langchain_kvrag", "chat_models"]
 
+    def _source_unknown(self) -> bool:
+        """A live model (given, or an engine's built on one) whose source a rebuild could not load."""
+        return (self.kvmodel is not None or self.engine is not None) and self.model is None and not self._default
+
+    @property
+    def _default(self) -> bool:
+        model = self.kvmodel if self.kvmodel is not None else self.engine.kvmodel if self.engine is not None else None
+        return model is not None and model.fingerprint.weights == EMBEDDED_WEIGHTS
+
     def to_json(self) -> Any:
-        if self.kvmodel is not None and self.model is None:  # a live model whose source is not known
+        if self._source_unknown():
             return self.to_json_not_implemented()
         return super().to_json()
 
     def __reduce__(self) -> Any:
         # The configuration, not the weights: unpickling loads the model by its source (shared in that process).
-        if self.kvmodel is not None and self.model is None:
+        if self._source_unknown():
             raise TypeError(
                 "a ChatKVRAG built on a KVModel cannot be pickled without the model's source: pass model= (its "
                 "Hugging Face id or folder) beside kvmodel=, or build it with engine= or model="
@@ -234,6 +247,8 @@ class ChatKVRAG(BaseChatModel):
                 f"unknown argument(s) {', '.join(unknown)}: a ChatKVRAG call takes stop, {', '.join(CALL_ARGUMENTS)}"
             )
         timeout = kwargs.get("timeout", self.timeout)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
         deadline = time.perf_counter() + timeout if timeout else None
         kvmodel = self._kvmodel(kwargs.get("model"))
         prompt = kvmodel.layout.chat_prompt(chat_messages(messages))

@@ -14,7 +14,7 @@ from contextlib import aclosing, closing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence, Union
 
-from kvrag import KVRAG, NO_CONTEXT, Answer, InvalidRequestError, KVModel, Request, Source
+from kvrag import KVRAG, NO_CONTEXT, Answer, EmptyInputError, InvalidRequestError, KVModel, Request, Source
 from kvrag.answer import last_answer
 from kvrag.index import check_filters, check_top_k
 from kvrag.request import check_options, scores_of
@@ -259,9 +259,11 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
     def _call(self, request: _Request) -> tuple[float, Sequence[str | Source], float]:
         """The chunks to answer over: the given texts, else the engine's retrieval (timed)."""
         t0 = time.perf_counter()
+        if not request.question.strip():
+            raise EmptyInputError("the question is empty or whitespace only: ask something")
+        Request.of(request.question, **request.options)  # a bad option fails before any retrieval work
         if request.texts is not None:
             return t0, request.texts, 0.0
-        Request.of(request.question, **request.options)  # a bad option fails before any retrieval work
         sources = self.engine.retrieve(request.question, **request.retrieval)
         return t0, sources, time.perf_counter() - t0
 
@@ -301,7 +303,7 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
                     else:
                         run.end(item)
                     yield item
-        except Exception as err:
+        except BaseException as err:  # a stream closed early ends its model run too (GeneratorExit)
             run.error(err)
             raise
 
@@ -325,7 +327,7 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
                     else:
                         await run.end(item)
                     yield item
-        except Exception as err:
+        except BaseException as err:  # closed early or cancelled: the model run ends too
             await run.error(err)
             raise
 

@@ -166,3 +166,14 @@ def test_pickling_carries_the_configuration_and_reloads_the_model_by_its_source(
     with pytest.raises(TypeError, match="pass model="):
         pickle.dumps(ChatKVRAG(kvmodel=rag.kvmodel))
     assert dumpd(ChatKVRAG(kvmodel=rag.kvmodel))["type"] == "not_implemented"
+
+
+def test_a_history_with_a_streamed_reply_is_read(rag):
+    from langchain_core.messages import AIMessageChunk
+
+    chat = ChatKVRAG(engine=rag, max_tokens=4)
+    streamed = [HumanMessage("Hi"), AIMessageChunk(content="Hello."), HumanMessage("And?")]
+    plain = [HumanMessage("Hi"), AIMessage("Hello."), HumanMessage("And?")]
+    assert chat.invoke(streamed).content == chat.invoke(plain).content
+    with pytest.raises(InvalidRequestError, match="timeout must be"):
+        chat.invoke("Hi", timeout=0)

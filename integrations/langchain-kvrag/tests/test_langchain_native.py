@@ -173,3 +173,25 @@ def test_a_retriever_chain_with_a_chat_prompt_reads_like_the_langchain_docs(rag)
     retriever = KVRAGRetriever(engine=rag, k=3)
     chain = {"question": RunnablePassthrough(), "context": retriever} | KVRAGRunnable(engine=rag, max_new_tokens=8)
     assert chain.invoke(Q) == rag.query(Q, **GEN).text
+
+
+def test_a_stream_closed_early_ends_its_model_run(rag):
+    recorder = ModelRecorder()
+    stream = KVRAGRunnable(engine=rag, **GEN).stream(Q, config={"callbacks": [recorder]})
+    next(stream)
+    stream.close()
+    assert len(recorder.starts) == 1 and recorder.ends == [] and recorder.errors == ["GeneratorExit"]
+    recorder = ModelRecorder()
+    list(KVRAGRunnable(engine=rag, **GEN).stream(Q, config={"callbacks": [recorder]}))
+    assert len(recorder.ends) == 1 and recorder.errors == []  # read to the end: ended once, no error after
+
+
+def test_an_empty_document_list_still_checks_the_question_and_options(rag):
+    from kvrag import EmptyInputError
+
+    with pytest.raises(EmptyInputError, match="question is empty"):
+        KVRAGRunnable(engine=rag).invoke({"question": "  ", "documents": []})
+    with pytest.raises(InvalidRequestError, match="strategy"):
+        KVRAGRunnable(engine=rag).invoke(
+            {"question": Q, "documents": []}, config={"configurable": {"strategy": "no_such_strategy"}}
+        )
