@@ -344,9 +344,8 @@ class KVRAGQueryEngine(BaseQueryEngine):
             CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: query_bundle.query_str}
         ) as event:
             response = self._respond(query_bundle.query_str, list(nodes))
-            response.source_nodes.extend(
-                additional_source_nodes or []
-            )  # listed as sources, not answered over (as stock)
+            # additional source nodes are listed as sources, not answered over (as stock LlamaIndex does)
+            response.source_nodes.extend(additional_source_nodes or [])
             event.on_end(payload={EventPayload.RESPONSE: response})
         dispatcher.event(SynthesizeEndEvent(query=query_bundle, response=response))
         return response
@@ -363,9 +362,8 @@ class KVRAGQueryEngine(BaseQueryEngine):
             CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: query_bundle.query_str}
         ) as event:
             response = await self._arespond(query_bundle.query_str, list(nodes))
-            response.source_nodes.extend(
-                additional_source_nodes or []
-            )  # listed as sources, not answered over (as stock)
+            # additional source nodes are listed as sources, not answered over (as stock LlamaIndex does)
+            response.source_nodes.extend(additional_source_nodes or [])
             event.on_end(payload={EventPayload.RESPONSE: response})
         dispatcher.event(SynthesizeEndEvent(query=query_bundle, response=response))
         return response
