@@ -28,30 +28,52 @@ class ChunkSource:
         kvmodel: the model the KV belongs to.
         store: where chunk KV is kept; None encodes every text chunk a request reads.
         namespace: enters every key, so namespaces sharing one store never serve each other's KV.
+        secret: a tenant secret: keys are HMACs under it and stored entries' checksums are keyed with it, so
+            neither a label nor write access to the store lets anyone else probe or forge this tenant's KV.
     """
 
-    def __init__(self, kvmodel: KVModel, store: KVStore | None = None, namespace: str = "") -> None:
-        self.kvmodel, self.store, self.namespace = kvmodel, store, namespace
+    def __init__(
+        self, kvmodel: KVModel, store: KVStore | None = None, namespace: str = "", secret: bytes = b""
+    ) -> None:
+        self.kvmodel, self.store, self.namespace, self.secret = kvmodel, store, namespace, secret
         if store is not None:  # the store serves this model's entries only, read back as the model runs
-            store.bind(encoder=kvmodel.encoder_id, dtype=kvmodel.prefix.keys.dtype, device=kvmodel.prefix.keys.device)
+            store.bind(
+                encoder=kvmodel.encoder_id,
+                dtype=kvmodel.prefix.keys.dtype,
+                device=kvmodel.prefix.keys.device,
+                secret=secret,
+            )
 
     def key(self, ids: Sequence[int]) -> ChunkKey:
-        """A chunk's store key under this model, its chunk prefix and this namespace."""
-        return self.kvmodel.chunk_key(ids, namespace=self.namespace)
+        """A chunk's store key under this model, its chunk prefix, this namespace and secret."""
+        return self.kvmodel.chunk_key(ids, namespace=self.namespace, secret=self.secret)
 
     def chunks(self, given: Sequence[str | ChunkKV]) -> Chunks:
         """One request's chunks (their ids checked against the model now, their KV fetched when read)."""
         return Chunks(self, given)
 
-    def load(self, key: str) -> ChunkKV | None:
-        """A chunk's stored KV; a store that fails to answer is a miss (the chunk is recomputed) and a warning."""
+    def load(self, key: str, ids: Sequence[int] | None = None) -> ChunkKV | None:
+        """A chunk's stored KV; a store that fails to answer is a miss (the chunk is recomputed) and a warning.
+
+        With `ids` (the chunk's token ids), an entry holding other tokens is a miss and a warning too: another
+        chunk's KV written at this key (forged, or a bug elsewhere) is never used for this chunk.
+        """
         if self.store is None:
             return None
         try:
-            return self.store.get(key)
+            kv = self.store.get(key)
         except StoreError as err:
             warnings.warn(f"kvrag: the KV store failed ({err}); recomputing the chunk instead", StoreWarning, 4)
             return None
+        if kv is not None and ids is not None and kv.token_ids.tolist() != list(ids):
+            warnings.warn(
+                f"kvrag: the stored entry {key[:16]}... holds the KV of other tokens than its chunk's (a forged or "
+                "misplaced entry); recomputing the chunk instead",
+                StoreWarning,
+                4,
+            )
+            return None
+        return kv
 
     def encode_and_store(
         self, ids: Sequence[Sequence[int]], keys: Sequence[str], *, on_batch: Callable[[int], None] | None = None
@@ -59,18 +81,20 @@ class ChunkSource:
         """Encode chunks and store their KV under `keys` (ingestion), a group of about one encoding forward at
         a time: stored before the next is encoded, so memory holds one group's KV however many chunks.
 
-        The caller holds the model's lock. A store that fails raises StoreError (ingestion must not lose KV).
+        The model's lock is held for each group's forward only, so queries interleave with a long ingest; the
+        store is written outside it. A store that fails raises StoreError (ingestion must not lose KV).
         """
         model = self.kvmodel
         for group in _groups([len(i) for i in ids], max(model.batch_tokens, 1)):
-            kvs = encode_chunks(
-                model.model,
-                model.chunk_prefix,
-                [ids[i] for i in group],
-                batch_tokens=model.batch_tokens,
-                on_batch=on_batch,
-                encoder=model.encoder_id,
-            )
+            with model.lock:
+                kvs = encode_chunks(
+                    model.model,
+                    model.chunk_prefix,
+                    [ids[i] for i in group],
+                    batch_tokens=model.batch_tokens,
+                    on_batch=on_batch,
+                    encoder=model.encoder_id,
+                )
             for i, kv in zip(group, kvs):
                 self.store.put(keys[i], kv)  # type: ignore[union-attr]
             del kvs
@@ -101,11 +125,19 @@ class Chunks:
         self.given = list(given)
         self.ids = [source.kvmodel.chunk_ids(i, c) for i, c in enumerate(self.given)]
         self._kv: list[ChunkKV | None] = [c if isinstance(c, ChunkKV) else None for c in self.given]
-        self.store_hits = self.encoded = 0
+        self._tried = [False] * len(self.given)  # the store was asked (a miss is not asked again)
+        self._hit = [False] * len(self.given)  # the KV came from the store
+        self._used: set[int] = set()  # chunks whose KV a plan or a picker read
+        self.encoded = 0
         self.encode_s = self.load_s = 0.0
 
     def __len__(self) -> int:
         return len(self.given)
+
+    @property
+    def store_hits(self) -> int:
+        """Chunks read by the request whose KV came from the store (prefetched ones the plan left out don't count)."""
+        return sum(self._hit[i] for i in self._used)
 
     @property
     def lengths(self) -> list[int]:
@@ -122,20 +154,35 @@ class Chunks:
         The caller holds the model's lock (`kvrag.pipeline.prefill` does, for planning and execution).
         """
         wanted = list(range(len(self.given)) if indices is None else indices)
+        self._used.update(wanted)
         missing = list(dict.fromkeys(i for i in wanted if self._kv[i] is None))
         if missing:
             self._fetch(missing)
         return [self._kv[i] for i in wanted]  # type: ignore[misc]
 
+    def prefetch(self) -> None:
+        """Read every chunk's stored KV now, encoding nothing: called before the model's lock is taken, so a
+        slow or hung store delays this request only, never another one waiting for the model."""
+        if self.source.store is None:
+            return
+        for i in range(len(self.given)):
+            if self._kv[i] is None and not self._tried[i]:
+                self._load(i)
+
+    def _load(self, i: int) -> None:
+        t0 = time.perf_counter()
+        self._kv[i] = self.source.load(self.source.key(self.ids[i]), self.ids[i])
+        self._tried[i] = True
+        self.load_s += time.perf_counter() - t0
+        self._hit[i] = self._kv[i] is not None
+
     def _fetch(self, missing: list[int]) -> None:
         source, model = self.source, self.source.kvmodel
         keys = {i: source.key(self.ids[i]) for i in missing} if source.store is not None else {}
-        t0 = time.perf_counter()
         for i in keys:
-            self._kv[i] = source.load(keys[i])
-        self.load_s += time.perf_counter() - t0
+            if not self._tried[i]:
+                self._load(i)
         fresh = [i for i in missing if self._kv[i] is None]
-        self.store_hits += len(missing) - len(fresh)
         if not fresh:
             return
         t0 = time.perf_counter()

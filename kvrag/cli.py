@@ -7,7 +7,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvrag import __version__
 from kvrag.errors import InvalidRequestError, KVRAGError
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvrag {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_demo, _add_ingest, _add_ask, _add_agree_and_tune, _add_bench, _add_study, _add_info):
+    for add in (_add_demo, _add_ingest, _add_ask, _add_agree_and_tune, _add_bench, _add_study, _add_info, _add_gc):
         add(sub)
     return parser
 
@@ -47,15 +47,23 @@ def _add_ingest(sub: Any) -> None:
     ingest = sub.add_parser("ingest", help="split, embed and encode documents into an index folder")
     ingest.add_argument("paths", nargs="+", type=Path, help=".txt, .md or .rst files, or folders of them")
     ingest.add_argument("--index", required=True, type=Path, help="the index folder (created if missing)")
-    ingest.add_argument("--chunk-tokens", type=int, default=200)
-    ingest.add_argument("--overlap", type=int, default=20)
-    ingest.add_argument("--storage-dtype", default="float16", help="float16 (default), bfloat16, float32 or int8")
+    # The index flags default to None: a flag left out takes an existing index's value (or, for a fresh index,
+    # the default its help states); one given must agree with the index (`_index_settings`).
+    ingest.add_argument("--chunk-tokens", type=int, default=None, help="tokens a chunk (default 200)")
+    ingest.add_argument("--overlap", type=int, default=None, help="tokens shared by neighbouring chunks (default 20)")
+    ingest.add_argument("--storage-dtype", default=None, help="float16 (default), bfloat16, float32 or int8")
     ingest.add_argument("--quiet", action="store_true", help="no progress bar")
     ingest.add_argument("--redis", default=None, metavar="URL", help="keep chunk KV in Redis (redis:// or rediss://)")
     ingest.add_argument(
-        "--namespace", default="", help="a tenant name in every chunk's store key (kept in the index; default: none)"
+        "--namespace", default=None, help="a tenant name in every chunk's store key (kept in the index; default: none)"
     )
+    ingest.add_argument(
+        "--follow-symlinks", action="store_true", help="read files and folders reached through symbolic links"
+    )
+    ingest.add_argument("--max-file-mb", type=float, default=None, help="the largest input file read (default 64)")
+    _secret_arg(ingest)
     _model_args(ingest)
+    ingest.set_defaults(dtype=None)  # "auto", unless the index at --index was built with another
 
 
 def _add_ask(sub: Any) -> None:
@@ -74,6 +82,7 @@ def _add_ask(sub: Any) -> None:
     ask.add_argument("--stream", action="store_true", help="print the answer as it is decoded")
     ask.add_argument("--json", action="store_true", help="print one JSON object: text, finish_reason, sources, stats")
     ask.add_argument("--redis", default=None, metavar="URL", help="read chunk KV from Redis (as given to ingest)")
+    _secret_arg(ask)
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--threads", type=int, default=None)
 
@@ -106,6 +115,7 @@ def _add_agree_and_tune(sub: Any) -> None:
         tune.add_argument("--limit", type=int, default=None, help="the first N questions only")
         tune.add_argument("--max-new-tokens", type=int, default=32, help="answers also end at a line break")
         tune.add_argument("--redis", default=None, metavar="URL", help="read chunk KV from Redis (as given to ingest)")
+        _secret_arg(tune)
         tune.add_argument("--device", default="cpu")
         tune.add_argument("--threads", type=int, default=None)
         tune.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -195,10 +205,56 @@ def _add_study(sub: Any) -> None:
 
 def _add_info(sub: Any) -> None:
     """`kvrag info`."""
-    info = sub.add_parser("info", help="counts, bytes and the model fingerprint of an index folder")
+    info = sub.add_parser("info", help="counts, bytes and the model fingerprint of an index folder (read-only)")
     info.add_argument("--index", required=True, type=Path)
+    info.add_argument("--redis", default=None, metavar="URL", help="count the chunk KV in Redis (as given to ingest)")
+    _secret_arg(info)
     info.add_argument("--device", default="cpu")
     info.add_argument("--threads", type=int, default=None)
+
+
+def _add_gc(sub: Any) -> None:
+    """`kvrag gc`."""
+    gc = sub.add_parser(
+        "gc", help="delete stored chunk KV that no indexed chunk refers to, and dead writers' temporary files"
+    )
+    gc.add_argument("--index", required=True, type=Path)
+    gc.add_argument("--redis", default=None, metavar="URL", help="collect in Redis (needs --exclusive)")
+    gc.add_argument(
+        "--exclusive",
+        action="store_true",
+        help="with --redis: this index is the only one writing to that Redis namespace (else another index's entries "
+        "would look like orphans)",
+    )
+    gc.add_argument("--dry-run", action="store_true", help="count what would be removed, remove nothing")
+    _secret_arg(gc)
+    gc.add_argument("--device", default="cpu")
+    gc.add_argument("--threads", type=int, default=None)
+
+
+def _secret_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--secret-file",
+        type=Path,
+        default=None,
+        help="a file holding the tenant secret the index was built with (keys and checksums are HMACs under it)",
+    )
+
+
+def _secret(args: argparse.Namespace) -> bytes | None:
+    """The tenant secret in --secret-file (surrounding whitespace dropped), or None."""
+    path = getattr(args, "secret_file", None)
+    if path is None:
+        return None
+    try:
+        secret = path.read_bytes().strip()
+    except OSError as err:
+        raise InvalidRequestError(f"cannot read the secret file {path}: {err.strerror}") from None
+    if len(secret) < 16:
+        raise InvalidRequestError(
+            f"the secret file {path} holds {len(secret)} bytes: a secret needs at least 16 (`openssl rand -hex 32`)"
+        )
+    return secret
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -237,32 +293,71 @@ def _bench_decode(args: argparse.Namespace) -> None:
     decode_benchmark(kv, contexts=contexts, tokens=args.tokens, runs=args.runs)
 
 
-def _store(args: argparse.Namespace) -> Any:
+def _store(args: argparse.Namespace, *, read_only: bool = False) -> Any:
     """The KV store the command names (Redis behind memory), or None for the index folder's own."""
     from kvrag.store import MemoryStore, RedisStore, TieredStore
 
     redis_url = getattr(args, "redis", None)
     if not redis_url:
         return None
-    return TieredStore(MemoryStore(), RedisStore(redis_url, storage_dtype=getattr(args, "storage_dtype", "float16")))
+    storage = getattr(args, "storage_dtype", None) or "float16"
+    return TieredStore(MemoryStore(), RedisStore(redis_url, storage_dtype=storage, read_only=read_only))
 
 
-def _open_index(args: argparse.Namespace) -> Any:
-    """The engine over an existing index folder."""
-    from kvrag.engine import KVRAG, MANIFEST
+def _open_index(args: argparse.Namespace, *, read_only: bool = True) -> Any:
+    """The engine over an existing index folder; read-only unless the command writes (tune, gc)."""
+    from kvrag.engine import KVRAG
     from kvrag.errors import IndexLoadError
+    from kvrag.folder import IndexFolder
 
-    if not (args.index / MANIFEST).is_file():
+    if not IndexFolder(args.index).exists():
         raise IndexLoadError(
             f"no kvrag index at {args.index}: create one with `kvrag ingest PATH --index {args.index}`"
         )
-    return KVRAG.load(args.index, device=args.device, store=_store(args), require_store=True)
+    return KVRAG.load(
+        args.index,
+        device=args.device,
+        store=_store(args, read_only=read_only),
+        require_store=True,
+        secret=_secret(args),
+        read_only=read_only,
+    )
+
+
+def _interruptible(work: Callable[[], Any], *, interrupted: str) -> Any:
+    """`work()` in a worker thread, so Ctrl-C ends the command within a fraction of a second even while a
+    forward of many seconds runs; every write kvrag makes is atomic, so what committed stays whole."""
+    import os
+    import threading
+
+    result: list[Any] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(work())
+        except BaseException as err:  # re-raised in the main thread
+            failure.append(err)
+
+    worker = threading.Thread(target=run, name="kvrag-ingest", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.1)
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr, flush=True)
+        os._exit(130)  # the worker cannot be stopped mid-forward; exiting now is what a user asked for
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 def _ingest(args: argparse.Namespace) -> None:
+    from kvrag.documents import MAX_FILE_BYTES
     from kvrag.engine import KVRAG, MANIFEST
 
     fresh = not (args.index / MANIFEST).is_file()
+    _index_settings(args)
     rag = KVRAG.from_defaults(
         args.index,
         model=args.model,
@@ -275,8 +370,18 @@ def _ingest(args: argparse.Namespace) -> None:
         store=_store(args),
         namespace=args.namespace,
         require_store=True,
+        secret=_secret(args),
     )
-    stats = rag.ingest(list(args.paths), progress=not args.quiet)
+    if args.max_file_mb is not None and not 0 < args.max_file_mb <= 1 << 20:
+        raise InvalidRequestError(f"--max-file-mb must be a positive number of megabytes, got {args.max_file_mb}")
+    max_bytes = int(args.max_file_mb * (1 << 20)) if args.max_file_mb is not None else MAX_FILE_BYTES
+    stats = _interruptible(
+        lambda: rag.ingest(
+            list(args.paths), progress=not args.quiet, follow_symlinks=args.follow_symlinks, max_file_bytes=max_bytes
+        ),
+        interrupted=f"kvrag: interrupted; the index at {args.index} is as last committed (the KV already encoded "
+        "is kept: ingesting again reuses it, `kvrag gc` removes it)",
+    )
     print(
         f"{'created' if fresh else 'updated'} {args.index}: {stats.documents} documents, {stats.chunks} chunks "
         f"({stats.tokens} tokens); KV encoded for {stats.encoded}, already stored for {stats.store_hits}; "
@@ -284,8 +389,71 @@ def _ingest(args: argparse.Namespace) -> None:
     )
 
 
+# ingest's index flags: the manifest key each is kept under, and its default for a fresh index.
+_INDEX_FLAGS = {
+    "model": ("--model", None),
+    "dtype": ("--dtype", "auto"),
+    "chunk_tokens": ("--chunk-tokens", 200),
+    "overlap": ("--overlap", 20),
+    "storage_dtype": ("--storage-dtype", "float16"),
+    "namespace": ("--namespace", ""),
+}
+
+
+def _index_settings(args: argparse.Namespace) -> None:
+    """Fill ingest's index flags left out: from the index at --index, else the defaults.
+
+    A flag given with a value other than the one the existing index was built with is an InvalidRequestError
+    naming both (the index keeps its own: ingesting would otherwise ignore the flag, or mix chunkings).
+    `--dtype auto` states no preference; `--model` must be the model as the index names it.
+    """
+    from kvrag.folder import IndexFolder
+    from kvrag.model import resolve_dtype
+
+    folder = IndexFolder(args.index)
+    if not folder.exists():
+        for key, (_, default) in _INDEX_FLAGS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, default)
+        return
+    manifest = folder.manifest()
+    for key, (flag, default) in _INDEX_FLAGS.items():
+        given, built = getattr(args, key), manifest.get(key, default)
+        if key == "dtype" and given is not None:
+            given = None if given == "auto" else str(resolve_dtype(given, args.device)).removeprefix("torch.")
+        same = given is None or given == built or (key == "model" and built is not None and _same_folder(given, built))
+        if not same:
+            shown = "None (the embedded default)" if built is None else shlex.quote(str(built))
+            raise InvalidRequestError(
+                f"{flag} {shlex.quote(str(getattr(args, key)))} conflicts with the index at {args.index}, built with "
+                f"{key} {shown}: drop the flag or ingest into a new folder"
+            )
+        setattr(args, key, built)
+
+
+def _same_folder(a: str, b: str) -> bool:
+    """Whether two model names are one local folder, written differently."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.is_dir() and pb.is_dir() and pa.resolve() == pb.resolve()
+
+
 def _info(args: argparse.Namespace) -> None:
     print(json.dumps(_open_index(args).info(), indent=1))
+
+
+def _gc(args: argparse.Namespace) -> None:
+    if args.redis and not args.exclusive:
+        raise InvalidRequestError(
+            "--redis needs --exclusive: a Redis namespace may hold other indexes' entries, which this index would "
+            "take for orphans. Pass --exclusive only if this index alone writes to it"
+        )
+    rag = _open_index(args, read_only=False)
+    done = rag.gc(dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    print(
+        f"{args.index}: {verb} {done['orphan_entries']} orphan KV entries and {done['temp_files']} temporary files "
+        f"from {rag.info()['kv_store']}"
+    )
 
 
 def _ask(args: argparse.Namespace) -> None:
@@ -370,7 +538,7 @@ def _tune(args: argparse.Namespace) -> None:
     if not questions:
         raise InvalidRequestError(f"--limit must be at least 1, got {args.limit}")
     results = run_tune(
-        _open_index(args),
+        _open_index(args, read_only=args.command == "agree"),
         questions,
         args.out,
         configs=configs,
@@ -469,15 +637,23 @@ COMMANDS = {
     "study": _study,
     "ingest": _ingest,
     "info": _info,
+    "gc": _gc,
     "ask": _ask,
     "agree": _tune,
     "tune": _tune,
 }
 
 
+def _redacted(argv: Sequence[str]) -> list[str]:
+    """The command line, each URL in it (`--redis`) with its password replaced by '***'."""
+    from kvrag.store import redact
+
+    return [redact(a) if "://" in a else a for a in argv]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.argv = _redacted(sys.argv[1:] if argv is None else argv)  # recorded in outputs: never a password
     try:
         _run(args)
     except (KVRAGError, OSError) as err:  # a user's mistake or the world's; anything else is a bug: a traceback

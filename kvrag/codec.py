@@ -9,6 +9,7 @@ nothing of where bytes are kept.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 
@@ -38,13 +39,14 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
-def _digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+def _digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str], secret: bytes = b"") -> str:
     """sha256 over every tensor (name, dtype, shape, bytes) and every metadata field but the digest itself.
 
     The header is covered too: a flipped dtype or shape, or a flipped `start`, would otherwise read back as
-    well-formed KV at the wrong place or of the wrong kind.
+    well-formed KV at the wrong place or of the wrong kind. With a `secret` it is an HMAC-SHA256 under it: an
+    entry forged by someone without the secret (another tenant with write access to the store) is a miss.
     """
-    h = hashlib.sha256()
+    h = hmac.new(secret, digestmod=hashlib.sha256) if secret else hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
@@ -53,8 +55,11 @@ def _digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-def encode_entry(chunk: ChunkKV, *, key: str, dtype: str = "float16") -> bytes:
-    """Serialize a chunk's KV for a store; keys and values in `dtype` (int8: with per-channel scales)."""
+def encode_entry(chunk: ChunkKV, *, key: str, dtype: str = "float16", secret: bytes = b"") -> bytes:
+    """Serialize a chunk's KV for a store; keys and values in `dtype` (int8: with per-channel scales).
+
+    `secret` keys the checksum (HMAC-SHA256): only a reader with the same secret accepts the entry.
+    """
     check_storage_dtype(dtype)
     keys, values = chunk.keys.detach().cpu(), chunk.values.detach().cpu()
     if dtype == "int8":
@@ -74,7 +79,7 @@ def encode_entry(chunk: ChunkKV, *, key: str, dtype: str = "float16") -> bytes:
         "start": str(chunk.start),
         "dtype": dtype,
     }
-    metadata[CHECKSUM] = _digest(tensors, metadata)
+    metadata[CHECKSUM] = _digest(tensors, metadata, secret)
     return st_save(tensors, metadata=metadata)
 
 
@@ -90,13 +95,13 @@ def entry_metadata(blob: bytes) -> dict[str, str] | None:
 
 
 def decode_entry(
-    blob: bytes, *, key: str, encoder: str, dtype: torch.dtype, device: torch.device | str
+    blob: bytes, *, key: str, encoder: str, dtype: torch.dtype, device: torch.device | str, secret: bytes = b""
 ) -> ChunkKV | None:
     """The ChunkKV in `blob`, in the model's dtype on its device, or None when it must not be used.
 
     None means: unreadable or truncated bytes, a checksum mismatch (flipped bytes, in the tensors or in the
-    header), or an entry written
-    under another key, model/prefix (`encoder`) or format version.
+    header, or one not keyed with `secret`), or an entry written under another key, model/prefix (`encoder`)
+    or format version.
     """
     meta = entry_metadata(blob)
     if meta is None or meta.get("format") != str(KV_FORMAT_VERSION) or meta.get("key") != key:
@@ -107,7 +112,7 @@ def decode_entry(
         tensors = st_load(blob)
     except Exception:  # safetensors raises its own error types on damaged bytes
         return None
-    if _digest(tensors, meta) != meta.get(CHECKSUM):
+    if not hmac.compare_digest(_digest(tensors, meta, secret), str(meta.get(CHECKSUM, ""))):
         return None
     try:
         if meta["dtype"] == "int8":

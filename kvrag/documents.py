@@ -8,6 +8,9 @@ sentence break when one is near. This module never touches the model or the inde
 from __future__ import annotations
 
 import hashlib
+import math
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
@@ -35,6 +38,9 @@ def _read_text(path: Path) -> str:
         raise DocumentError(f"{path} is not UTF-8 text (byte {err.start}): convert it to UTF-8 first") from err
 
 
+MAX_FILE_BYTES = 64 << 20  # the default cap on one input file (`max_file_bytes`, `kvrag ingest --max-file-mb`)
+
+
 LOADERS: dict[str, Callable[[Path], str]] = {".txt": _read_text, ".md": _read_text, ".rst": _read_text}
 
 
@@ -43,14 +49,41 @@ def register_loader(suffix: str, loader: Callable[[Path], str]) -> None:
     LOADERS[suffix.lower()] = loader
 
 
-def _load_path(path: Path) -> list[Document]:
+def _load_path(path: Path, *, follow_symlinks: bool = False, max_bytes: int = MAX_FILE_BYTES) -> list[Document]:
+    """The documents of a file, or of every readable file under a folder.
+
+    Regular files only (never a FIFO, device or socket, which could hang or never end), each at most
+    `max_bytes`; a symbolic link is refused unless `follow_symlinks`. A document's id is its resolved path,
+    so two spellings of one file are one document.
+    """
+    if path.is_symlink() and not follow_symlinks:
+        raise DocumentError(
+            f"{path} is a symbolic link: kvrag does not follow links unless asked (follow_symlinks=True, "
+            "`kvrag ingest --follow-symlinks`)"
+        )
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in LOADERS)
+        files = []
+        for root, dirs, names in os.walk(path, followlinks=follow_symlinks):
+            dirs.sort()
+            linked = [d for d in dirs if Path(root, d).is_symlink()] if not follow_symlinks else []
+            files += [Path(root, n) for n in sorted(names) if Path(n).suffix.lower() in LOADERS]
+            files += [Path(root, d) for d in linked]  # refused below, by name, rather than skipped unseen
         if not files:
             raise DocumentError(f"{path} holds no file kvrag can read ({', '.join(sorted(LOADERS))})")
-        return [doc for f in files for doc in _load_path(f)]
+        return [doc for f in files for doc in _load_path(f, follow_symlinks=follow_symlinks, max_bytes=max_bytes)]
     if not path.exists():
         raise DocumentError(f"{path} does not exist")
+    try:
+        info = path.stat()
+    except OSError as err:
+        raise DocumentError(f"cannot read {path}: {err.strerror}") from err
+    if not stat.S_ISREG(info.st_mode):
+        raise DocumentError(f"{path} is not a regular file (a FIFO, device or socket): kvrag reads regular files only")
+    if info.st_size > max_bytes:
+        raise DocumentError(
+            f"{path} is {info.st_size / 1e6:.1f} MB, over the {max_bytes / 1e6:.1f} MB limit on one file: split it, "
+            "or raise the limit (max_file_bytes=, `kvrag ingest --max-file-mb`)"
+        )
     loader = LOADERS.get(path.suffix.lower())
     if loader is None:
         raise DocumentError(
@@ -61,34 +94,85 @@ def _load_path(path: Path) -> list[Document]:
         text = loader(path)
     except OSError as err:
         raise DocumentError(f"cannot read {path}: {err.strerror}") from err
-    return [Document(text=text, metadata={"source": str(path)}, id=str(path))]
+    return [Document(text=text, metadata={"source": str(path)}, id=str(path.resolve()))]
 
 
-def to_documents(items: Item | Iterable[Item], metadata: Mapping[str, Any] | None = None) -> list[Document]:
-    """Normalize what `ingest` accepts: a str is text, a Path is a file or folder, a pair is (text, metadata)."""
+def check_metadata(metadata: Any, what: str) -> dict[str, Any]:
+    """Metadata as the index keeps it (in JSON): str keys, each to a JSON scalar (str, finite number, bool,
+    None) or a list of them; a tuple becomes a list. Returns a new dict."""
+    if not isinstance(metadata, Mapping):
+        raise InvalidRequestError(
+            f"{what} is a {type(metadata).__name__}: give a dict of str keys, e.g. {{\"source\": \"a.txt\"}}"
+        )
+    checked: dict[str, Any] = {}
+    for key, value in metadata.items():
+        if not isinstance(key, str):
+            raise InvalidRequestError(
+                f"{what} has the key {key!r}, a {type(key).__name__}: metadata keys must be str (e.g. {str(key)!r})"
+            )
+        check_unicode(key, f"{what}'s key {key!r}")
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise InvalidRequestError(f"{what}[{key!r}] holds {v!r}: metadata numbers must be finite")
+            if not isinstance(v, (str, int, float, bool, type(None))):
+                raise InvalidRequestError(
+                    f"{what}[{key!r}] is {value!r}: a metadata value must be a str, number, bool or None, "
+                    "or a list of them (convert it, e.g. a set to a sorted list)"
+                )
+            if isinstance(v, str):
+                check_unicode(v, f"{what}[{key!r}]")
+        checked[key] = list(value) if isinstance(value, (list, tuple)) else value
+    return checked
+
+
+def to_documents(
+    items: Item | Iterable[Item],
+    metadata: Mapping[str, Any] | None = None,
+    *,
+    follow_symlinks: bool = False,
+    max_file_bytes: int = MAX_FILE_BYTES,
+) -> list[Document]:
+    """Normalize what `ingest` accepts: a str is text, a Path is a file or folder, a pair is (text, metadata).
+
+    Files are regular files of at most `max_file_bytes`; symbolic links are refused unless `follow_symlinks`.
+    """
     single_pair = isinstance(items, tuple) and len(items) == 2 and isinstance(items[1], Mapping)
     if isinstance(items, (str, Path, Document)) or single_pair:
         items = [items]  # type: ignore[list-item]
+    if isinstance(items, (bytes, bytearray, Mapping)) or not isinstance(items, Iterable):
+        raise InvalidRequestError(
+            f"cannot ingest a {type(items).__name__}: give a str text, a pathlib.Path file or folder, a (text, "
+            "metadata) pair, a kvrag.Document, or a list of them"
+        )
+    if metadata is not None:
+        metadata = check_metadata(metadata, "metadata")
     docs: list[Document] = []
     for item in items:  # type: ignore[union-attr]
         if isinstance(item, Document):
-            docs.append(Document(item.text, dict(item.metadata), item.id))
+            if not isinstance(item.id, str):
+                raise InvalidRequestError(f"a Document's id is a {type(item.id).__name__}: give it a str (or '')")
+            check_unicode(item.id, "a Document's id")
+            docs.append(Document(item.text, check_metadata(item.metadata, "a Document's metadata"), item.id))
         elif isinstance(item, Path):
-            docs.extend(_load_path(item))
+            docs.extend(_load_path(item, follow_symlinks=follow_symlinks, max_bytes=max_file_bytes))
         elif isinstance(item, str):
             docs.append(Document(text=item))
         elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Mapping):
-            docs.append(Document(text=item[0], metadata=dict(item[1])))
+            docs.append(Document(text=item[0], metadata=check_metadata(item[1], "a pair's metadata")))
         else:
             raise InvalidRequestError(
                 f"cannot ingest a {type(item).__name__}: give str texts, pathlib.Path files or "
                 "folders, (text, metadata) pairs or kvrag.Document"
             )
+    if not docs:
+        raise EmptyInputError("no documents given: nothing to ingest (pass texts, files or Documents)")
     for doc in docs:
         if not isinstance(doc.text, str):
             raise InvalidRequestError(f"a Document's text is a {type(doc.text).__name__}: give it a str")
         if metadata:
             doc.metadata = {**metadata, **doc.metadata}
+        check_metadata(doc.metadata, "the metadata of " + str(doc.metadata.get("source", "a document")))
         if not doc.text.strip():
             where = doc.metadata.get("source", "a document")
             raise EmptyInputError(f"{where} is empty or whitespace only: nothing to ingest")

@@ -9,6 +9,7 @@ model work stay out of it; the index folder on disk is `kvrag.folder`'s.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -20,9 +21,10 @@ from kvrag.aio import in_thread, to_thread
 from kvrag.answer import Answer, Source, last_answer
 from kvrag.chunks import Chunks, ChunkSource
 from kvrag.defaults import load_default
-from kvrag.documents import Item, split_text, to_documents
+from kvrag.documents import MAX_FILE_BYTES, Item, split_text, to_documents
 from kvrag.embed import Embedder
 from kvrag.errors import (
+    BusyError,
     EmptyInputError,
     IndexLoadError,
     InvalidRequestError,
@@ -77,9 +79,19 @@ class KVRAG:
             starts with a StoreWarning and recomputes chunks until the store answers again.
         executor: what runs the plans (`kvrag.executor`); default the model's in-process one. A serving
             engine's (`vllm_kvrag.executor.VLLMExecutor`) runs them there; retrieval and planning stay here.
+        secret: a tenant secret (bytes or str; 32 random bytes is plenty). Store keys become HMACs under it
+            and stored entries and index files are checksummed with it, so another tenant of the store can
+            neither probe this one's chunks from its namespace label nor forge its KV. The index keeps only a
+            check value: opening it needs the same secret again.
+        read_only: never write: nothing stored, committed, deleted or created (what `kvrag ask` opens).
+        max_in_flight: queries admitted at once (one runs on the model, the rest wait for it); one more
+            raises BusyError at once instead of growing memory without bound.
 
-    Many processes may open one index folder: ingest and delete hold an exclusive lock on it and first
-    take in what another process committed; loading holds a shared lock.
+    With a namespace the store is that namespace's view (`KVStore.scoped`): its own Redis key prefix or
+    disk subfolder, so `info`, `keys()` and `gc` see this tenant's entries only.
+
+    Many processes may open one index folder: ingest and delete encode without the folder's lock, then
+    hold it exclusively to take in what another process committed and commit; loading holds a shared lock.
     """
 
     def __init__(
@@ -97,12 +109,21 @@ class KVRAG:
         require_store: bool = False,
         generation: str | None = None,
         executor: Executor | None = None,
+        secret: bytes | str | None = None,
+        read_only: bool = False,
+        max_in_flight: int = 32,
     ) -> None:
         self.kvmodel = kv
         self.executor = executor or kv.executor  # what runs the plans: in-process by default
         self.embedder = embedder
-        self.store = store
         self.namespace = check_namespace(namespace) if namespace else ""
+        self.secret = check_secret(secret)
+        self.read_only = bool(read_only)
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise InvalidRequestError(f"max_in_flight must be an int of at least 1, got {max_in_flight!r}")
+        self.max_in_flight = max_in_flight
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self.store = store.scoped(self.namespace) if self.namespace else store
         try:
             self.store.check()
         except StoreError as err:
@@ -114,9 +135,11 @@ class KVRAG:
                 StoreWarning,
                 stacklevel=2,
             )
-        self.source = ChunkSource(kv, store, self.namespace)  # chunk KV and the one chunk key (binds the store)
+        self.source = ChunkSource(kv, self.store, self.namespace, self.secret)  # the one chunk key; binds the store
         self.path = Path(path) if path is not None else None
-        self.folder = IndexFolder(self.path) if self.path is not None else None
+        self.folder = (
+            IndexFolder(self.path, read_only=self.read_only, secret=self.secret) if self.path is not None else None
+        )
         dim = int(embedder.embed(["dimension probe"]).shape[1])
         self.index = index or ChunkIndex(dim)
         self.chunk_tokens, self.overlap = chunk_tokens, overlap
@@ -148,13 +171,14 @@ class KVRAG:
         cache_dir: str | Path | None = None,
         namespace: str = "",
         require_store: bool = False,
+        secret: bytes | str | None = None,
     ) -> KVRAG:
         """An engine on the embedded defaults (or the given model and embedder), loading `path` if it holds an index.
 
         The KV store defaults to memory in front of a disk store in `path/kv` (memory only without a path).
-        `namespace` and `require_store` are those of `KVRAG`.
+        `namespace`, `require_store` and `secret` are those of `KVRAG`.
         """
-        if path is not None and (Path(path) / MANIFEST).is_file():
+        if path is not None and IndexFolder(path).exists():
             return cls.load(
                 path,
                 store=store,
@@ -163,12 +187,13 @@ class KVRAG:
                 cache_dir=cache_dir,
                 namespace=namespace or None,
                 require_store=require_store,
+                secret=secret,
             )
         kv = KVModel.from_pretrained(model, dtype=dtype, device=device, cache_dir=cache_dir)
         if store is None:
             store = MemoryStore(memory_bytes)
             if path is not None:
-                store = TieredStore(store, DiskStore(Path(path) / "kv", storage_dtype))
+                store = TieredStore(store, DiskStore(IndexFolder(path).kv_folder(), storage_dtype))
         return cls(
             kv,
             embedder=Embedder(embedder, device=device),
@@ -179,6 +204,7 @@ class KVRAG:
             model_source=model,
             namespace=namespace,
             require_store=require_store,
+            secret=secret,
         )
 
     @classmethod
@@ -192,12 +218,16 @@ class KVRAG:
         cache_dir: str | Path | None = None,
         namespace: str | None = None,
         require_store: bool = False,
+        secret: bytes | str | None = None,
+        read_only: bool = False,
     ) -> KVRAG:
         """Open an index folder written by an engine with a path; the model and embedder are those it was built with.
 
-        The namespace is the one the index was built with; passing another raises IndexLoadError.
+        The namespace is the one the index was built with; passing another raises IndexLoadError, and so does
+        a `secret` other than the one it was built with. `read_only` opens it without writing anything (a
+        chunk recomputed for lack of stored KV is not stored).
         """
-        folder = IndexFolder(path)
+        folder = IndexFolder(path, read_only=read_only, secret=check_secret(secret))
         if not folder.exists():
             raise IndexLoadError(
                 f"no kvrag index at {folder.path}: create one with `kvrag ingest PATH --index {folder.path}`"
@@ -216,9 +246,10 @@ class KVRAG:
                     f"{manifest['weights']}): open it with that model or re-ingest"
                 )
             embedder = Embedder(manifest["embedder"], device=device)
-            index = folder.load_index(manifest)
+            index = folder.load_index(manifest, embed=embedder.embed)
         if store is None:
-            store = TieredStore(MemoryStore(memory_bytes), DiskStore(folder.path / "kv", manifest["storage_dtype"]))
+            disk = DiskStore(folder.kv_folder(), manifest["storage_dtype"], read_only=read_only)
+            store = TieredStore(MemoryStore(memory_bytes), disk)
         return cls(
             kv,
             embedder=embedder,
@@ -231,6 +262,8 @@ class KVRAG:
             namespace=manifest.get("namespace", ""),
             require_store=require_store,
             generation=manifest["index"],
+            secret=secret,
+            read_only=read_only,
         )
 
     def persist(self, path: str | Path | None = None) -> Path:
@@ -240,9 +273,10 @@ class KVRAG:
         over the old one: a process killed at any point leaves the previous index or the new one, whole. A
         write that fails (a full disk) raises StoreError and leaves the index on disk as it was.
         """
-        folder = IndexFolder(path) if path is not None else self.folder
+        folder = IndexFolder(path, secret=self.secret) if path is not None else self.folder
         if folder is None:
             raise InvalidRequestError("this engine has no path: pass persist(path)")
+        self._check_writable("persist")
         with self._lock, folder.lock():
             self._commit(folder)
         return folder.path
@@ -284,8 +318,12 @@ class KVRAG:
                 f"another process wrote an index at {self.path} with another model or namespace: "
                 "ingest into another folder"
             )
-        self.index = self.folder.load_index(manifest)
+        self.index = self.folder.load_index(manifest, embed=self.embedder.embed)
         self._generation = manifest["index"]
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise InvalidRequestError(f"this engine was opened read-only: it cannot {what}; open it without read_only")
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
@@ -315,6 +353,8 @@ class KVRAG:
         split: bool = True,
         progress: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
+        follow_symlinks: bool = False,
+        max_file_bytes: int = MAX_FILE_BYTES,
     ) -> IngestStats:
         """Split, embed and index documents; encode and store each chunk's KV unless it is stored already.
 
@@ -324,26 +364,34 @@ class KVRAG:
             split: False keeps each document as one chunk (caller-given chunks).
             progress: show a tqdm progress bar over chunk encoding.
             on_progress: called with (chunks done, chunks total) after each encoding batch.
+            follow_symlinks: read files and folders reached through symbolic links (refused by default).
+            max_file_bytes: the largest file read (default 64 MiB); a larger one is a DocumentError.
         """
         t0 = time.perf_counter()
-        docs = to_documents(items, metadata)
+        self._check_writable("ingest")
+        docs = to_documents(items, metadata, follow_symlinks=follow_symlinks, max_file_bytes=max_file_bytes)
+        # Encoding takes the model's lock one group at a time and no folder lock: queries in this process and
+        # readers in others go on meanwhile. Only the commit holds the locks.
+        records, chunk_ids = self._chunk_records(docs, split)
+        seen: set[str] = set()
+        stored = [r.key in self.store for r in records]
+        missing = [i for i, r in enumerate(records) if not stored[i] and not (r.key in seen or seen.add(r.key))]
+        encode_s = self._encode_and_store(
+            [records[i] for i in missing],
+            [chunk_ids[i] for i in missing],
+            progress=progress,
+            on_progress=on_progress,
+        )
+        vectors = self.embedder.embed([r.text for r in records])
         with self._writing():
-            records, chunk_ids = self._chunk_records(docs, split)
-            seen: set[str] = set()
-            stored = [r.key in self.store for r in records]
-            missing = [i for i, r in enumerate(records) if not stored[i] and not (r.key in seen or seen.add(r.key))]
-            encode_s = self._encode_and_store(
-                [records[i] for i in missing],
-                [chunk_ids[i] for i in missing],
-                progress=progress,
-                on_progress=on_progress,
-            )
-            vectors = self.embedder.embed([r.text for r in records])
             before = self.index
             self.index = before.copy()
             try:
                 for doc in docs:  # re-ingesting a document replaces its chunks (their KV stays stored)
                     self.index.remove_doc(doc.id)
+                    source = doc.metadata.get("source")
+                    if isinstance(source, str) and source != doc.id and doc.id == _resolved(source):
+                        self.index.remove_doc(source)  # a file indexed before ids were resolved paths
                 self.index.add(records, vectors)
                 if self.folder is not None:
                     self._commit(self.folder)
@@ -421,13 +469,13 @@ class KVRAG:
         `answer(question, chunks=texts)` then loads their KV instead of encoding it.
         """
         t0 = time.perf_counter()
-        with self._lock:
-            ids = [self.kvmodel.chunk_ids(i, t) for i, t in enumerate(texts)]
-            keys = [self.source.key(c) for c in ids]
-            seen: set[str] = set()
-            missing = [i for i, k in enumerate(keys) if k not in self.store and not (k in seen or seen.add(k))]
-            records = [ChunkRecord(id=f"given#{i}", doc_id="", text=texts[i], key=keys[i]) for i in missing]
-            encode_s = self._encode_and_store(records, [ids[i] for i in missing], progress=progress, on_progress=None)
+        self._check_writable("store KV")
+        ids = [self.kvmodel.chunk_ids(i, t) for i, t in enumerate(texts)]
+        keys = [self.source.key(c) for c in ids]
+        seen: set[str] = set()
+        missing = [i for i, k in enumerate(keys) if k not in self.store and not (k in seen or seen.add(k))]
+        records = [ChunkRecord(id=f"given#{i}", doc_id="", text=texts[i], key=keys[i]) for i in missing]
+        encode_s = self._encode_and_store(records, [ids[i] for i in missing], progress=progress, on_progress=None)
         return IngestStats(
             documents=0,
             chunks=len(texts),
@@ -440,6 +488,11 @@ class KVRAG:
 
     def delete(self, doc_id: str) -> int:
         """Remove a document's chunks, vectors and stored KV (unless another chunk shares it); return the count."""
+        if not isinstance(doc_id, str):
+            raise InvalidRequestError(
+                f"doc_id is a {type(doc_id).__name__}: give a document's str id (a Source's id before its '#')"
+            )
+        self._check_writable("delete")
         with self._writing():
             before = self.index
             self.index = before.copy()
@@ -472,7 +525,9 @@ class KVRAG:
         `bm25=True` fuses the dense ranking with BM25's by reciprocal rank (`hybrid` is its deprecated name).
         """
         bm25 = _bm25_flag(bm25, hybrid)
-        if not isinstance(question, str) or not question.strip():
+        if not isinstance(question, str):
+            raise InvalidRequestError(f"the question is a {type(question).__name__}: give a str")
+        if not question.strip():
             raise EmptyInputError("the question is empty or whitespace only: ask something")
         check_top_k(top_k)
         check_unicode(question, "the question")
@@ -505,11 +560,25 @@ class KVRAG:
         """
         t0 = started_at if started_at is not None else time.perf_counter()
         request = Request.of(question, **options)  # checked before any retrieval work
-        sources = self.retrieve(question, top_k=top_k, filters=filters, bm25=_bm25_flag(bm25, hybrid))
-        if not sources:
-            raise NoMatchError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
-        request.with_chunks([s.text for s in sources], [s.score for s in sources])
-        yield from self._answer(request, sources, t0, time.perf_counter() - t0, phases)
+        with self._admitted():
+            sources = self.retrieve(question, top_k=top_k, filters=filters, bm25=_bm25_flag(bm25, hybrid))
+            if not sources:
+                raise NoMatchError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
+            request.with_chunks([s.text for s in sources], [s.score for s in sources])
+            yield from self._answer(request, sources, t0, time.perf_counter() - t0, phases)
+
+    @contextlib.contextmanager
+    def _admitted(self) -> Iterator[None]:
+        """One of the `max_in_flight` query slots, or BusyError at once when every slot is taken."""
+        if not self._slots.acquire(blocking=False):
+            raise BusyError(
+                f"{self.max_in_flight} queries are already in flight, this engine's bound (max_in_flight): retry "
+                "when one ends, or open the engine with a larger max_in_flight"
+            )
+        try:
+            yield
+        finally:
+            self._slots.release()
 
     def _answer(
         self,
@@ -554,6 +623,11 @@ class KVRAG:
         metadata are kept; `retrieve_s` is the seconds it took, reported in the stats).
         """
         t0 = started_at if started_at is not None else time.perf_counter()
+        if isinstance(chunks, (str, bytes, bytearray, Mapping)) or not isinstance(chunks, Iterable):
+            raise InvalidRequestError(
+                f"chunks is a {type(chunks).__name__}: give a list of chunk texts (or of Sources from retrieve)"
+            )
+        chunks = list(chunks)
         if not chunks:
             raise EmptyInputError("no chunks given: pass at least one chunk text")
         retrieved = all(isinstance(c, Source) for c in chunks)
@@ -561,12 +635,13 @@ class KVRAG:
         if retrieved and scores is None:
             scores = [c.score for c in chunks]
         request = Request.of(question, texts, scores=scores, **options)
-        given = self.source.chunks(request.chunks)  # tokenized once: the keys here, the KV in the pipeline
-        if retrieved:
-            sources = [replace(c, metadata=dict(c.metadata)) for c in chunks]
-        else:
-            sources = self._sources_of(request, given)
-        yield from self._answer(request, sources, t0, retrieve_s, phases, given)
+        with self._admitted():
+            given = self.source.chunks(request.chunks)  # tokenized once: the keys here, the KV in the pipeline
+            if retrieved:
+                sources = [replace(c, metadata=dict(c.metadata)) for c in chunks]
+            else:
+                sources = self._sources_of(request, given)
+            yield from self._answer(request, sources, t0, retrieve_s, phases, given)
 
     def _sources_of(self, request: Request, given: Chunks) -> list[Source]:
         """Sources for caller-given texts: the indexed chunk's id and metadata where the text is indexed."""
@@ -609,16 +684,43 @@ class KVRAG:
         """`answer` in a worker thread."""
         return await to_thread(self.answer, question, chunks, **kwargs)
 
+    def gc(self, *, dry_run: bool = False) -> dict[str, int]:
+        """Delete the store's entries that no indexed chunk refers to (a killed ingest's, a deleted document's
+        when another chunk shared nothing) and dead writers' temporary files; return what was (or, with
+        `dry_run`, would be) removed.
+
+        The store is this engine's namespace's view. Entries that `store_kv` wrote for another framework's
+        chunks are not indexed either: they go too (re-encoded on their next use). Run it only on a store no
+        other index writes to (the index folder's own `kv/`, or a namespace this index alone uses).
+        """
+        self._check_writable("collect garbage")
+        with self._writing():
+            live = {r.key for r in self.index.records.values()}
+            orphans = [k for k in self.store.keys() if k not in live]
+            if not dry_run:
+                for key in orphans:
+                    self.store.delete(key)
+            temp = 0
+            for disk in _disk_stores(self.store):
+                temp += disk.sweep(older_than_s=disk.STALE_TMP_S) if not dry_run else 0
+        return {"orphan_entries": len(orphans), "temp_files": temp}
+
     def info(self) -> dict[str, Any]:
-        """Counts, bytes and the model fingerprint."""
+        """Counts, bytes and the model fingerprint; the store's entries, and how many are orphans (no indexed
+        chunk refers to them: `gc` removes them) or missing (indexed, not stored: recomputed when read)."""
         with self._lock:
+            live = {r.key for r in self.index.records.values()}
+            stored = set(self.store.keys())
             return {
                 "path": str(self.path) if self.path else None,
                 "documents": len(self.index.docs()),
                 "chunks": len(self.index),
                 "tokens": sum(r.n_tokens for r in self.index.records.values()),
-                "kv_entries": len(self.store),
+                "kv_store": describe_store(self.store),
+                "kv_entries": len(stored),
                 "kv_bytes": self.store.nbytes,
+                "kv_orphans": len(stored - live),
+                "kv_missing": len(live - stored),
                 "model": asdict(self.kvmodel.fingerprint),
                 "fingerprint": self.kvmodel.fingerprint.digest,
                 "embedder": self.embedder.source,
@@ -632,5 +734,47 @@ def _bm25_flag(bm25: bool, hybrid: bool | None) -> bool:
     """The retrieval flag, from its deprecated name when that is given."""
     if hybrid is not None:
         warnings.warn("the retrieval flag hybrid= is renamed bm25=", DeprecationWarning, stacklevel=3)
-        return bool(hybrid)
-    return bool(bm25)
+        bm25 = hybrid
+    if not isinstance(bm25, bool):
+        raise InvalidRequestError(f"bm25 must be True or False, got {bm25!r}")
+    return bm25
+
+
+def check_secret(secret: bytes | str | None) -> bytes:
+    """A tenant secret as bytes (b"" for none): at least 16 bytes, e.g. `openssl rand -hex 32`."""
+    if secret is None:
+        return b""
+    if isinstance(secret, str):
+        secret = secret.encode("utf-8", "surrogatepass")
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
+        raise InvalidRequestError(
+            "a tenant secret must be bytes or str of at least 16 bytes (e.g. the output of `openssl rand -hex 32`), "
+            f"got {type(secret).__name__}"
+            + (f" of {len(secret)} bytes" if isinstance(secret, (bytes, bytearray)) else "")
+        )
+    return bytes(secret)
+
+
+def _disk_stores(store: KVStore) -> list[DiskStore]:
+    if isinstance(store, TieredStore):
+        return _disk_stores(store.front) + _disk_stores(store.back)
+    return [store] if isinstance(store, DiskStore) else []
+
+
+def describe_store(store: KVStore) -> str:
+    """Where a store keeps entries, in one line without credentials (for `info` and the manifest)."""
+    if isinstance(store, TieredStore):
+        return f"{describe_store(store.front)} in front of {describe_store(store.back)}"
+    if isinstance(store, DiskStore):
+        return f"disk {store.root}"
+    url = getattr(store, "url", None)
+    if url is not None:
+        return f"redis {url} under {getattr(store, 'prefix', '')}*"
+    return "memory" if "Memory" in type(store).__name__ else type(store).__name__
+
+
+def _resolved(path: str) -> str:
+    try:
+        return str(Path(path).resolve())
+    except (OSError, RuntimeError, ValueError):
+        return ""

@@ -48,3 +48,7 @@ class DocumentError(KVRAGError, ValueError):
 
 class IndexLoadError(KVRAGError):
     """An index folder is missing, damaged, or was built with another model or embedder."""
+
+
+class BusyError(KVRAGError):
+    """The engine already has its bound of queries in flight (`max_in_flight`); retry later or raise the bound."""

@@ -42,10 +42,12 @@ class Sampling:
         _check_number("top_p", self.top_p)
         if self.seed is not None:
             _check_number("seed", self.seed, integer=True)
+            if not 0 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+                raise InvalidRequestError(f"seed must be an int in 0..2**64 - 1, got {self.seed}")
         if self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise InvalidRequestError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
 

@@ -14,7 +14,7 @@ import re
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -216,29 +216,73 @@ class ChunkIndex:
     @classmethod
     def load(cls, folder: Path, dim: int, generation: str = "") -> ChunkIndex:
         """Read what `save` wrote (only safetensors and JSON); raise ValueError or OSError when it is damaged."""
-        from safetensors.numpy import load as np_load
+        vectors, chunks = index_files(generation)
+        return cls.from_bytes(dim, (folder / vectors).read_bytes(), (folder / chunks).read_bytes())
 
+    @classmethod
+    def from_bytes(
+        cls,
+        dim: int,
+        vectors_blob: bytes | None,
+        chunks_blob: bytes,
+        embed: Callable[[list[str]], np.ndarray] | None = None,
+    ) -> ChunkIndex:
+        """The index in a saved vectors file and records file; raise ValueError when either is damaged.
+
+        `vectors_blob` None (known damaged) or unreadable, with `embed` given: the vectors are rebuilt by
+        embedding the records' texts, so a damaged vectors file costs an embedding pass, never the index.
+        """
         index = cls(dim)
-        blob = (folder / _name("vectors", generation, ".safetensors")).read_bytes()
         try:
-            tensors = np_load(blob)
-        except Exception as err:  # safetensors raises its own error type on damaged bytes
-            raise ValueError(f"the vectors file is not readable safetensors ({err})") from None
-        vectors, rows = tensors["vectors"], tensors["rows"]
-        if vectors.ndim != 2 or vectors.shape[1] != dim or rows.shape != (vectors.shape[0],):
-            raise ValueError(f"vectors of shape {vectors.shape} for {rows.shape} rows and dimension {dim}")
-        with (folder / _name("chunks", generation, ".jsonl")).open(encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    record = ChunkRecord(**json.loads(line))
-                    index.records[record.id] = record
-                    index.by_row[record.row] = record.id
-        if sorted(index.by_row) != sorted(rows.tolist()):
-            raise ValueError(f"index at {folder} holds {len(rows)} vectors for {len(index.records)} chunks")
+            lines = chunks_blob.decode("utf-8").splitlines()
+            records = [ChunkRecord(**json.loads(line)) for line in lines if line.strip()]
+        except (UnicodeDecodeError, ValueError, TypeError) as err:
+            raise ValueError(f"the chunks file is not kvrag's chunk records ({err})") from None
+        for record in records:
+            index.records[record.id] = record
+            index.by_row[record.row] = record.id
+        if len(index.by_row) != len(records) or len(index.records) != len(records):
+            raise ValueError("the chunks file repeats a chunk id or a row")
+        rows = np.array(sorted(index.by_row), dtype=np.int64)
+        vectors = None
+        if vectors_blob is not None:
+            try:
+                vectors = _vectors_in(vectors_blob, dim, rows)
+            except ValueError:
+                if embed is None:
+                    raise
+        if vectors is None:
+            if embed is None:
+                raise ValueError("the vectors file is damaged")
+            texts = [index.records[index.by_row[int(r)]].text for r in rows]
+            vectors = np.asarray(embed(texts), dtype=np.float32).reshape(len(rows), dim)
         if len(rows):
             index.vectors.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), rows)
         index.next_row = max(index.by_row, default=-1) + 1
         return index
+
+
+def _vectors_in(blob: bytes, dim: int, rows: np.ndarray) -> np.ndarray:
+    """The [rows, dim] vectors of a saved vectors file, in the order of `rows` (sorted); ValueError if damaged."""
+    from safetensors.numpy import load as np_load
+
+    try:
+        tensors = np_load(blob)
+        vectors, stored_rows = tensors["vectors"], tensors["rows"]
+    except Exception as err:  # safetensors raises its own error type on damaged bytes
+        raise ValueError(f"the vectors file is not readable safetensors ({err})") from None
+    if vectors.ndim != 2 or vectors.shape[1] != dim or stored_rows.shape != (vectors.shape[0],):
+        raise ValueError(f"vectors of shape {vectors.shape} for {stored_rows.shape} rows and dimension {dim}")
+    if sorted(stored_rows.tolist()) != rows.tolist():
+        raise ValueError(f"the vectors file holds {len(stored_rows)} vectors for {len(rows)} chunks")
+    if not np.isfinite(vectors).all():
+        raise ValueError("the vectors file holds values that are not finite")
+    return vectors[np.argsort(stored_rows, kind="stable")]
+
+
+def index_files(generation: str) -> tuple[str, str]:
+    """The vectors file's and the records file's names of an index generation."""
+    return _name("vectors", generation, ".safetensors"), _name("chunks", generation, ".jsonl")
 
 
 def _name(stem: str, generation: str, suffix: str) -> str:

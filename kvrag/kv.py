@@ -7,6 +7,7 @@ repeat_kv), keys post-RoPE at the position the chunk was encoded at. Nothing her
 from __future__ import annotations
 
 import hashlib
+import hmac
 from dataclasses import dataclass
 from typing import NewType, Sequence
 
@@ -62,13 +63,22 @@ def encoder_id(model_digest: str, prefix_ids: Sequence[int]) -> str:
     return h.hexdigest()
 
 
-def chunk_key(model_digest: str, prefix_ids: Sequence[int], chunk_ids: Sequence[int], *, salt: str = "") -> ChunkKey:
+def chunk_key(
+    model_digest: str,
+    prefix_ids: Sequence[int],
+    chunk_ids: Sequence[int],
+    *,
+    salt: str = "",
+    secret: bytes = b"",
+) -> ChunkKey:
     """The store key of a chunk's KV: format version, model fingerprint, prefix ids and chunk ids, chained.
 
     A cache made by another model, dtype, template or format version hashes differently and is a miss.
-    `salt` separates namespaces (a tenant, an approximate-KV plan) that must never share entries.
+    `salt` separates namespaces (a tenant, an approximate-KV plan) that must never share entries. With a
+    `secret` the key is an HMAC-SHA256 under it: whoever lacks the secret cannot compute a tenant's keys
+    (knowing its namespace label and a guessed text is not enough to probe for them).
     """
-    h = hashlib.sha256()
+    h = hmac.new(secret, digestmod=hashlib.sha256) if secret else hashlib.sha256()
     for part in (f"kvrag-kv/{KV_FORMAT_VERSION}", model_digest, salt):
         h.update(part.encode())
         h.update(b"\x00")

@@ -168,10 +168,11 @@ class KVModel:
                 self.model, self.chunk_prefix, ids, batch_tokens=self.batch_tokens, encoder=self.encoder_id
             )
 
-    def chunk_key(self, chunk: ChunkKV | Sequence[int], *, namespace: str = "") -> ChunkKey:
-        """The store key of a chunk under this model, dtype, chunk prefix and `namespace` (the one key function)."""
+    def chunk_key(self, chunk: ChunkKV | Sequence[int], *, namespace: str = "", secret: bytes = b"") -> ChunkKey:
+        """The store key of a chunk under this model, dtype, chunk prefix, `namespace` and `secret` (the one key
+        function)."""
         ids = chunk.token_ids.tolist() if isinstance(chunk, ChunkKV) else list(chunk)
-        return chunk_key(self.fingerprint.digest, self.chunk_prefix_ids, ids, salt=namespace)
+        return chunk_key(self.fingerprint.digest, self.chunk_prefix_ids, ids, salt=namespace, secret=secret)
 
     # -- answering --------------------------------------------------------------------------------------
 

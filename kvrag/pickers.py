@@ -87,5 +87,5 @@ PICKERS: dict[str, Picker] = {
 def get_picker(name: str) -> Picker:
     try:
         return PICKERS[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable name (a list)
         raise InvalidRequestError(f"unknown picker '{name}': use one of {', '.join(sorted(PICKERS))}") from None

@@ -21,6 +21,7 @@ from kvrag.planner import Decision, make_plan
 from kvrag.probe import Probe
 from kvrag.recompute import Prefill
 from kvrag.request import Request
+from kvrag.strategies import get_strategy
 from kvrag.timing import Phases, phase
 
 if TYPE_CHECKING:
@@ -92,6 +93,9 @@ def prefill(
     request.with_default(shipped_default(kvmodel.fingerprint.weights))
     suffix = kvmodel.layout.suffix_ids(request.question)
     check_fits(kvmodel, chunks, suffix, room)
+    if get_strategy(str(request.strategy)).reads_kv:
+        with phase(phases, "store load"):  # outside the lock: a slow store holds up this request only
+            chunks.prefetch()
     with kvmodel.lock:
         with phase(phases, "plan"):  # a picker or strategy that measures reads chunk KV here
             measure = probe.of(kvmodel, chunks, suffix, request.question)

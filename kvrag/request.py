@@ -71,7 +71,7 @@ class Request:
 
     def with_chunks(self, chunks: Sequence[str | ChunkKV], scores: Sequence[float] | None = None) -> Request:
         """This request over `chunks` (with their scores), checked against them."""
-        self.chunks, self.scores = list(chunks), list(scores) if scores is not None else self.scores
+        self.chunks, self.scores = list(chunks), scores if scores is not None else self.scores  # type: ignore[assignment]
         self._check_chunks()
         return self
 
@@ -130,11 +130,21 @@ def check_options(**options: Any) -> dict[str, Any]:
 
 def check_scores(scores: Sequence[Any], n: int) -> list[float]:
     """One finite score a chunk, as floats."""
+    if isinstance(scores, (str, bytes, bytearray, Mapping)):
+        raise InvalidRequestError(f"scores is a {type(scores).__name__}: give a list of numbers, one a chunk")
+    try:
+        scores = list(scores)
+    except TypeError:
+        raise InvalidRequestError(
+            f"scores is a {type(scores).__name__}: give a list of numbers, one a chunk"
+        ) from None
     if len(scores) != n:
         raise InvalidRequestError(f"scores has {len(scores)} entries for {n} chunks: give one score a chunk")
     try:
+        if any(isinstance(s, (str, bytes, bytearray)) for s in scores):
+            raise TypeError  # float("0.5") would read it: a text score is a caller's mistake
         values = [float(s) for s in scores]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise InvalidRequestError(f"scores must be numbers, got {list(scores)}") from None
     if not all(math.isfinite(s) for s in values):
         raise InvalidRequestError(f"scores must be finite numbers, got {values}")
@@ -143,7 +153,7 @@ def check_scores(scores: Sequence[Any], n: int) -> list[float]:
 
 def check_budget(budget: Any) -> float:
     """A budget as a float in (0, 1]."""
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not 0 < float(budget) <= 1:
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not 0 < budget <= 1:
         raise InvalidRequestError(f"budget must be a fraction of context tokens in (0, 1], got {budget!r}")
     return float(budget)
 

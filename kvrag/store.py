@@ -7,6 +7,7 @@ and never decide what to recompute.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import tempfile
@@ -16,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import quote, unquote
 
 import torch
 
@@ -43,17 +45,88 @@ def check_namespace(namespace: str) -> str:
     return namespace
 
 
+# Query parameters whose values are credentials (redis-py reads `password` from the query, for one).
+_SECRET_PARAMS = frozenset(
+    {"password", "pass", "passwd", "pwd", "auth", "secret", "token", "access_token", "apikey", "api_key"}
+)
+# A query parameter has begun: '?' or '&', a name, '='. An '@' after one is in the query, not the userinfo's end.
+_QUERY_STARTED = re.compile(r"[?&][A-Za-z0-9_.~%+-]*=")
+
+
+def _split_url(url: str) -> tuple[str, str | None, str]:
+    """`url` as (the scheme and '//', the userinfo or None, the rest: host, path, query).
+
+    The userinfo ends at the netloc's last '@', and an unencoded password may hold '/', '?', '#' or '@'
+    (which `urllib.parse.urlsplit` would take for the netloc's end): the '@' that ends it is the last one
+    not inside a query parameter.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    head = scheme + sep
+    at = -1
+    for i, ch in enumerate(rest):
+        if ch == "@" and not _QUERY_STARTED.search(rest, 0, i):
+            at = i
+    if at < 0:
+        return head, None, rest
+    return head, rest[:at], rest[at + 1 :]
+
+
+def _url_secrets(url: str) -> list[str]:
+    """The credentials in `url` (its password, its credential query values), as written and decoded."""
+    _, userinfo, rest = _split_url(url)
+    found = []
+    if userinfo is not None and ":" in userinfo:
+        found.append(userinfo.partition(":")[2])
+    _, q, query = rest.partition("?")
+    for part in re.split(r"[&;]", query) if q else ():
+        name, eq, value = part.partition("=")
+        if eq and unquote(name).lower() in _SECRET_PARAMS:
+            found.append(value)
+    return [s for secret in found if secret for s in {secret, unquote(secret), unquote(secret.replace("+", " "))}]
+
+
 def redact(url: str) -> str:
-    """A URL with its password replaced by '***', for messages and logs."""
-    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
+    """A URL with its password and credential query values (password=, auth=, ...) replaced by '***'.
+
+    The username, host, path and other parameters stay as written, for messages and logs.
+    """
+    head, userinfo, rest = _split_url(url)
+    if userinfo is not None:
+        user, colon, _ = userinfo.partition(":")
+        rest = f"{user}{':***' if colon else ''}@{rest}"
+    where, q, query = rest.partition("?")
+    if q:
+        parts = re.split(r"([&;])", query)
+        for i in range(0, len(parts), 2):
+            name, eq, _ = parts[i].partition("=")
+            if eq and unquote(name).lower() in _SECRET_PARAMS:
+                parts[i] = f"{name}=***"
+        rest = f"{where}?{''.join(parts)}"
+    return head + rest
+
+
+def _encode_userinfo(url: str) -> str:
+    """`url` with '/', '?', '#', '@', '[' and ']' in its username and password percent-encoded (redis-py decodes
+    them), so that a password holding them reaches the server instead of breaking the URL's parse."""
+    head, userinfo, rest = _split_url(url)
+    if userinfo is None or not re.search(r"[/?#@\[\]]", userinfo):
+        return url
+    user, colon, password = userinfo.partition(":")
+    safe = "!$&'()*+,;=~-._%"
+    return f"{head}{quote(user, safe=safe)}{colon}{quote(password, safe=safe + ':')}@{rest}"
 
 
 class KVStore(ABC):
     """Chunk key -> ChunkKV. `get` returns None on a miss, including an entry that cannot be trusted.
 
     Every store counts its `hits` and `misses`. `encoder`, `dtype` and `device` say what a serialized
-    entry must have been written for and what it is read back as; `bind` sets them from a model.
+    entry must have been written for and what it is read back as; `bind` sets them from a model. `secret`
+    (bytes, set by `bind`) keys the checksums of serialized entries.
     """
+
+    read_only = False  # opened to read: `put` keeps nothing durable (a memory front still fills)
 
     def __init__(self) -> None:
         self.hits = 0
@@ -61,10 +134,22 @@ class KVStore(ABC):
         self.encoder = ""
         self.dtype = torch.float32
         self.device: torch.device | str = "cpu"
+        self.secret = b""
 
-    def bind(self, *, encoder: str, dtype: torch.dtype, device: torch.device | str) -> None:
+    def bind(
+        self, *, encoder: str, dtype: torch.dtype, device: torch.device | str, secret: bytes | None = None
+    ) -> None:
         """Serve entries for this model and prefix only, read back in this dtype on this device."""
         self.encoder, self.dtype, self.device = encoder, dtype, device
+        if secret is not None:
+            self.secret = secret
+
+    def scoped(self, namespace: str) -> KVStore:
+        """This store's view of one namespace: its own key prefix (Redis), subfolder (disk) or key space
+        (memory), so `keys()`, `len` and `nbytes` count that namespace's entries only. A store that cannot
+        scope (a custom subclass that does not override this) returns itself: its keys are still salted
+        by the namespace, but its listing shows every namespace's."""
+        return self
 
     def check(self) -> None:
         """Raise StoreError now if the store cannot be reached (a server that is down)."""
@@ -155,28 +240,97 @@ class MemoryStore(KVStore):
 
     def keys(self) -> Iterator[str]:
         with self._lock:  # a copy: another thread may put or evict while the caller iterates
-            return iter(list(self._items))
+            return iter([k for k in self._items if _HEX_KEY.fullmatch(k)])  # not a namespace's ('ns/key')
 
     @property
     def nbytes(self) -> int:
         return self._bytes
 
+    def scoped(self, namespace: str) -> KVStore:
+        return _MemoryScope(self, check_namespace(namespace))
+
+
+class _MemoryScope(KVStore):
+    """One namespace's entries of a shared MemoryStore (one byte bound for all), under keys 'namespace/key'."""
+
+    def __init__(self, parent: MemoryStore, namespace: str) -> None:
+        super().__init__()
+        self.parent, self.prefix = parent, f"{namespace}/"
+
+    def bind(
+        self, *, encoder: str, dtype: torch.dtype, device: torch.device | str, secret: bytes | None = None
+    ) -> None:
+        super().bind(encoder=encoder, dtype=dtype, device=device, secret=secret)
+        self.parent.bind(encoder=encoder, dtype=dtype, device=device, secret=secret)
+
+    def _get(self, key: str) -> ChunkKV | None:
+        return self.parent._get(self.prefix + key)
+
+    def put(self, key: str, kv: ChunkKV) -> None:
+        self.parent.put(self.prefix + key, kv)
+
+    def delete(self, key: str) -> None:
+        self.parent.delete(self.prefix + key)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.prefix + key in self.parent
+
+    def keys(self) -> Iterator[str]:
+        n = len(self.prefix)
+        return iter([k[n:] for k in self.parent.keys() if k.startswith(self.prefix)])
+
+    @property
+    def nbytes(self) -> int:
+        with self.parent._lock:
+            return sum(kv.nbytes for k, kv in self.parent._items.items() if k.startswith(self.prefix))
+
 
 class _SerializedStore(KVStore):
-    """A store of codec entries (bytes); subclasses say where the bytes live."""
+    """A store of codec entries (bytes); subclasses say where the bytes live.
+
+    A circuit breaker guards reads and writes: after a failure to reach it (a timeout, a refused connection:
+    `_unreachable`) the store answers StoreError at once for `retry_after_s` seconds instead of waiting
+    again, so a hung server costs one query its timeout, not every query.
+    """
+
+    retry_after_s = 5.0
 
     def __init__(self, storage_dtype: str = "float16") -> None:
         super().__init__()
         self.storage_dtype = check_storage_dtype(storage_dtype)
+        self._down_until = 0.0
+        self._failure = ""
+        self.read_only = False
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        left = self._down_until - time.monotonic()
+        if left > 0:
+            raise StoreError(
+                f"skipped: it could not be reached a moment ago ({self._failure}); retried in {left:.1f} s"
+            )
+        try:
+            return fn(*args)
+        except StoreError as err:
+            if self._unreachable(err):
+                self._failure, self._down_until = str(err), time.monotonic() + self.retry_after_s
+            raise
+
+    def _unreachable(self, err: StoreError) -> bool:
+        """Whether a failure means the store cannot be reached (worth not waiting on again for a while)."""
+        return False
 
     def _get(self, key: str) -> ChunkKV | None:
-        blob = self._read(key)
+        blob = self._guarded(self._read, key)
         if blob is None:
             return None
-        return decode_entry(blob, key=key, encoder=self.encoder, dtype=self.dtype, device=self.device)
+        return decode_entry(
+            blob, key=key, encoder=self.encoder, dtype=self.dtype, device=self.device, secret=self.secret
+        )
 
     def put(self, key: str, kv: ChunkKV) -> None:
-        self._write(key, encode_entry(kv, key=key, dtype=self.storage_dtype))
+        if self.read_only:
+            return  # opened to read (`kvrag ask`, `kvrag info`): a recomputed chunk is not written back
+        self._guarded(self._write, key, encode_entry(kv, key=key, dtype=self.storage_dtype, secret=self.secret))
 
     def as_stored(self, kv: ChunkKV) -> ChunkKV:
         back = decode_entry(
@@ -200,49 +354,80 @@ class DiskStore(_SerializedStore):
     """One safetensors file an entry under `root`, written to a temporary name and renamed into place.
 
     Concurrent writers of one key each rename a complete file, so a reader never sees half an entry; a
-    full disk raises StoreError and leaves every stored entry as it was.
+    full disk raises StoreError and leaves every stored entry as it was. Nothing under `root` is reached
+    through a symbolic link: a linked bucket folder or entry is refused (StoreError), never followed.
+    `read_only` opens an existing folder without creating, sweeping or writing anything.
     """
 
     SUFFIX = ".kv.safetensors"
-    STALE_TMP_S = 3600.0  # a temporary file this old belongs to a writer that died (a live one renames in ms)
+    STALE_TMP_S = 60.0  # a temporary file this old belongs to a writer that died (a live one renames in ms)
 
-    def __init__(self, root: str | Path, storage_dtype: str = "float16") -> None:
+    def __init__(self, root: str | Path, storage_dtype: str = "float16", *, read_only: bool = False) -> None:
         super().__init__(storage_dtype)
         self.root = Path(root)
+        self.read_only = read_only
+        if read_only:
+            return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise StoreError(f"cannot create the KV store folder {self.root}: {err.strerror}") from err
-        self._sweep()
+        self.sweep()
 
-    def _sweep(self) -> None:
-        """Remove temporary files left by writers that were killed before their rename (never a live writer's)."""
-        now = time.time()
+    def scoped(self, namespace: str) -> KVStore:
+        scoped = DiskStore(self.root / f"ns-{check_namespace(namespace)}", self.storage_dtype, read_only=self.read_only)
+        scoped.retry_after_s = self.retry_after_s
+        return scoped
+
+    def sweep(self, *, older_than_s: float | None = None) -> int:
+        """Remove temporary files left by writers killed before their rename (older than `older_than_s`,
+        default STALE_TMP_S: never a live writer's); return how many."""
+        now, age, removed = time.time(), self.STALE_TMP_S if older_than_s is None else older_than_s, 0
         for tmp in self.root.glob("*/.*.tmp"):
             try:
-                if now - tmp.stat().st_mtime > self.STALE_TMP_S:
+                if not tmp.is_symlink() and now - tmp.lstat().st_mtime > age:
                     tmp.unlink()
+                    removed += 1
             except OSError:
                 pass
+        return removed
 
     def _path(self, key: str) -> Path:
         if not key or not all(c in "0123456789abcdef" for c in key):
             raise StoreError(f"invalid store key {key!r}: keys are hex digests from kvrag.chunk_key")
-        return self.root / key[:2] / f"{key}{self.SUFFIX}"
+        path = self.root / key[:2] / f"{key}{self.SUFFIX}"
+        if path.parent.is_symlink():
+            raise StoreError(
+                f"{path.parent} is a symbolic link: kvrag never follows links inside a KV store folder; "
+                "remove it (its entries are recomputed)"
+            )
+        return path
 
     def _read(self, key: str) -> bytes | None:
+        path = self._path(key)
         try:
-            return self._path(key).read_bytes()
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         except FileNotFoundError:
             return None
         except OSError as err:
-            raise StoreError(f"cannot read {self._path(key)}: {err.strerror}") from err
+            if path.is_symlink():
+                raise StoreError(
+                    f"{path} is a symbolic link: kvrag never follows links inside a KV store folder; remove it"
+                ) from None
+            raise StoreError(f"cannot read {path}: {err.strerror}") from err
+        with os.fdopen(fd, "rb") as f:
+            try:
+                return f.read()
+            except OSError as err:  # a folder at an entry's name
+                raise StoreError(f"cannot read {path}: {err.strerror}") from err
 
     def _write(self, key: str, blob: bytes) -> None:
         path = self._path(key)
         tmp_name = None
         try:
             path.parent.mkdir(exist_ok=True)
+            if path.parent.is_symlink():  # made a link since _path looked: never write through it
+                raise StoreError(f"{path.parent} is a symbolic link: kvrag never writes through one; remove it")
             fd, tmp_name = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=path.parent)
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
@@ -263,21 +448,38 @@ class DiskStore(_SerializedStore):
                     pass
 
     def delete(self, key: str) -> None:
+        if self.read_only:
+            raise StoreError(f"the KV store {self.root} is open read-only: nothing can be deleted")
         try:
-            self._path(key).unlink()
+            self._path(key).unlink()  # unlinks a link itself, never its target
         except FileNotFoundError:
             pass
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self._path(key).is_file()
+        if not isinstance(key, str):
+            return False
+        path = self._path(key)
+        return not path.is_symlink() and path.is_file()
+
+    def _entries(self) -> Iterator[Path]:
+        for path in self.root.glob(f"[0-9a-f][0-9a-f]/*{self.SUFFIX}"):
+            if _HEX_KEY.fullmatch(path.name[: -len(self.SUFFIX)]) and not path.is_symlink():
+                if not path.parent.is_symlink():
+                    yield path
 
     def keys(self) -> Iterator[str]:
-        for path in self.root.glob(f"*/*{self.SUFFIX}"):
+        for path in self._entries():
             yield path.name[: -len(self.SUFFIX)]
 
     @property
     def nbytes(self) -> int:
-        return sum(p.stat().st_size for p in self.root.glob(f"*/*{self.SUFFIX}"))
+        total = 0
+        for path in self._entries():
+            try:
+                total += path.lstat().st_size
+            except OSError:
+                pass
+        return total
 
 
 class RedisStore(_SerializedStore):
@@ -292,7 +494,10 @@ class RedisStore(_SerializedStore):
         ssl: connect over TLS, verifying the server's certificate (a redis:// URL becomes rediss://).
         ssl_ca_certs: the CA bundle that signed the server's certificate.
         ssl_certfile, ssl_keyfile: a client certificate and key, for servers that require one.
-        socket_timeout: seconds before a connect, read or write counts as a failure.
+        socket_timeout: seconds before a connect, read or write counts as a failure; after one, the store is
+            skipped (a miss, the chunk recomputed) for `retry_after_s` seconds instead of waited on again.
+        retry_after_s: how long the circuit breaker stays open after a timeout or refused connection.
+        read_only: never write or delete (what `kvrag ask` and `kvrag info` open).
     """
 
     def __init__(
@@ -308,10 +513,13 @@ class RedisStore(_SerializedStore):
         ssl_certfile: str | None = None,
         ssl_keyfile: str | None = None,
         socket_timeout: float = 5.0,
+        retry_after_s: float = 5.0,
+        read_only: bool = False,
     ) -> None:
         super().__init__(storage_dtype)
         import redis
 
+        self.read_only, self.retry_after_s = read_only, float(retry_after_s)
         self._redis = redis
         check_namespace(namespace)
         kwargs: dict[str, Any] = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
@@ -330,19 +538,45 @@ class RedisStore(_SerializedStore):
                 if value:
                     kwargs[name] = value
         self.url = redact(url)
+        # What redis-py's own errors could echo: the URL, its password, the password given apart.
+        secrets = {*_url_secrets(url), *_url_secrets(_encode_userinfo(url)), *([password] if password else [])}
+        self._secrets = sorted(secrets, key=len, reverse=True)
+        self._raw_url = url
         try:
-            self.client = client or redis.Redis.from_url(url, **kwargs)
+            self.client = client or redis.Redis.from_url(_encode_userinfo(url), **kwargs)
         except ValueError as err:
-            raise StoreError(f"invalid Redis URL {self.url}: {err}") from None
+            raise StoreError(f"invalid Redis URL {self.url}: {self._scrub(err)}") from None
+        self.namespace = namespace
         self.prefix = f"kvrag:{namespace}:"
+
+    def scoped(self, namespace: str) -> KVStore:
+        """A tenant's view: keys under `kvrag:<store namespace>:<tenant>:` (the pattern a Redis ACL user of
+        that tenant is limited to, see docs/reliability.md), on the same connection pool."""
+        scoped = copy.copy(self)
+        scoped.prefix = f"{self.prefix}{check_namespace(namespace)}:"
+        scoped.hits = scoped.misses = 0
+        scoped._down_until, scoped._failure = 0.0, ""
+        return scoped
+
+    def _scrub(self, err: BaseException) -> str:
+        """An error's text with the URL redacted and every credential in it replaced by '***'."""
+        text = str(err).replace(self._raw_url, self.url)
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
         except self._redis.exceptions.RedisError as err:
             raise StoreError(
-                f"Redis at {self.url} failed to {what}: {err}. Start the server or check the URL and credentials."
+                f"Redis at {self.url} failed to {what}: {self._scrub(err).rstrip('.')}. Start the server or check "
+                "the URL and credentials."
             ) from err
+
+    def _unreachable(self, err: StoreError) -> bool:
+        errors = self._redis.exceptions
+        return isinstance(err.__cause__, (errors.ConnectionError, errors.TimeoutError))
 
     def ping(self) -> None:
         self._call("answer a ping", self.client.ping)
@@ -357,10 +591,14 @@ class RedisStore(_SerializedStore):
         self._call("write an entry", self.client.set, self.prefix + key, blob)
 
     def delete(self, key: str) -> None:
+        if self.read_only:
+            raise StoreError(f"the Redis store at {self.url} is open read-only: nothing can be deleted")
         self._call("delete an entry", self.client.delete, self.prefix + key)
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and bool(self._call("check an entry", self.client.exists, self.prefix + key))
+        if not isinstance(key, str):
+            return False
+        return bool(self._guarded(self._call, "check an entry", self.client.exists, self.prefix + key))
 
     def keys(self) -> Iterator[str]:
         for raw in self._call("list entries", lambda: list(self.client.scan_iter(match=self.prefix + "*"))):
@@ -380,10 +618,19 @@ class TieredStore(KVStore):
         super().__init__()
         self.front, self.back = front, back
 
-    def bind(self, *, encoder: str, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().bind(encoder=encoder, dtype=dtype, device=device)
-        self.front.bind(encoder=encoder, dtype=dtype, device=device)
-        self.back.bind(encoder=encoder, dtype=dtype, device=device)
+    def bind(
+        self, *, encoder: str, dtype: torch.dtype, device: torch.device | str, secret: bytes | None = None
+    ) -> None:
+        super().bind(encoder=encoder, dtype=dtype, device=device, secret=secret)
+        self.front.bind(encoder=encoder, dtype=dtype, device=device, secret=secret)
+        self.back.bind(encoder=encoder, dtype=dtype, device=device, secret=secret)
+
+    def scoped(self, namespace: str) -> KVStore:
+        return TieredStore(self.front.scoped(namespace), self.back.scoped(namespace))
+
+    @property
+    def read_only(self) -> bool:
+        return bool(getattr(self.back, "read_only", False))
 
     def check(self) -> None:
         self.front.check()

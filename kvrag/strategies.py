@@ -67,6 +67,7 @@ class Strategy:
     description: str  # one line, shown in errors and the CLI
     picker: str | None = None  # a picker this strategy always uses (attention_select), else the caller's
     budgeted: bool = True  # whether its plan depends on the budget (run non-strict); studies run it at each budget
+    reads_kv: bool = True  # whether its plans reuse stored chunk KV (a full prefill's never do)
 
 
 STRATEGIES: dict[str, Strategy] = {}
@@ -82,6 +83,7 @@ def register_strategy(
     description: str = "",
     picker: str | None = None,
     budgeted: bool = True,
+    reads_kv: bool = True,
 ) -> Callable[[Callable[[PlanRequest], Plan]], Callable[[PlanRequest], Plan]]:
     """Register a plan builder under `name` (replacing any earlier one of that name).
 
@@ -94,7 +96,7 @@ def register_strategy(
 
     def add(build: Callable[[PlanRequest], Plan]) -> Callable[[PlanRequest], Plan]:
         STRATEGIES[name] = Strategy(
-            name, build, needs_target, description or (build.__doc__ or "").strip(), picker, budgeted
+            name, build, needs_target, description or (build.__doc__ or "").strip(), picker, budgeted, reads_kv
         )
         return build
 
@@ -105,7 +107,7 @@ def get_strategy(name: str) -> Strategy:
     """The registered strategy `name`, or an error listing what is accepted."""
     try:
         return STRATEGIES[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable name (a list)
         raise InvalidRequestError(f"unknown strategy '{name}': use one of {', '.join(sorted(STRATEGIES))}") from None
 
 
@@ -177,7 +179,9 @@ def _target_tokens(request: PlanRequest) -> torch.Tensor:
 # -- the strategies of the study --------------------------------------------------------------------------
 
 
-@register_strategy("full_prefill", budgeted=False, description="the reference: every token computed, nothing reused")
+@register_strategy(
+    "full_prefill", budgeted=False, reads_kv=False, description="the reference: every token computed, nothing reused"
+)
 def _full_prefill(request: PlanRequest) -> Plan:
     return Plan(order=given_order(request), full_prefill=True)
 
@@ -393,6 +397,7 @@ def _top_k_full_prefill(request: PlanRequest, k: int) -> Plan:
 @register_strategy(
     "full_prefill_top1",
     budgeted=False,
+    reads_kv=False,
     description="baseline: full prefill over the best-scored chunk alone, nothing reused",
 )
 def _full_prefill_top1(request: PlanRequest) -> Plan:
@@ -402,6 +407,7 @@ def _full_prefill_top1(request: PlanRequest) -> Plan:
 @register_strategy(
     "full_prefill_top3",
     budgeted=False,
+    reads_kv=False,
     description="baseline: full prefill over the three best-scored chunks (in the given order), nothing reused",
 )
 def _full_prefill_top3(request: PlanRequest) -> Plan:

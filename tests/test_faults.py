@@ -300,7 +300,9 @@ def test_redis_down_at_start_answers_by_recomputing_and_uses_redis_once_it_is_up
     with pytest.warns(StoreWarning, match="unreachable at start"):
         rag = KVRAG.load(
             tmp_path / "index",
-            store=TieredStore(MemoryStore(), RedisStore(f"redis://127.0.0.1:{port}/0", socket_timeout=0.5)),
+            store=TieredStore(
+                MemoryStore(), RedisStore(f"redis://127.0.0.1:{port}/0", socket_timeout=0.5, retry_after_s=0.0)
+            ),
         )
     with pytest.warns(StoreWarning, match="recomputing the chunk"):
         down = rag.query(Q, **GEN)

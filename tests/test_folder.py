@@ -18,11 +18,27 @@ def an_index(n: int) -> ChunkIndex:
     return index
 
 
+# what an engine's commit records (kvrag.engine.KVRAG._commit)
+FIELDS = {
+    "dim": 2,
+    "model": "m",
+    "dtype": "float32",
+    "fingerprint": "f",
+    "architecture": "a",
+    "weights": "w",
+    "embedder": "e",
+    "chunk_tokens": 200,
+    "overlap": 20,
+    "storage_dtype": "float16",
+    "namespace": "",
+}
+
+
 def test_a_commit_names_its_generation_and_keeps_only_it(tmp_path):
     folder = IndexFolder(tmp_path)
     assert not folder.exists()
-    first = folder.commit(an_index(1), {"dim": 2, "model": "m"})
-    second = folder.commit(an_index(3), {"dim": 2, "model": "m"})
+    first = folder.commit(an_index(1), FIELDS)
+    second = folder.commit(an_index(3), FIELDS)
     manifest = folder.manifest()
     assert manifest["index"] == second != first and manifest["format"] == INDEX_FORMAT and manifest["model"] == "m"
     assert len(folder.load_index(manifest)) == 3

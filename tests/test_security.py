@@ -17,6 +17,7 @@ from kvrag import KVModel
 from kvrag.cli import main
 from kvrag.engine import KVRAG
 from kvrag.errors import IndexLoadError, InvalidRequestError, StoreError
+from kvrag.folder import IndexWarning
 from kvrag.store import DiskStore, MemoryStore, RedisStore, TieredStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +85,12 @@ def test_a_pickle_planted_in_the_index_folder_is_refused_not_loaded(tmp_path):
     marker = tmp_path / "unpickled"
     vectors = next((tmp_path / "index" / "index").glob("vectors-*.safetensors"))
     vectors.write_bytes(pickles(marker)["pickle"])
-    with pytest.raises(IndexLoadError, match="damaged"):
+    with pytest.warns(IndexWarning, match="damaged; rebuilt by embedding the 5 stored chunk texts"):
+        rag = KVRAG.load(tmp_path / "index", store=MemoryStore())  # never unpickled: re-embedded instead
+    assert not marker.exists() and len(rag.index) == 5
+    chunks = next((tmp_path / "index" / "index").glob("chunks-*.jsonl"))
+    chunks.write_bytes(pickles(marker)["pickle"])
+    with pytest.raises(IndexLoadError, match="does not match the checksum"):
         KVRAG.load(tmp_path / "index", store=MemoryStore())
     assert not marker.exists()
 
