@@ -6,6 +6,7 @@ Nothing here knows what it runs; the engine's `a*` methods and the adapters' asy
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -17,26 +18,51 @@ async def to_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 async def in_thread(make: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
-    """Run a blocking iterator in a worker thread; its items arrive on the event loop as they come."""
+    """Run a blocking iterator in a worker thread; its items arrive on the event loop as they come.
+
+    Closing the async iterator early (a `break`, `aclose()`, a cancelled task) stops the worker after the item
+    it is producing and closes the blocking iterator, so its forwards end and its resources are released.
+    """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()
     done = object()
+    stop = threading.Event()
+
+    def hand(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed: nobody is waiting any more
+            stop.set()
 
     def run() -> None:
+        items: Any = None
         try:
-            for item in make():
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+            items = make()
+            for item in items:
+                if stop.is_set():
+                    break
+                hand(item)
+                if stop.is_set():
+                    break
         except BaseException as err:  # handed to the awaiting side
-            loop.call_soon_threadsafe(queue.put_nowait, err)
+            hand(err)
         finally:
-            loop.call_soon_threadsafe(queue.put_nowait, done)
+            try:
+                close = getattr(items, "close", None)
+                if close is not None:
+                    close()  # a generator's finally runs here, in its own thread
+            finally:
+                hand(done)
 
     worker = loop.run_in_executor(None, run)
-    while True:
-        item = await queue.get()
-        if item is done:
-            break
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    try:
+        while True:
+            item = await queue.get()
+            if item is done:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
     await worker

@@ -277,7 +277,8 @@ class _MemoryScope(KVStore):
 
     def keys(self) -> Iterator[str]:
         n = len(self.prefix)
-        return iter([k[n:] for k in self.parent.keys() if k.startswith(self.prefix)])
+        with self.parent._lock:
+            return iter([k[n:] for k in self.parent._items if k.startswith(self.prefix)])
 
     @property
     def nbytes(self) -> int:
