@@ -438,7 +438,15 @@ def _same_folder(a: str, b: str) -> bool:
 
 
 def _info(args: argparse.Namespace) -> None:
-    print(json.dumps(_open_index(args).info(), indent=1))
+    info = _open_index(args).info()
+    print(json.dumps(info, indent=1))
+    ingested = info.get("kv_store_at_ingest") or ""
+    if ingested.startswith("memory in front of redis") and not args.redis:
+        print(
+            f"kvrag: the KV of this index was stored in {ingested.split(' in front of ')[1]}: pass --redis URL to "
+            "count those entries (the counts above are of the index folder's own kv/)",
+            file=sys.stderr,
+        )
 
 
 def _gc(args: argparse.Namespace) -> None:

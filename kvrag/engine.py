@@ -178,6 +178,9 @@ class KVRAG:
         The KV store defaults to memory in front of a disk store in `path/kv` (memory only without a path).
         `namespace`, `require_store` and `secret` are those of `KVRAG`.
         """
+        check_secret(secret)  # a bad secret or namespace is refused before the model loads or a folder is made
+        if namespace:
+            check_namespace(namespace)
         if path is not None and IndexFolder(path).exists():
             return cls.load(
                 path,
@@ -298,6 +301,7 @@ class KVRAG:
                 "overlap": self.overlap,
                 "storage_dtype": getattr(getattr(self.store, "back", self.store), "storage_dtype", "float16"),
                 "namespace": self.namespace,
+                "kv_store": describe_store(self.store),  # where the KV went (`info` shows it beside the store opened)
             },
         )
         if self.path is not None and folder.path.resolve() == self.path.resolve():
@@ -684,6 +688,12 @@ class KVRAG:
         """`answer` in a worker thread."""
         return await to_thread(self.answer, question, chunks, **kwargs)
 
+    def _ingested_into(self) -> str | None:
+        """The store the committed index was last ingested into, as its manifest records it."""
+        if self.folder is None or not self.folder.exists():
+            return None
+        return self.folder.manifest().get("kv_store")
+
     def gc(self, *, dry_run: bool = False) -> dict[str, int]:
         """Delete the store's entries that no indexed chunk refers to (a killed ingest's, a deleted document's
         when another chunk shared nothing) and dead writers' temporary files; return what was (or, with
@@ -717,6 +727,7 @@ class KVRAG:
                 "chunks": len(self.index),
                 "tokens": sum(r.n_tokens for r in self.index.records.values()),
                 "kv_store": describe_store(self.store),
+                "kv_store_at_ingest": self._ingested_into(),
                 "kv_entries": len(stored),
                 "kv_bytes": self.store.nbytes,
                 "kv_orphans": len(stored - live),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tiny import FACTS, HashEmbedder, byte_tokenizer, tiny_model
@@ -43,9 +44,19 @@ def engine() -> KVRAG:
     return KVRAG(KVModel(tiny_model("llama"), byte_tokenizer()), embedder=HashEmbedder(), store=MemoryStore())
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's matmuls gain nothing from threads, and thousands of small runs on a busy machine's
+    threads each wait for a core: one thread keeps the file's time steady. Restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def rag() -> KVRAG:
-    """The engine that is queried: FACTS only, never changed by the tests."""
+    """The engine that is queried: its index holds FACTS only, never changed by the tests."""
     rag = engine()
     rag.ingest(FACTS, progress=False)
     return rag
