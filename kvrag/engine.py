@@ -364,7 +364,8 @@ class KVRAG:
 
         Args:
             items: texts (str), files or folders (pathlib.Path), (text, metadata) pairs or Documents.
-            metadata: merged into every document's metadata.
+            metadata: merged into every document's metadata. Metadata keys are str, values a str, finite number,
+                bool or None or a list of them (what JSON keeps as it was); anything else raises InvalidRequestError.
             split: False keeps each document as one chunk (caller-given chunks).
             progress: show a tqdm progress bar over chunk encoding.
             on_progress: called with (chunks done, chunks total) after each encoding batch.

@@ -71,7 +71,9 @@ class Request:
 
     def with_chunks(self, chunks: Sequence[str | ChunkKV], scores: Sequence[float] | None = None) -> Request:
         """This request over `chunks` (with their scores), checked against them."""
-        self.chunks, self.scores = list(chunks), scores if scores is not None else self.scores  # type: ignore[assignment]
+        self.chunks = list(chunks)
+        if scores is not None:
+            self.scores = scores  # type: ignore[assignment]  # checked (and made floats) by _check_chunks
         self._check_chunks()
         return self
 
