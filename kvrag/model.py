@@ -293,10 +293,18 @@ def load_pretrained(
             "the embedded default."
         ) from err
     check_architecture(config)
-    kwargs: dict[str, Any] = {"dtype": dtype}
+    # safetensors only: weights in a format that can run code when read (.bin, .pt) are refused, never loaded
+    kwargs: dict[str, Any] = {"dtype": dtype, "use_safetensors": True}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(source, **kwargs).to(device).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs).to(device).eval()
+    except (OSError, ValueError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        raise ModelNotFoundError(
+            f"could not load the weights of model '{source}' ({first}): kvrag reads safetensors weights only; "
+            "convert others with transformers' `save_pretrained` (it writes model.safetensors)"
+        ) from err
     tokenizer = AutoTokenizer.from_pretrained(source)
     return model, tokenizer, weights_id(model, cache_dir)
 

@@ -642,3 +642,26 @@ def test_3f_a_manifest_with_a_missing_or_mistyped_field_is_one_line(world, golde
     with pytest.raises(IndexLoadError, match="damaged"):
         KVRAG.load(idx)
     world.check()
+
+
+# -- 4. a model folder whose weights can run code when read -------------------------------------------------
+
+
+def test_a_model_folder_with_pickled_weights_is_refused_in_one_line_and_never_unpickled(tmp_path, capsys):
+    import pickle
+
+    class Planted:
+        def __reduce__(self):
+            return (Path.touch, (tmp_path / "unpickled",))
+
+    model = save_tiny(tmp_path / "model")
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()
+    (model / "pytorch_model.bin").write_bytes(pickle.dumps({"model.embed_tokens.weight": Planted()}))
+    note = tmp_path / "note.txt"
+    note.write_text(FACTS[0][0])
+    capsys.readouterr()  # save_tiny's progress bars
+    assert main(["ingest", str(note), "--index", str(tmp_path / "idx"), "--model", str(model), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "safetensors weights only" in err[0], err
+    assert not (tmp_path / "unpickled").exists()
