@@ -128,7 +128,7 @@ def test_arguments_checked_where_it_is_built(kvmodel):
         KVRAGLLM("HuggingFaceTB/SmolLM2-135M-Instruct")
     with pytest.raises(InvalidRequestError, match="max_new_tokens must be at least 1"):
         KVRAGLLM(kvmodel, max_new_tokens=0)
-    with pytest.raises(InvalidRequestError, match="temperature must be >= 0"):
+    with pytest.raises(InvalidRequestError, match="temperature must be a finite number >= 0"):
         KVRAGLLM(kvmodel, temperature=-1)
     with pytest.raises(InvalidRequestError, match="top_p must be in"):
         KVRAGLLM(kvmodel, top_p=2.0)
