@@ -58,8 +58,6 @@ def hung_store_benchmark(
 
         warm_query()
         alone = [warm_query() for _ in range(runs)]
-        for text in cold:  # these must come from Redis
-            rag.store.front.delete(rag.source.key(kv.chunk_ids(0, text)))
         os.kill(proc.pid, signal.SIGSTOP)
         hung: dict[str, float] = {}
 
@@ -72,6 +70,8 @@ def hung_store_benchmark(
 
         during = []
         for _ in range(runs):  # each run: a fresh cold query waiting on the hung server, the warm one beside it
+            for text in cold:  # these must come from Redis (the last run's recompute put them in memory)
+                rag.store.front.delete(rag.source.key(kv.chunk_ids(0, text)))
             rag.store.back._down_until = 0.0  # the breaker closed again: this cold query waits its timeout
             worker = threading.Thread(target=cold_query)
             worker.start()
