@@ -8,9 +8,10 @@ encoded (and stored). It never plans and never runs a prefill.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from kvrag.encode import encode_chunks
 from kvrag.errors import StoreError
@@ -99,15 +100,26 @@ class ChunkSource:
                 self.store.put(keys[i], kv)  # type: ignore[union-attr]
             del kvs
 
-    def keep(self, key: str, kv: ChunkKV) -> ChunkKV:
-        """Store freshly encoded KV; return it as a later load would (the same answer either way)."""
+    def keep(self, key: str, kv: ChunkKV, *, later: list[tuple[str, ChunkKV]] | None = None) -> ChunkKV:
+        """Store freshly encoded KV; return it as a later load would (the same answer either way).
+
+        With `later`, the write is appended there instead, for the caller to `put` once it has let go of
+        the model's lock (`Chunks.flush`): a slow store then holds up no other request.
+        """
         if self.store is None:
             return kv
+        if later is not None:
+            later.append((key, kv))
+        else:
+            self.put(key, kv)
+        return self.store.as_stored(kv)
+
+    def put(self, key: str, kv: ChunkKV) -> None:
+        """Write a chunk's KV; a store that fails is a warning (the answer never needed it)."""
         try:
-            self.store.put(key, kv)
+            self.store.put(key, kv)  # type: ignore[union-attr]
         except StoreError as err:
             warnings.warn(f"kvrag: could not store a chunk's KV ({err}); answering anyway", StoreWarning, 4)
-        return self.store.as_stored(kv)
 
 
 class Chunks:
@@ -128,6 +140,7 @@ class Chunks:
         self._tried = [False] * len(self.given)  # the store was asked (a miss is not asked again)
         self._hit = [False] * len(self.given)  # the KV came from the store
         self._used: set[int] = set()  # chunks whose KV a plan or a picker read
+        self._writes: list[tuple[str, ChunkKV]] | None = None  # encoded KV to store after the lock (`deferring`)
         self.encoded = 0
         self.encode_s = self.load_s = 0.0
 
@@ -159,6 +172,18 @@ class Chunks:
         if missing:
             self._fetch(missing)
         return [self._kv[i] for i in wanted]  # type: ignore[misc]
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """Within it, KV encoded for a miss is stored when it ends, not as it is encoded: a caller holding the
+        model's lock inside it writes nothing to a slow store while other requests wait for the model."""
+        self._writes = []
+        try:
+            yield
+        finally:
+            writes, self._writes = self._writes, None
+            for key, kv in writes:
+                self.source.put(key, kv)
 
     def prefetch(self) -> None:
         """Read every chunk's stored KV now, encoding nothing: called before the model's lock is taken, so a
@@ -196,7 +221,7 @@ class Chunks:
         self.encode_s += time.perf_counter() - t0
         self.encoded += len(fresh)
         for i, kv in zip(fresh, encoded):
-            self._kv[i] = source.keep(keys[i], kv) if i in keys else kv
+            self._kv[i] = source.keep(keys[i], kv, later=self._writes) if i in keys else kv
 
 
 def _groups(lengths: Sequence[int], tokens: int) -> list[list[int]]:

@@ -96,7 +96,7 @@ def prefill(
     if get_strategy(str(request.strategy)).reads_kv:
         with phase(phases, "store load"):  # outside the lock: a slow store holds up this request only
             chunks.prefetch()
-    with kvmodel.lock:
+    with chunks.deferring(), kvmodel.lock:  # misses encoded under the lock are stored once it is released
         with phase(phases, "plan"):  # a picker or strategy that measures reads chunk KV here
             measure = probe.of(kvmodel, chunks, suffix, request.question)
             decision = plan(kvmodel, request, chunks, measure)

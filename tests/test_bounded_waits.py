@@ -77,6 +77,34 @@ def test_a_hung_redis_costs_queries_served_from_memory_nothing(kv):
         server.stop()
 
 
+class SlowWrites(MemoryStore):
+    """A back store whose writes take `seconds` (a congested server): reads are instant."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def put(self, key, kv):
+        time.sleep(self.seconds)
+        super().put(key, kv)
+
+
+def test_a_slow_store_write_holds_up_no_other_query(kv):
+    rag = KVRAG(kv, embedder=HashEmbedder(), store=TieredStore(MemoryStore(), SlowWrites(0.0)))
+    rag.ingest(FACTS[:2], progress=False)
+    in_memory = ("Who runs Velloria's harbour?", [FACTS[0][0], FACTS[1][0]])
+    baseline = min(_timed(lambda: rag.answer(*in_memory, **GEN)) for _ in range(3))
+    rag.store.back.seconds = 2.0
+    worker = threading.Thread(target=lambda: rag.answer("A new chunk?", ["A chunk never stored before."], **GEN))
+    worker.start()
+    time.sleep(0.3)  # the worker has encoded its chunk and is writing it
+    during = _timed(lambda: rag.answer(*in_memory, **GEN))
+    alive = worker.is_alive()
+    worker.join()
+    assert alive and during < baseline + 1.0, (during, baseline)  # before: it waited for the write, 2 s
+    assert rag.source.key(kv.chunk_ids(0, "A chunk never stored before.")) in rag.store
+
+
 def _timed(fn):
     t0 = time.perf_counter()
     fn()
