@@ -123,3 +123,22 @@ def test_the_engine_retrieves_and_plans_here_and_answers_through_vllm(kv, execut
         got = there.query(Q, strategy=strategy, top_k=3, max_new_tokens=12)
         assert got.token_ids == want.token_ids and got.stats.order == want.stats.order
         assert [s.id for s in got.sources] == [s.id for s in want.sources] and got.stats.chunks_encoded == 0
+
+
+def test_a_tenant_executor_and_its_connector_share_one_view_of_the_store(kv, tmp_path):
+    """The executor writes into its tenant's view (as the engine does); the connector configured with that
+    `tenant` and `secret_file` reads it there, and a connector without the secret finds nothing usable."""
+    from kvrag.store import DiskStore
+    from vllm_kvrag.connector import open_store
+    from vllm_kvrag.executor import PlannedRequests
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"t" * 32 + b"\n")
+    planned = PlannedRequests(kv, DiskStore(tmp_path / "kv"), "tenant-a", b"t" * 32)
+    assert planned.prefix_key in planned.store and list(DiskStore(tmp_path / "kv").keys()) == []
+    assert len(list((tmp_path / "kv" / "ns-tenant-a").rglob("*.kv.safetensors"))) == 1
+    extra = {"store": "disk", "path": str(tmp_path / "kv"), "tenant": "tenant-a"}
+    for config, found in (({**extra, "secret_file": str(secret)}, True), (extra, False)):
+        view = open_store(config)
+        view.bind(encoder=kv.encoder_id, dtype=torch.float32, device="cpu")
+        assert (view.get(planned.prefix_key) is not None) is found

@@ -11,12 +11,15 @@ anything: kvrag's exact entries are kvrag's to write. An entry that has gone or 
 is read is reported as a load error, and vLLM recomputes those tokens (`kv_load_failure_policy="recompute"`).
 
 Configuration (`KVTransferConfig.kv_connector_extra_config`): `store` ("disk" or "redis"), `path` (disk),
-`url` and `namespace` (redis), `storage_dtype` (as the entries were written, default float16).
+`url` and `namespace` (redis), `storage_dtype` (as the entries were written, default float16), and for a
+tenant: `tenant` (the engine's namespace: the connector reads that tenant's view of the store, as the
+engine writes it) and `secret_file` (a file holding the tenant secret its entries are checksummed with).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -72,10 +75,19 @@ def open_store(extra: dict[str, Any]) -> KVStore:
     if kind == "disk":
         if not extra.get("path"):
             raise KVRAGError("the kvrag connector's store is 'disk': give kv_connector_extra_config['path']")
-        return DiskStore(extra["path"], storage)
-    if kind == "redis":
-        return RedisStore(extra["url"], namespace=extra.get("namespace", "kvrag"), storage_dtype=storage)
-    raise KVRAGError(f"the kvrag connector's store must be 'disk' or 'redis', got {kind!r}")
+        store: KVStore = DiskStore(extra["path"], storage, read_only=True)
+    elif kind == "redis":
+        store = RedisStore(extra["url"], namespace=extra.get("namespace", "kvrag"), storage_dtype=storage, read_only=True)
+    else:
+        raise KVRAGError(f"the kvrag connector's store must be 'disk' or 'redis', got {kind!r}")
+    if extra.get("tenant"):
+        store = store.scoped(str(extra["tenant"]))
+    if extra.get("secret_file"):
+        try:
+            store.secret = Path(extra["secret_file"]).read_bytes().strip()
+        except OSError as err:
+            raise KVRAGError(f"the kvrag connector cannot read its secret_file {extra['secret_file']}: {err.strerror}")
+    return store
 
 
 class KVRAGConnector(KVConnectorBase_V1):

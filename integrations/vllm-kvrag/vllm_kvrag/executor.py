@@ -48,10 +48,12 @@ class VLLMPrefill:
 class PlannedRequests:
     """What both vLLM executors share: a job becomes a prompt and a transfer plan, its entries in the store."""
 
-    def __init__(self, kvmodel: KVModel, store: KVStore, namespace: str = "") -> None:
+    def __init__(self, kvmodel: KVModel, store: KVStore, namespace: str = "", secret: bytes = b"") -> None:
+        # a tenant's view of the store, as its engine and the connector (extra config `tenant`) see it
+        store = store.scoped(namespace) if namespace else store
         self.kvmodel, self.store = kvmodel, store
         self.last_prefill: VLLMPrefill | None = None
-        self.source = ChunkSource(kvmodel, store, namespace)  # binds the store to kvmodel's encoder
+        self.source = ChunkSource(kvmodel, store, namespace, secret)  # binds the store to kvmodel's encoder
         prefix = kvmodel.prefix
         self.prefix_key = chunk_key(kvmodel.fingerprint.digest, [], kvmodel.layout.prefix_ids, salt="prefix")
         if self.prefix_key not in store:
@@ -95,12 +97,23 @@ class VLLMExecutor(PlannedRequests):
         kvmodel: the kvrag model whose chunk KV is stored (the same weights vLLM serves).
         llm: the vLLM engine, made with `kv_transfer_config=connector_config(...)`.
         store: the store the connector reads (a DiskStore or RedisStore, the engine's own when shared).
-        namespace: the engine's namespace (it enters every chunk's key).
+        namespace: the engine's namespace (it enters every chunk's key, and the store is that tenant's view:
+            give the connector the same `tenant` in its extra config).
+        secret: the engine's tenant secret (the connector's `secret_file` holds the same).
         logprobs: keep the first token's top-k log-probabilities on each prefill (comparisons).
     """
 
-    def __init__(self, kvmodel: KVModel, llm: Any, store: KVStore, namespace: str = "", *, logprobs: int = 0) -> None:
-        super().__init__(kvmodel, store, namespace)
+    def __init__(
+        self,
+        kvmodel: KVModel,
+        llm: Any,
+        store: KVStore,
+        namespace: str = "",
+        *,
+        secret: bytes = b"",
+        logprobs: int = 0,
+    ) -> None:
+        super().__init__(kvmodel, store, namespace, secret)
         self.llm, self.logprobs = llm, logprobs
 
     def decode(self, prefill: VLLMPrefill, sampling: Sampling) -> Iterator[int]:  # type: ignore[override]

@@ -42,10 +42,11 @@ class VLLMServerExecutor(PlannedRequests):
         *,
         model: str | None = None,
         timeout: float = 600.0,
+        secret: bytes = b"",
     ) -> None:
         import httpx
 
-        super().__init__(kvmodel, store, namespace)
+        super().__init__(kvmodel, store, namespace, secret)
         self.base_url, self.timeout = base_url.rstrip("/"), timeout
         self.client = httpx.Client(timeout=timeout)
         self.model = model or self._served_model()
