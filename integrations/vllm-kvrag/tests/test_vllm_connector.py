@@ -138,6 +138,10 @@ def test_a_tenant_executor_and_its_connector_share_one_view_of_the_store(kv, tmp
     assert planned.prefix_key in planned.store and list(DiskStore(tmp_path / "kv").keys()) == []
     assert len(list((tmp_path / "kv" / "ns-tenant-a").rglob("*.kv.safetensors"))) == 1
     extra = {"store": "disk", "path": str(tmp_path / "kv"), "tenant": "tenant-a"}
+    salts = {
+        PlannedRequests(kv, DiskStore(tmp_path / "kv"), ns, b"t" * 32 if ns else b"").tenant_salt for ns in ("a", "b")
+    }
+    assert len(salts) == 2 and PlannedRequests(kv, DiskStore(tmp_path / "kv")).tenant_salt is None
     for config, found in (({**extra, "secret_file": str(secret)}, True), (extra, False)):
         view = open_store(config)
         view.bind(encoder=kv.encoder_id, dtype=torch.float32, device="cpu")

@@ -77,7 +77,9 @@ def open_store(extra: dict[str, Any]) -> KVStore:
             raise KVRAGError("the kvrag connector's store is 'disk': give kv_connector_extra_config['path']")
         store: KVStore = DiskStore(extra["path"], storage, read_only=True)
     elif kind == "redis":
-        store = RedisStore(extra["url"], namespace=extra.get("namespace", "kvrag"), storage_dtype=storage, read_only=True)
+        store = RedisStore(
+            extra["url"], namespace=extra.get("namespace", "kvrag"), storage_dtype=storage, read_only=True
+        )
     else:
         raise KVRAGError(f"the kvrag connector's store must be 'disk' or 'redis', got {kind!r}")
     if extra.get("tenant"):

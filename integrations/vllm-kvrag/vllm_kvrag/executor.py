@@ -78,6 +78,16 @@ class PlannedRequests:
         loaded = min(plan.reused, len(ids) - 1)  # the connector leaves the last prompt token to compute
         return VLLMPrefill(ids, plan, len(ids), job.context_tokens - max(0, loaded - len(kv.prefix)))
 
+    @property
+    def tenant_salt(self) -> str | None:
+        """vLLM's `cache_salt` for a tenant's exact prompts (none for the shared namespace): tenants never share
+        a cached block, so vLLM's prefix cache carries no timing channel between them. Derived with the
+        tenant's key function, so it is unguessable under a secret. (A planned prompt's salt is its plan's,
+        whose keys are the tenant's already.)"""
+        if not self.source.namespace and not self.source.secret:
+            return None
+        return "kvrag-tenant-" + self.source.key([])[:32]
+
     # -- entries ----------------------------------------------------------------------------------------
 
     def _entry(self, ids: list[int], chunk: ChunkKV) -> str:
@@ -131,6 +141,8 @@ class VLLMExecutor(PlannedRequests):
         prompt: dict[str, Any] = {"prompt_token_ids": prefill.prompt_ids}
         if prefill.plan is not None:
             prompt["cache_salt"] = prefill.plan.salt  # approximate KV never meets an exact prompt's blocks
+        elif self.tenant_salt:
+            prompt["cache_salt"] = self.tenant_salt
         engine = self.llm.llm_engine
         engine.add_request(prefill.request_id, prompt, params)
         sent = 0

@@ -77,6 +77,8 @@ class VLLMServerExecutor(PlannedRequests):
         if prefill.plan is not None:
             body["kv_transfer_params"] = prefill.plan.to_params()
             body["cache_salt"] = prefill.plan.salt
+        elif self.tenant_salt:
+            body["cache_salt"] = self.tenant_salt
         with self.client.stream("POST", f"{self.base_url}/v1/completions", json=body) as response:
             if response.status_code != 200:
                 response.read()
