@@ -34,9 +34,16 @@ class ChunkSource:
     """
 
     def __init__(
-        self, kvmodel: KVModel, store: KVStore | None = None, namespace: str = "", secret: bytes = b""
+        self,
+        kvmodel: KVModel,
+        store: KVStore | None = None,
+        namespace: str = "",
+        secret: bytes = b"",
+        *,
+        read_only: bool = False,
     ) -> None:
         self.kvmodel, self.store, self.namespace, self.secret = kvmodel, store, namespace, secret
+        self.read_only = read_only  # recomputed chunks are never written (an engine opened read-only)
         if store is not None:  # the store serves this model's entries only, read back as the model runs
             store.bind(
                 encoder=kvmodel.encoder_id,
@@ -66,6 +73,15 @@ class ChunkSource:
         except StoreError as err:
             warnings.warn(f"kvrag: the KV store failed ({err}); recomputing the chunk instead", StoreWarning, 4)
             return None
+        return self._checked(key, kv, ids)
+
+    def peek(self, key: str, ids: Sequence[int]) -> ChunkKV | None:
+        """A chunk's KV if this process holds it in memory already (another request stored it meanwhile)."""
+        if self.store is None:
+            return None
+        return self._checked(key, self.store.peek(key), ids)
+
+    def _checked(self, key: str, kv: ChunkKV | None, ids: Sequence[int] | None) -> ChunkKV | None:
         if kv is not None and ids is not None and kv.token_ids.tolist() != list(ids):
             warnings.warn(
                 f"kvrag: the stored entry {key[:16]}... holds the KV of other tokens than its chunk's (a forged or "
@@ -116,6 +132,8 @@ class ChunkSource:
 
     def put(self, key: str, kv: ChunkKV) -> None:
         """Write a chunk's KV; a store that fails is a warning (the answer never needed it)."""
+        if self.read_only:
+            return
         try:
             self.store.put(key, kv)  # type: ignore[union-attr]
         except StoreError as err:
@@ -207,6 +225,9 @@ class Chunks:
         for i in keys:
             if not self._tried[i]:
                 self._load(i)
+            elif self._kv[i] is None:  # missed before the lock: another request may have stored it since
+                self._kv[i] = source.peek(keys[i], self.ids[i])
+                self._hit[i] = self._kv[i] is not None
         fresh = [i for i in missing if self._kv[i] is None]
         if not fresh:
             return

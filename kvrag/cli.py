@@ -410,7 +410,7 @@ def _index_settings(args: argparse.Namespace) -> None:
     from kvrag.folder import IndexFolder
     from kvrag.model import resolve_dtype
 
-    folder = IndexFolder(args.index)
+    folder = IndexFolder(args.index, read_only=True, secret=_secret(args) or b"")
     if not folder.exists():
         for key, (_, default) in _INDEX_FLAGS.items():
             if getattr(args, key) is None:
@@ -440,8 +440,8 @@ def _same_folder(a: str, b: str) -> bool:
 def _info(args: argparse.Namespace) -> None:
     info = _open_index(args).info()
     print(json.dumps(info, indent=1))
-    ingested = info.get("kv_store_at_ingest") or ""
-    if ingested.startswith("memory in front of redis") and not args.redis:
+    ingested = info.get("kv_store_at_ingest")
+    if isinstance(ingested, str) and ingested.startswith("memory in front of redis") and not args.redis:
         print(
             f"kvrag: the KV of this index was stored in {ingested.split(' in front of ')[1]}: pass --redis URL to "
             "count those entries (the counts above are of the index folder's own kv/)",

@@ -123,7 +123,7 @@ class KVRAG:
             raise InvalidRequestError(f"max_in_flight must be an int of at least 1, got {max_in_flight!r}")
         self.max_in_flight = max_in_flight
         self._slots = threading.BoundedSemaphore(max_in_flight)
-        self.store = store.scoped(self.namespace) if self.namespace else store
+        self.store = store.view_of(self.namespace)
         try:
             self.store.check()
         except StoreError as err:
@@ -135,7 +135,8 @@ class KVRAG:
                 StoreWarning,
                 stacklevel=2,
             )
-        self.source = ChunkSource(kv, self.store, self.namespace, self.secret)  # the one chunk key; binds the store
+        # the one chunk key; binds the store
+        self.source = ChunkSource(kv, self.store, self.namespace, self.secret, read_only=self.read_only)
         self.path = Path(path) if path is not None else None
         self.folder = (
             IndexFolder(self.path, read_only=self.read_only, secret=self.secret) if self.path is not None else None
@@ -389,6 +390,10 @@ class KVRAG:
         )
         vectors = self.embedder.embed([r.text for r in records])
         with self._writing():
+            # a `gc` or `delete` may have removed an entry this ingest found stored or wrote: store it again
+            again = {r.key: i for i, r in enumerate(records) if r.key not in self.store}
+            if again:
+                self.source.encode_and_store([chunk_ids[i] for i in again.values()], list(again))
             before = self.index
             self.index = before.copy()
             try:
@@ -705,15 +710,13 @@ class KVRAG:
         other index writes to (the index folder's own `kv/`, or a namespace this index alone uses).
         """
         self._check_writable("collect garbage")
-        with self._writing():
+        with self._writing():  # an ingest re-checks its entries under this lock before it commits
             live = {r.key for r in self.index.records.values()}
             orphans = [k for k in self.store.keys() if k not in live]
             if not dry_run:
                 for key in orphans:
                     self.store.delete(key)
-            temp = 0
-            for disk in _disk_stores(self.store):
-                temp += disk.sweep(older_than_s=disk.STALE_TMP_S) if not dry_run else 0
+            temp = sum(len(d.stale_temp_files(remove=not dry_run)) for d in _disk_stores(self.store))
         return {"orphan_entries": len(orphans), "temp_files": temp}
 
     def info(self) -> dict[str, Any]:
@@ -721,25 +724,26 @@ class KVRAG:
         chunk refers to them: `gc` removes them) or missing (indexed, not stored: recomputed when read)."""
         with self._lock:
             live = {r.key for r in self.index.records.values()}
-            stored = set(self.store.keys())
-            return {
-                "path": str(self.path) if self.path else None,
-                "documents": len(self.index.docs()),
-                "chunks": len(self.index),
-                "tokens": sum(r.n_tokens for r in self.index.records.values()),
-                "kv_store": describe_store(self.store),
-                "kv_store_at_ingest": self._ingested_into(),
-                "kv_entries": len(stored),
-                "kv_bytes": self.store.nbytes,
-                "kv_orphans": len(stored - live),
-                "kv_missing": len(live - stored),
-                "model": asdict(self.kvmodel.fingerprint),
-                "fingerprint": self.kvmodel.fingerprint.digest,
-                "embedder": self.embedder.source,
-                "chunk_tokens": self.chunk_tokens,
-                "overlap": self.overlap,
-                "namespace": self.namespace,
-            }
+            index = self.index
+        stored = set(self.store.keys())  # outside the lock: a long listing holds up no query
+        return {
+            "path": str(self.path) if self.path else None,
+            "documents": len(index.docs()),
+            "chunks": len(index),
+            "tokens": sum(r.n_tokens for r in index.records.values()),
+            "kv_store": describe_store(self.store),
+            "kv_store_at_ingest": self._ingested_into(),
+            "kv_entries": len(stored),
+            "kv_bytes": self.store.nbytes,
+            "kv_orphans": len(stored - live),
+            "kv_missing": len(live - stored),
+            "model": asdict(self.kvmodel.fingerprint),
+            "fingerprint": self.kvmodel.fingerprint.digest,
+            "embedder": self.embedder.source,
+            "chunk_tokens": self.chunk_tokens,
+            "overlap": self.overlap,
+            "namespace": self.namespace,
+        }
 
 
 def _bm25_flag(bm25: bool, hybrid: bool | None) -> bool:

@@ -20,6 +20,7 @@ import hmac
 import json
 import os
 import re
+import stat
 import uuid
 import warnings
 from pathlib import Path
@@ -63,6 +64,22 @@ class IndexWarning(UserWarning):
     """An index file was damaged and rebuilt (the vectors, re-embedded from the stored texts)."""
 
 
+def read_regular(path: Path) -> bytes:
+    """The bytes of a regular file, opened without following a link and without blocking: a link, a FIFO, a
+    device or a socket at `path` is an OSError (ELOOP, or "not a regular file"), never a hang or a read
+    elsewhere. FileNotFoundError when nothing is there."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 def secret_check(secret: bytes) -> str:
     """What a manifest keeps of a tenant secret: enough to tell a wrong secret, nothing to recover it."""
     return hmac.new(secret, b"kvrag-secret-check/1", hashlib.sha256).hexdigest()[:32]
@@ -86,7 +103,11 @@ class IndexFolder:
         at = self.path
         for part in parts:
             at = at / part
-            if at.is_symlink():
+            try:
+                linked = at.is_symlink()
+            except OSError as err:
+                raise IndexLoadError(f"cannot look at {at}: {err.strerror}") from err
+            if linked:
                 raise IndexLoadError(
                     f"{at} is a symbolic link: kvrag never follows links inside an index folder (one could make it "
                     "read, write or delete elsewhere); replace it with the real file or folder"
@@ -109,16 +130,19 @@ class IndexFolder:
             yield
             return
         path = self.inside(LOCK_FILE)
+        flags = (os.O_RDONLY if self.read_only else os.O_RDWR | os.O_CREAT) | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
         try:
-            if self.read_only:
-                fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-            else:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
+            fd: int | None = os.open(path, flags, 0o666)
         except FileNotFoundError:  # read-only and never written by a writer of this kvrag: nothing to order
-            yield
-            return
+            fd = None
         except OSError as err:
             raise IndexLoadError(f"cannot open the lock file {path}: {err.strerror}") from err
+        if fd is None:
+            yield
+            return
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise IndexLoadError(f"the lock file {path} is not a regular file: remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_SH if shared or self.read_only else fcntl.LOCK_EX)
             try:
@@ -129,10 +153,7 @@ class IndexFolder:
             os.close(fd)
 
     def _read(self, *parts: str) -> bytes:
-        path = self.inside(*parts)
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-        with os.fdopen(fd, "rb") as f:
-            return f.read()
+        return read_regular(self.inside(*parts))
 
     def manifest(self) -> dict[str, Any]:
         """The committed manifest, checked for this kvrag's index format and every field's type."""
@@ -164,6 +185,12 @@ class IndexFolder:
         self._check_secret(manifest)
         return manifest
 
+    def _mac(self, manifest: Mapping[str, Any]) -> str:
+        """An HMAC under the secret over the whole manifest but this field: no field can be changed, dropped
+        (the file checksums) or added by someone without the secret."""
+        body = json.dumps({k: v for k, v in manifest.items() if k != "mac"}, sort_keys=True).encode()
+        return hmac.new(self.secret, body, hashlib.sha256).hexdigest()
+
     def _check_secret(self, manifest: Mapping[str, Any]) -> None:
         check = manifest.get("secret_check")
         if check is None and self.secret:
@@ -174,6 +201,11 @@ class IndexFolder:
             )
         if check is not None and not hmac.compare_digest(str(check), secret_check(self.secret)):
             raise IndexLoadError(f"the secret given does not match the one the index at {self.path} was built with")
+        if self.secret and not hmac.compare_digest(str(manifest.get("mac", "")), self._mac(manifest)):
+            raise IndexLoadError(
+                f"the index manifest {self.path / MANIFEST} was changed by someone without its secret (its HMAC does "
+                "not match): re-ingest into a new folder"
+            )
 
     def _digest(self, blob: bytes) -> str:
         if self.secret:
@@ -213,7 +245,7 @@ class IndexFolder:
             index = ChunkIndex.from_bytes(manifest["dim"], vectors, chunks, embed)
         except IndexLoadError:
             raise
-        except (OSError, RuntimeError, ValueError, TypeError, KeyError) as err:
+        except (OSError, RuntimeError, ValueError, TypeError, KeyError, OverflowError) as err:
             raise IndexLoadError(f"{damaged} ({err}): re-ingest into a new folder") from err
         if rebuilt:
             warnings.warn(
@@ -241,6 +273,7 @@ class IndexFolder:
             body = {"format": INDEX_FORMAT, "index": generation, **manifest, "checksums": sums}
             if self.secret:
                 body["secret_check"] = secret_check(self.secret)
+                body["mac"] = self._mac(body)
             write_atomic(self.inside(MANIFEST), json.dumps(body, indent=1).encode())
         except OSError as err:
             for file in written:  # never committed: nothing refers to them

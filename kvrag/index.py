@@ -235,7 +235,7 @@ class ChunkIndex:
         index = cls(dim)
         try:
             lines = chunks_blob.decode("utf-8").splitlines()
-            records = [ChunkRecord(**json.loads(line)) for line in lines if line.strip()]
+            records = [_record(json.loads(line)) for line in lines if line.strip()]
         except (UnicodeDecodeError, ValueError, TypeError) as err:
             raise ValueError(f"the chunks file is not kvrag's chunk records ({err})") from None
         for record in records:
@@ -260,6 +260,21 @@ class ChunkIndex:
             index.vectors.add_with_ids(np.ascontiguousarray(vectors, dtype=np.float32), rows)
         index.next_row = max(index.by_row, default=-1) + 1
         return index
+
+
+_RECORD_TYPES = {"id": str, "doc_id": str, "text": str, "metadata": dict, "key": str, "n_tokens": int, "row": int}
+
+
+def _record(fields: Any) -> ChunkRecord:
+    """A chunk record read back, every field of its type (a row FAISS can hold)."""
+    if not isinstance(fields, dict) or set(fields) != set(_RECORD_TYPES):
+        raise ValueError(f"a record with the fields {sorted(fields) if isinstance(fields, dict) else fields!r}")
+    for name, kind in _RECORD_TYPES.items():
+        if not isinstance(fields[name], kind) or isinstance(fields[name], bool):
+            raise ValueError(f"a record whose {name} is {fields[name]!r}")
+    if not 0 <= fields["row"] < 2**62 or fields["n_tokens"] < 0:
+        raise ValueError(f"a record whose row is {fields['row']} or n_tokens {fields['n_tokens']}")
+    return ChunkRecord(**fields)
 
 
 def _vectors_in(blob: bytes, dim: int, rows: np.ndarray) -> np.ndarray:

@@ -127,6 +127,8 @@ class KVStore(ABC):
     """
 
     read_only = False  # opened to read: `put` keeps nothing durable (a memory front still fills)
+    view = ""  # the namespace this store is the view of (`scoped`), "" for a whole store
+    legacy: KVStore | None = None  # where a namespace's entries were kept before views (read on a miss)
 
     def __init__(self) -> None:
         self.hits = 0
@@ -143,6 +145,10 @@ class KVStore(ABC):
         self.encoder, self.dtype, self.device = encoder, dtype, device
         if secret is not None:
             self.secret = secret
+
+    def view_of(self, namespace: str) -> KVStore:
+        """`scoped(namespace)`, or this store itself when it is that view already (or `namespace` is "")."""
+        return self if not namespace or self.view == namespace else self.scoped(namespace)
 
     def scoped(self, namespace: str) -> KVStore:
         """This store's view of one namespace: its own key prefix (Redis), subfolder (disk) or key space
@@ -161,6 +167,10 @@ class KVStore(ABC):
         KV it just computed and stored uses this form.
         """
         return kv
+
+    def peek(self, key: str) -> ChunkKV | None:
+        """The entry if this process holds it in memory (no I/O, no counting), else None."""
+        return None
 
     def get(self, key: str) -> ChunkKV | None:
         kv = self._get(key)
@@ -246,6 +256,9 @@ class MemoryStore(KVStore):
     def nbytes(self) -> int:
         return self._bytes
 
+    def peek(self, key: str) -> ChunkKV | None:
+        return self._get(key)
+
     def scoped(self, namespace: str) -> KVStore:
         return _MemoryScope(self, check_namespace(namespace))
 
@@ -255,7 +268,7 @@ class _MemoryScope(KVStore):
 
     def __init__(self, parent: MemoryStore, namespace: str) -> None:
         super().__init__()
-        self.parent, self.prefix = parent, f"{namespace}/"
+        self.parent, self.prefix, self.view = parent, f"{namespace}/", namespace
 
     def bind(
         self, *, encoder: str, dtype: torch.dtype, device: torch.device | str, secret: bytes | None = None
@@ -264,6 +277,9 @@ class _MemoryScope(KVStore):
         self.parent.bind(encoder=encoder, dtype=dtype, device=device, secret=secret)
 
     def _get(self, key: str) -> ChunkKV | None:
+        return self.parent._get(self.prefix + key)
+
+    def peek(self, key: str) -> ChunkKV | None:
         return self.parent._get(self.prefix + key)
 
     def put(self, key: str, kv: ChunkKV) -> None:
@@ -322,6 +338,11 @@ class _SerializedStore(KVStore):
 
     def _get(self, key: str) -> ChunkKV | None:
         blob = self._guarded(self._read, key)
+        if blob is None and isinstance(self.legacy, _SerializedStore):
+            try:  # written by a kvrag before namespace views, under the whole store (its key is this tenant's)
+                blob = self.legacy._read(key)
+            except StoreError:  # this tenant may not read there (a Redis ACL user): never ask again
+                self.legacy = None
         if blob is None:
             return None
         return decode_entry(
@@ -376,22 +397,35 @@ class DiskStore(_SerializedStore):
         self.sweep()
 
     def scoped(self, namespace: str) -> KVStore:
-        scoped = DiskStore(self.root / f"ns-{check_namespace(namespace)}", self.storage_dtype, read_only=self.read_only)
-        scoped.retry_after_s = self.retry_after_s
+        root = self.root / f"ns-{check_namespace(namespace)}"
+        if root.is_symlink():
+            raise StoreError(
+                f"{root} is a symbolic link: kvrag never follows links inside a KV store folder; remove it"
+            )
+        scoped = DiskStore(root, self.storage_dtype, read_only=self.read_only)
+        scoped.view, scoped.legacy = namespace, self
         return scoped
 
     def sweep(self, *, older_than_s: float | None = None) -> int:
         """Remove temporary files left by writers killed before their rename (older than `older_than_s`,
         default STALE_TMP_S: never a live writer's); return how many."""
-        now, age, removed = time.time(), self.STALE_TMP_S if older_than_s is None else older_than_s, 0
-        for tmp in self.root.glob("*/.*.tmp"):
-            try:
-                if not tmp.is_symlink() and now - tmp.lstat().st_mtime > age:
-                    tmp.unlink()
-                    removed += 1
-            except OSError:
-                pass
-        return removed
+        return len(self.stale_temp_files(older_than_s, remove=True))
+
+    def stale_temp_files(self, older_than_s: float | None = None, *, remove: bool = False) -> list[Path]:
+        """Temporary files older than `older_than_s` in the real (not linked) bucket folders; removed with `remove`."""
+        now, age, found = time.time(), self.STALE_TMP_S if older_than_s is None else older_than_s, []
+        for bucket in self.root.glob("[0-9a-f][0-9a-f]"):
+            if bucket.is_symlink() or not bucket.is_dir():
+                continue  # a link is never walked: its target is outside the store
+            for tmp in bucket.glob(".*.tmp"):
+                try:
+                    if not tmp.is_symlink() and now - tmp.lstat().st_mtime > age:
+                        if remove:
+                            tmp.unlink()
+                        found.append(tmp)
+                except OSError:
+                    pass
+        return found
 
     def _path(self, key: str) -> Path:
         if not key or not all(c in "0123456789abcdef" for c in key):
@@ -405,9 +439,11 @@ class DiskStore(_SerializedStore):
         return path
 
     def _read(self, key: str) -> bytes | None:
+        from kvrag.folder import read_regular
+
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            return read_regular(path)  # never through a link, never a FIFO's endless wait
         except FileNotFoundError:
             return None
         except OSError as err:
@@ -415,12 +451,7 @@ class DiskStore(_SerializedStore):
                 raise StoreError(
                     f"{path} is a symbolic link: kvrag never follows links inside a KV store folder; remove it"
                 ) from None
-            raise StoreError(f"cannot read {path}: {err.strerror}") from err
-        with os.fdopen(fd, "rb") as f:
-            try:
-                return f.read()
-            except OSError as err:  # a folder at an entry's name
-                raise StoreError(f"cannot read {path}: {err.strerror}") from err
+            raise StoreError(f"cannot read {path}: {err.strerror or err}") from err
 
     def _write(self, key: str, blob: bytes) -> None:
         path = self._path(key)
@@ -555,6 +586,7 @@ class RedisStore(_SerializedStore):
         that tenant is limited to, see docs/reliability.md), on the same connection pool."""
         scoped = copy.copy(self)
         scoped.prefix = f"{self.prefix}{check_namespace(namespace)}:"
+        scoped.view, scoped.legacy = namespace, self
         scoped.hits = scoped.misses = 0
         scoped._down_until, scoped._failure = 0.0, ""
         return scoped
@@ -627,7 +659,12 @@ class TieredStore(KVStore):
         self.back.bind(encoder=encoder, dtype=dtype, device=device, secret=secret)
 
     def scoped(self, namespace: str) -> KVStore:
-        return TieredStore(self.front.scoped(namespace), self.back.scoped(namespace))
+        scoped = TieredStore(self.front.scoped(namespace), self.back.scoped(namespace))
+        scoped.view = namespace
+        return scoped
+
+    def peek(self, key: str) -> ChunkKV | None:
+        return self.front.peek(key)
 
     @property
     def read_only(self) -> bool:

@@ -89,6 +89,11 @@ def open_store(extra: dict[str, Any]) -> KVStore:
             store.secret = Path(extra["secret_file"]).read_bytes().strip()
         except OSError as err:
             raise KVRAGError(f"the kvrag connector cannot read its secret_file {extra['secret_file']}: {err.strerror}")
+        if len(store.secret) < 16:
+            raise KVRAGError(
+                f"the kvrag connector's secret_file {extra['secret_file']} holds {len(store.secret)} bytes: a secret "
+                "needs at least 16"
+            )
     return store
 
 

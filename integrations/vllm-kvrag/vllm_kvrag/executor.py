@@ -50,14 +50,19 @@ class PlannedRequests:
 
     def __init__(self, kvmodel: KVModel, store: KVStore, namespace: str = "", secret: bytes = b"") -> None:
         # a tenant's view of the store, as its engine and the connector (extra config `tenant`) see it
-        store = store.scoped(namespace) if namespace else store
+        store = store.view_of(namespace)
         self.kvmodel, self.store = kvmodel, store
         self.last_prefill: VLLMPrefill | None = None
         self.source = ChunkSource(kvmodel, store, namespace, secret)  # binds the store to kvmodel's encoder
         prefix = kvmodel.prefix
         self.prefix_key = chunk_key(kvmodel.fingerprint.digest, [], kvmodel.layout.prefix_ids, salt="prefix")
-        if self.prefix_key not in store:
-            store.put(self.prefix_key, ChunkKV(prefix.token_ids, prefix.keys, prefix.values, 0, kvmodel.encoder_id))
+        self._prefix = ChunkKV(prefix.token_ids, prefix.keys, prefix.values, 0, kvmodel.encoder_id)
+        self._store_prefix()
+
+    def _store_prefix(self) -> None:
+        """The prefix's entry, stored when it is not (at start, and again if `kvrag gc` removed it)."""
+        if self.prefix_key not in self.store:
+            self.store.put(self.prefix_key, self._prefix)
 
     def prefill(self, job: Job, *, phases: Phases | None = None, pooled: bool = False) -> VLLMPrefill:
         self.last_prefill = self._prefill(job)
@@ -69,6 +74,7 @@ class PlannedRequests:
         if job.full_prefill:
             return VLLMPrefill(ids, None, len(ids), job.context_tokens)
         reused = _reused_head(job)
+        self._store_prefix()
         pieces = [Piece(self.prefix_key, 0, 0, len(kv.prefix))]
         at = len(kv.prefix)
         for ids_c, chunk in zip(job.chunk_ids[:reused], job.chunks[:reused]):
@@ -94,7 +100,13 @@ class PlannedRequests:
         """The store key holding this chunk's KV exactly as the plan uses it (stored now if it is not)."""
         key = self.source.key(ids)
         if chunk.start != len(self.kvmodel.prefix):  # replaced KV (a slice of a full prefill): its own entry
-            key = chunk_key(self.kvmodel.fingerprint.digest, [chunk.start], ids, salt=f"{self.source.namespace}/at")
+            key = chunk_key(
+                self.kvmodel.fingerprint.digest,
+                [chunk.start],
+                ids,
+                salt=f"{self.source.namespace}/at",
+                secret=self.source.secret,
+            )
         if key not in self.store:
             self.store.put(key, chunk)
         return key
