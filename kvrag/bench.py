@@ -4,18 +4,30 @@
 its memory store), beside two references run in the same process: plain transformers generating one token
 from the whole prompt, and the lower bound (one forward of the target and suffix tokens over an already
 built cache, nothing of kvrag around it). Phases are timed inside the real code path (`kvrag.timing`).
-Storage figures (ingest, store reads, bytes a token, int8 error) are in `kvrag.bench_storage`; files are
-written by `kvrag.bench_report`.
+In the same rounds, every strategy, full prefill and the model's shipped default (`DEFAULT`) answer with a
+fixed number of tokens through the engine, EOS ignored, greedy: the whole answer's time beside its first
+token and its decode steps. Storage figures (ingest, store reads, bytes a token, int8 error) are in
+`kvrag.bench_storage`; files are written by `kvrag.bench_report`.
+
+A row of `ttft_benchmark` (one context size) holds, beside the time-to-first-token figures:
+    answer_tokens: tokens every answer decodes (the first from the prefill, the rest one step each).
+    answer_s: name -> median seconds of a whole answer, from the call to its last token.
+    answer_ttft_s: name -> median time to first token of those same answers.
+    decode_ms: name -> median milliseconds a decode step, (whole - first token) / (answer_tokens - 1).
+    answer_speedup: name -> answer_s of full prefill over the name's answer_s, at this context.
+    answer_runs_s: name -> every run's whole-answer seconds.
+Names are the strategies, FULL_PREFILL where the strategies leave it out, and DEFAULT.
 """
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +48,10 @@ from kvrag.timing import Phases
 
 DEFAULT_CONTEXTS = (1000, 2000, 4000, 8000)
 BUDGET = 0.05
+ANSWER_TOKENS = 32
+FULL_PREFILL = "full_prefill"
+# The answer a query gets when it names no strategy: the engine's default (kvrag.defaults.shipped_default here).
+DEFAULT = "default"
 # The phases of a time to first token, in the order they happen; "other" is what no phase covers.
 PHASES = ("store load", "plan", "re-positioning", "cache assembly and mask", "forward", "first token")
 TRANSFORMERS = "transformers generate"
@@ -102,6 +118,18 @@ class _Context:
         )
         return answer.stats.ttft_s, phases.seconds
 
+    def answer(self, name: str, tokens: int) -> tuple[float, float]:
+        """One answer of exactly `tokens` tokens through the engine: its time to first token and its whole time.
+
+        `name` DEFAULT gives no strategy or budget, so the engine runs its default.
+        """
+        options = {} if name == DEFAULT else {"strategy": name, "budget": BUDGET}
+        with _past_eos(self.kv):
+            answer = self.rag.answer(self.question, self.texts, target=0, max_new_tokens=tokens, **options)
+        if answer.stats.new_tokens != tokens:
+            raise RuntimeError(f"{name} answered {answer.stats.new_tokens} tokens, not the {tokens} asked for")
+        return answer.stats.ttft_s, answer.stats.total_s
+
     def transformers_generate(self) -> Callable[[], float]:
         """What a user runs without kvrag: `generate` one token from the whole prompt."""
         ids = torch.tensor([self.kv.prompt_ids(self.question, self.ids, range(len(self.ids)))], device=self.device)
@@ -154,6 +182,16 @@ class _Context:
         return run
 
 
+@contextlib.contextmanager
+def _past_eos(kv: KVModel) -> Iterator[None]:
+    """No token ends an answer: the engine has no switch for it, and answers compared must be one length."""
+    eos, kv.eos_ids = kv.eos_ids, []
+    try:
+        yield
+    finally:
+        kv.eos_ids = eos
+
+
 def _peak_memory(device: torch.device) -> dict[str, float]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     peak = {"rss_high_water_mb": rss / (1 << 20) if sys.platform == "darwin" else rss / 1024}
@@ -170,14 +208,19 @@ def ttft_benchmark(
     chunk_tokens: int = 200,
     strategies: Sequence[str] = BUILTIN_STRATEGIES,
     runs: int = 5,
+    answer_tokens: int = ANSWER_TOKENS,
     log: Callable[[str], None] = print,
     on_row: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Time to first token of every strategy and of both references at each context size (median of `runs`).
+    """Time to first token of every strategy and of both references at each context size (median of `runs`),
+    and the whole time of an `answer_tokens`-token answer of every strategy, full prefill and the default.
 
     One warm-up of everything at the first size; then, size by size, `runs` rounds, each running every
-    strategy and reference once (interleaved, so a slow spell of the machine touches all of them alike).
+    strategy, reference and answer once (interleaved, so a slow spell of the machine touches all of them alike).
     """
+    if answer_tokens < 2:
+        raise ValueError(f"answer_tokens must be at least 2 (a first token and a decode step), got {answer_tokens}")
+    answered = [*dict.fromkeys([*strategies, FULL_PREFILL]), DEFAULT]
     _, questions = sample_docs()
     question = questions[0]["question"]
     device = kv.prefix.keys.device
@@ -198,8 +241,11 @@ def ttft_benchmark(
                 ctx.strategy(name)
             for run in references.values():
                 run()
+            for name in answered:
+                ctx.answer(name, answer_tokens)
         times: dict[str, list[float]] = {name: [] for name in [*strategies, *references]}
         phases: dict[str, list[dict[str, float]]] = {name: [] for name in strategies}
+        answers: dict[str, list[tuple[float, float]]] = {name: [] for name in answered}
         for _ in range(runs):
             for name in strategies:
                 ttft, spent = ctx.strategy(name)
@@ -207,7 +253,9 @@ def ttft_benchmark(
                 phases[name].append(spent)
             for name, run in references.items():
                 times[name].append(run())
-        row = _row(ctx, times, phases, device, machine)
+            for name in answered:
+                answers[name].append(ctx.answer(name, answer_tokens))
+        row = _row(ctx, times, phases, device, machine) | _answer_fields(answers, answer_tokens)
         rows.append(row)
         if on_row is not None:
             on_row(rows)  # a long run keeps what it measured so far
@@ -215,6 +263,12 @@ def ttft_benchmark(
         log(
             f"{row['context_tokens']:>6} context tokens: "
             + ", ".join(f"{name} {t[name]:.3f} s" for name in [*strategies, *references])
+        )
+        log(
+            f"{'':>6} {answer_tokens}-token answer: "
+            + ", ".join(
+                f"{name} {row['answer_s'][name]:.3f} s ({row['decode_ms'][name]:.1f} ms/token)" for name in answered
+            )
         )
     return rows
 
@@ -246,6 +300,22 @@ def _row(
         "runs_s": times,
         "phases_s": {name: _median_phases(p, times[name]) for name, p in phases.items()},
         "peak_memory": _peak_memory(device),
+    }
+
+
+def _answer_fields(answers: dict[str, list[tuple[float, float]]], tokens: int) -> dict[str, Any]:
+    """The whole-answer figures of one context size from each name's (first token, whole) seconds a run."""
+    whole = {name: statistics.median(total for _, total in runs) for name, runs in answers.items()}
+    return {
+        "answer_tokens": tokens,
+        "answer_s": whole,
+        "answer_ttft_s": {name: statistics.median(ttft for ttft, _ in runs) for name, runs in answers.items()},
+        "decode_ms": {
+            name: statistics.median(1000 * (total - ttft) / (tokens - 1) for ttft, total in runs)
+            for name, runs in answers.items()
+        },
+        "answer_speedup": {name: whole[FULL_PREFILL] / s for name, s in whole.items()},
+        "answer_runs_s": {name: [total for _, total in runs] for name, runs in answers.items()},
     }
 
 

@@ -1,8 +1,10 @@
 """Benchmark outputs: `run_bench` runs every section in one process and writes bench.json, bench.md and ttft.png.
 
 The markdown holds the tables docs/performance.md quotes; the plot is time to first token against context
-size, one line a strategy and a reference, log scale. Nothing here is asserted in tests but the files'
-structure.
+size, one line a strategy and a reference, and beside it the whole time of an answer of `answer_tokens`
+tokens, one line a strategy and the default, log scale. bench.json holds, beside each row's figures
+(`kvrag.bench`), `answer_tokens` and `default`, the shipped default (strategy, picker, budget) that the
+answers named DEFAULT ran. Nothing here is asserted in tests but the files' structure.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from typing import Any
 import torch
 
 from kvrag.bench import (
+    ANSWER_TOKENS,
+    DEFAULT,
     DEFAULT_CONTEXTS,
+    FULL_PREFILL,
     LOWER_BOUND,
     LOWER_BOUND_SUFFIX,
     PHASES,
@@ -31,6 +36,7 @@ from kvrag.bench import (
     ttft_benchmark,
 )
 from kvrag.bench_storage import bytes_per_token, int8_error, read_bandwidth
+from kvrag.defaults import shipped_default
 from kvrag.embed import Embedder
 from kvrag.engine import KVRAG
 from kvrag.kvmodel import KVModel
@@ -49,6 +55,7 @@ def run_bench(
     chunk_tokens: int = 200,
     strategies: Sequence[str] = BUILTIN_STRATEGIES,
     runs: int = 5,
+    answer_tokens: int = ANSWER_TOKENS,
     quick: bool = False,
     command: str = "",
     log: Callable[[str], None] = print,
@@ -66,6 +73,8 @@ def run_bench(
         "runs": runs,
         "chunk_tokens": chunk_tokens,
         "strategies": list(strategies),
+        "answer_tokens": answer_tokens,
+        "default": shipped_default(kv.fingerprint.weights),  # what the answers named DEFAULT ran
     }
     log(f"time to first token, median of {runs} runs, {torch.get_num_threads()} threads, {kv.prefix.keys.device}")
     partial = folder / "bench.json"
@@ -76,6 +85,7 @@ def run_bench(
         chunk_tokens=chunk_tokens,
         strategies=strategies,
         runs=runs,
+        answer_tokens=answer_tokens,
         log=log,
         on_row=lambda rows: partial.write_text(json.dumps({**result, "ttft": rows, "partial": True}, indent=1)),
     )
@@ -129,6 +139,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
     ]
     lines += _ttft_tables(result)
+    if "answer_s" in result["ttft"][0]:
+        lines += _answer_table(result)
     lines += _phase_table(result)
     lines += _storage_tables(result)
     return "\n".join(lines) + "\n"
@@ -178,6 +190,45 @@ def _ttft_tables(result: dict[str, Any]) -> list[str]:
                     + " | ".join(f"{r['ttft_s'][full] / r['ttft_s'][name]:.1f}" for r in rows)
                     + " |"
                 )
+    return lines
+
+
+def _answered(result: dict[str, Any]) -> list[str]:
+    """The names that answered in full: the strategies, full prefill, then the default."""
+    return list(result["ttft"][0]["answer_s"])
+
+
+def _label(result: dict[str, Any], name: str) -> str:
+    return f"{DEFAULT} ({result['default']['strategy']})" if name == DEFAULT else name
+
+
+def _answer_table(result: dict[str, Any]) -> list[str]:
+    """Time to first token, decode ms a token and the whole time of one fixed-length answer, side by side."""
+    n = result["answer_tokens"]
+    lines = [
+        "",
+        f"### Whole answer: {n} tokens",
+        "",
+        (
+            f"Each answer decodes {n} tokens through the engine (greedy, EOS ignored): the first from the prefill, "
+            f"then {n - 1} decode steps; median of {result['runs']} runs. Speed-ups are full prefill's time over "
+            "the row's, at the same context."
+        ),
+        "",
+        (
+            "| answer | context | time to first token (s) | decode (ms/token) | whole answer (s) "
+            f"| {FULL_PREFILL} / this, first token | {FULL_PREFILL} / this, whole answer |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in _answered(result):
+        for r in result["ttft"]:
+            first = r["answer_ttft_s"]
+            lines.append(
+                f"| {_label(result, name)} | {r['context_tokens']:,} | {first[name]:.3f} | {r['decode_ms'][name]:.1f} "
+                f"| {r['answer_s'][name]:.3f} | {first[FULL_PREFILL] / first[name]:.1f} "
+                f"| {r['answer_speedup'][name]:.1f} |"
+            )
     return lines
 
 
@@ -240,7 +291,8 @@ def _storage_tables(result: dict[str, Any]) -> list[str]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Time to first token against context size, one line a strategy or reference, log scale."""
+    """Time to first token against context size, one line a strategy or reference, log scale; beside it, where
+    measured, the whole time of a fixed-length answer, one line a strategy and the default."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -248,17 +300,26 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     rows = result["ttft"]
     x = [r["context_tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    whole = "answer_s" in rows[0]
+    fig, axes = plt.subplots(1, 2 if whole else 1, figsize=(15, 5.5) if whole else (8, 5.5), squeeze=False)
+    ax = axes[0][0]
     for name in [*result["strategies"], *_references(rows[0])]:
         style = "--" if name in (TRANSFORMERS, LOWER_BOUND, LOWER_BOUND_SUFFIX) else "-"
         ax.plot(x, [r["ttft_s"][name] for r in rows], style, marker="o", label=name)
-    ax.set_xlabel("context tokens")
     ax.set_ylabel("time to first token (s)")
-    ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
+    if whole:
+        ax = axes[0][1]
+        for name in _answered(result):
+            style = ":" if name == DEFAULT else "-"
+            ax.plot(x, [r["answer_s"][name] for r in rows], style, marker="o", label=_label(result, name))
+        ax.set_ylabel(f"whole answer of {result['answer_tokens']} tokens (s)")
+    for ax in axes[0]:
+        ax.set_xlabel("context tokens")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, ncol=2)
     m = result["machine"]
-    ax.set_title(f"{m['model']} {m['dtype']}, {m['device']}, {m['threads']} threads, budget {result['budget']}")
-    ax.legend(fontsize=8, ncol=2)
+    fig.suptitle(f"{m['model']} {m['dtype']}, {m['device']}, {m['threads']} threads, budget {result['budget']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -137,7 +137,9 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument("--runs", type=int, default=3, help="timed runs of each, the median is kept (default 3)")
 
     bench = sub.add_parser(
-        "bench", help="time to first token of every strategy beside full prefill and the lower bound; write bench.*"
+        "bench",
+        help="time to first token and a whole answer's time of every strategy beside full prefill and the floors; write "
+        "bench.*",
     )
     _model_args(bench)
     bench.add_argument("--out", required=True, type=Path, help="folder for bench.json, bench.md and ttft.png")
@@ -145,6 +147,9 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument("--chunk-tokens", type=int, default=None, help="tokens a chunk (default 200)")
     bench.add_argument("--strategies", default=None, help="comma-separated strategies (default: every study row)")
     bench.add_argument("--runs", type=int, default=None, help="timed runs of each, the median is kept (default 5)")
+    bench.add_argument(
+        "--answer-tokens", type=int, default=None, help="tokens of the whole answers timed (default 32; 4 with --quick)"
+    )
     bench.add_argument("--json", action="store_true", help="print bench.json instead of the markdown tables")
     bench.add_argument("--quick", action="store_true", help="tiny contexts, one run: checks that everything runs")
 
@@ -513,10 +518,11 @@ def _bench(args: argparse.Namespace) -> None:
         get_strategy(name)
     chunk_tokens = args.chunk_tokens or (50 if quick else 200)
     runs = args.runs or (1 if quick else 5)
-    if runs < 1 or chunk_tokens < 8 or min(contexts) < chunk_tokens:
+    answer_tokens = args.answer_tokens if args.answer_tokens is not None else (4 if quick else 32)
+    if runs < 1 or chunk_tokens < 8 or min(contexts) < chunk_tokens or answer_tokens < 2:
         raise InvalidRequestError(
-            f"need --runs >= 1, --chunk-tokens >= 8 and every context at least one chunk long, got runs {runs}, "
-            f"chunk tokens {chunk_tokens}, contexts {contexts}"
+            f"need --runs >= 1, --chunk-tokens >= 8, --answer-tokens >= 2 and every context at least one chunk long, "
+            f"got runs {runs}, chunk tokens {chunk_tokens}, answer tokens {answer_tokens}, contexts {contexts}"
         )
     kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
     command = "kvrag " + " ".join(shlex.quote(a) for a in args.argv)
@@ -528,6 +534,7 @@ def _bench(args: argparse.Namespace) -> None:
         chunk_tokens=chunk_tokens,
         strategies=strategies,
         runs=runs,
+        answer_tokens=answer_tokens,
         quick=quick,
         command=command,
         log=log,

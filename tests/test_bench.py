@@ -8,6 +8,8 @@ import json
 from tiny import save_tiny
 
 from kvrag.bench import (
+    DEFAULT,
+    FULL_PREFILL,
     LOWER_BOUND,
     LOWER_BOUND_SUFFIX,
     PHASES,
@@ -31,6 +33,7 @@ def test_quick_bench_writes_every_output(tmp_path, capsys):
     assert (out / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads((out / "bench.json").read_text())
     assert result["strategies"] == strategies and result["runs"] == 1
+    assert result["answer_tokens"] == 4 and result["default"]["strategy"]
     assert [row["context_tokens"] >= size for row, size in zip(result["ttft"], (150, 300))] == [True, True]
     for row in result["ttft"]:
         assert set(row["ttft_s"]) == {*strategies, TRANSFORMERS, LOWER_BOUND, LOWER_BOUND_SUFFIX}
@@ -41,6 +44,12 @@ def test_quick_bench_writes_every_output(tmp_path, capsys):
         floors = row["floor_s"]
         assert set(floors) == {ROOFLINE, ROOFLINE_SUFFIX, ROOFLINE_FULL} and all(f > 0 for f in floors.values())
         assert floors[ROOFLINE_SUFFIX] < floors[ROOFLINE] < floors[ROOFLINE_FULL]
+        answered = {*strategies, DEFAULT}
+        assert row["answer_tokens"] == 4 and set(row["answer_s"]) == answered
+        for name in answered:
+            assert row["answer_s"][name] >= row["answer_ttft_s"][name] > 0 and row["decode_ms"][name] > 0
+            assert row["answer_speedup"][name] > 0 and len(row["answer_runs_s"][name]) == 1
+        assert row["answer_speedup"][FULL_PREFILL] == 1
     assert set(result["ingest"]["x_raw"]) >= {"raw batched forward", "kvrag encode_chunks"}
     assert {"memory", "disk (float16)", "disk (int8)"} <= set(result["store_read"])
     per_token = result["bytes_per_token"]
@@ -49,6 +58,8 @@ def test_quick_bench_writes_every_output(tmp_path, capsys):
     assert set(result["int8"]["first_token_kl"]) == {"reuse", "target_recompute"}
     markdown = (out / "bench.md").read_text()
     for section in (
+        "Whole answer: 4 tokens",
+        f"| {DEFAULT} ({result['default']['strategy']}) |",
         "Floors",
         "Ratios",
         "Where the time to first token goes",
@@ -63,6 +74,9 @@ def test_bench_rejects_a_context_shorter_than_a_chunk(tmp_path, capsys):
     code = main(["bench", "--out", str(tmp_path), "--contexts", "100", "--chunk-tokens", "200"])
     err = capsys.readouterr().err
     assert code == 2 and "every context at least one chunk long" in err and err.count("\n") == 1
+    code = main(["bench", "--out", str(tmp_path), "--answer-tokens", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--answer-tokens >= 2" in err and err.count("\n") == 1
 
 
 def test_bench_decode_prints_both_steps_and_the_floor(tmp_path, capsys):

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 from redis_server import RedisServer
-from tiny import FACTS, HashEmbedder, byte_tokenizer, save_tiny, tiny_model
+from tiny import FACTS, HashEmbedder, save_tiny
 
-from kvrag import KVModel
 from kvrag.aio import in_thread
 from kvrag.cli import main
 from kvrag.engine import KVRAG
@@ -25,17 +24,8 @@ from kvrag.folder import LOCK_FILE
 from kvrag.store import DiskStore, MemoryStore, RedisStore, StoreWarning, TieredStore
 
 TESTS = Path(__file__).resolve().parent
+pytestmark = pytest.mark.usefixtures("hash_embedder")
 GEN = dict(max_new_tokens=3, strategy="reuse")
-
-
-@pytest.fixture(autouse=True)
-def hash_embedder(monkeypatch):
-    monkeypatch.setattr("kvrag.engine.Embedder", HashEmbedder)
-
-
-@pytest.fixture(scope="module")
-def kv():
-    return KVModel(tiny_model("llama"), byte_tokenizer())
 
 
 def test_a_hung_redis_costs_queries_served_from_memory_nothing(kv):

@@ -8,9 +8,8 @@ import threading
 import time
 
 import pytest
-from tiny import FACTS, HashEmbedder, byte_tokenizer, save_tiny, tiny_model
+from tiny import FACTS, HashEmbedder, save_tiny
 
-from kvrag import KVModel
 from kvrag.chunks import ChunkSource
 from kvrag.cli import main
 from kvrag.engine import KVRAG
@@ -19,17 +18,8 @@ from kvrag.folder import MANIFEST
 from kvrag.store import DiskStore, MemoryStore, StoreWarning, TieredStore
 
 SECRET = "k" * 32
+pytestmark = pytest.mark.usefixtures("hash_embedder")
 GEN = dict(max_new_tokens=3, strategy="reuse")
-
-
-@pytest.fixture(autouse=True)
-def hash_embedder(monkeypatch):
-    monkeypatch.setattr("kvrag.engine.Embedder", HashEmbedder)
-
-
-@pytest.fixture(scope="module")
-def kv():
-    return KVModel(tiny_model("llama"), byte_tokenizer())
 
 
 def in_thread(fn, seconds=10.0):

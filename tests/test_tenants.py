@@ -4,22 +4,17 @@ subfolder, memory key space), Redis ACL users limited to their prefix, and keys 
 import pytest
 import redis
 from redis_server import RedisServer
-from tiny import FACTS, HashEmbedder, byte_tokenizer, tiny_model
+from tiny import FACTS, HashEmbedder
 
-from kvrag import KVModel
 from kvrag.engine import KVRAG
 from kvrag.errors import StoreError
 from kvrag.store import DiskStore, MemoryStore, RedisStore, StoreWarning, TieredStore
 
 SECRET_DOC = "The vault code of the Orrin bank is 4471."
 Q = "What is the vault code of the Orrin bank?"
+pytestmark = pytest.mark.usefixtures("hash_embedder")
 GEN = dict(max_new_tokens=3, strategy="reuse")
 SECRET_A = b"tenant-a secret: 32 random bytes!"
-
-
-@pytest.fixture(scope="module")
-def kv():
-    return KVModel(tiny_model("llama"), byte_tokenizer())
 
 
 @pytest.fixture(scope="module")
