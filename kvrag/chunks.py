@@ -120,7 +120,7 @@ class ChunkSource:
         """Store freshly encoded KV; return it as a later load would (the same answer either way).
 
         With `later`, the write is appended there instead, for the caller to `put` once it has let go of
-        the model's lock (`Chunks.flush`): a slow store then holds up no other request.
+        the model's lock (`Chunks.deferring`): a slow store then holds up no other request.
         """
         if self.store is None:
             return kv
@@ -210,11 +210,11 @@ class Chunks:
             return
         for i in range(len(self.given)):
             if self._kv[i] is None and not self._tried[i]:
-                self._load(i)
+                self._load(i, self.source.key(self.ids[i]))
 
-    def _load(self, i: int) -> None:
+    def _load(self, i: int, key: str) -> None:
         t0 = time.perf_counter()
-        self._kv[i] = self.source.load(self.source.key(self.ids[i]), self.ids[i])
+        self._kv[i] = self.source.load(key, self.ids[i])
         self._tried[i] = True
         self.load_s += time.perf_counter() - t0
         self._hit[i] = self._kv[i] is not None
@@ -224,7 +224,7 @@ class Chunks:
         keys = {i: source.key(self.ids[i]) for i in missing} if source.store is not None else {}
         for i in keys:
             if not self._tried[i]:
-                self._load(i)
+                self._load(i, keys[i])
             elif self._kv[i] is None:  # missed before the lock: another request may have stored it since
                 self._kv[i] = source.peek(keys[i], self.ids[i])
                 self._hit[i] = self._kv[i] is not None
