@@ -460,7 +460,7 @@ def _gc(args: argparse.Namespace) -> None:
             "--redis needs --exclusive: a Redis namespace may hold other indexes' entries, which this index would "
             "take for orphans. Pass --exclusive only if this index alone writes to it"
         )
-    rag = _open_index(args, read_only=False)
+    rag = _open_index(args, read_only=args.dry_run)  # a dry run opens read-only: it sweeps nothing either
     done = rag.gc(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     print(

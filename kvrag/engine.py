@@ -707,10 +707,12 @@ class KVRAG:
 
         The store is this engine's namespace's view. Entries that `store_kv` wrote for another framework's
         chunks are not indexed either: they go too (re-encoded on their next use). Run it only on a store no
-        other index writes to (the index folder's own `kv/`, or a namespace this index alone uses).
+        other index writes to (the index folder's own `kv/`, or a namespace this index alone uses). A dry run
+        removes nothing and works on an engine opened read-only.
         """
-        self._check_writable("collect garbage")
-        with self._writing():  # an ingest re-checks its entries under this lock before it commits
+        if not dry_run:
+            self._check_writable("collect garbage")
+        with self._lock if dry_run else self._writing():  # an ingest re-checks its entries under this lock
             live = {r.key for r in self.index.records.values()}
             orphans = [k for k in self.store.keys() if k not in live]
             if not dry_run:

@@ -153,7 +153,8 @@ def test_gc_removes_orphans_and_stale_temp_files_and_info_reports_them(kv, tmp_p
     assert info["kv_orphans"] == 2 and info["kv_entries"] == len(FACTS) + 2 and info["kv_missing"] == 0
     assert tmp.exists()
     assert main(["gc", "--index", str(index), "--dry-run"]) == 0
-    assert KVRAG.load(index, read_only=True).info()["kv_orphans"] == 2
+    assert KVRAG.load(index, read_only=True).info()["kv_orphans"] == 2 and tmp.exists()  # a dry run removes nothing
+    assert KVRAG.load(index, read_only=True).gc(dry_run=True) == {"orphan_entries": 2, "temp_files": 1}
     assert main(["gc", "--index", str(index)]) == 0
     after = KVRAG.load(index)
     assert after.info()["kv_orphans"] == 0 and after.info()["kv_entries"] == len(FACTS) and not tmp.exists()
