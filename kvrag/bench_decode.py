@@ -3,7 +3,8 @@ and the floor the machine's memory bandwidth sets.
 
 A decode step must read every weight and every cached key and value once; nothing is faster than those bytes
 over the bandwidth measured here (`kvrag.roofline`: a step's FLOPs are far below what the matmul rate allows). Each size is measured
-side by side in one run: kvrag's step, the transformers forward step over the same cache, and the floor.
+side by side in one run: kvrag's eager step, its compiled step (`compile_decoding`; the compile itself is timed
+apart, in the warm-up), the transformers forward step over the same cache, and the floor.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Callable, Sequence
 from kvrag import pipeline
 from kvrag.bench import context_texts
 from kvrag.demo import sample_docs
-from kvrag.fastdecode import decoder_of
+from kvrag.fastdecode import compile_decoding, decoder_of
 from kvrag.generate import Sampling, decode
 from kvrag.kv import ChunkKV
 from kvrag.kvmodel import KVModel
@@ -46,37 +47,73 @@ def decode_benchmark(
     runs: int = 3,
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Per context size: ms a token for kvrag's step and the transformers forward (median of `runs`, interleaved),
-    and the bandwidth floor; the ratios are to that floor."""
+    """Per context size: ms a token for kvrag's eager and compiled steps and the transformers forward (median of
+    `runs`, interleaved), and the bandwidth floor; the ratios are to that floor. Where the fast step does not
+    take the model, only the transformers forward is timed."""
     _, questions = sample_docs()
     question = questions[0]["question"]
     machine = Machine.calibrate(kv.prefix.keys.dtype, kv.prefix.keys.device)
     bandwidth = machine.read_bytes
-    log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; fast step: {'yes' if decoder_of(kv.model) else 'no'}")
-    rows = []
-    for size in contexts:
-        texts = kv.encode(context_texts(kv, size, 200))  # encoded once: only the prefill and decoding repeat
-        _decode_time(kv, question, texts, 4, True)  # warm-up of both paths
-        _decode_time(kv, question, texts, 4, False)
-        times: dict[str, list[float]] = {"kvrag": [], "transformers_step": []}
-        cached = 0
-        for _ in range(runs):
-            t, cached, _steps = _decode_time(kv, question, texts, tokens, True)
-            times["kvrag"].append(t)
-            times["transformers_step"].append(_decode_time(kv, question, texts, tokens, False)[0])
-        floor = forward_cost(kv, 1, cached + tokens // 2).floor(machine)  # a step in the middle of the answer
-        ms = {name: 1000 * sorted(v)[len(v) // 2] for name, v in times.items()}
-        row = {
-            "context_tokens": cached,
-            "ms_per_token": ms,
-            "floor_ms": 1000 * floor,
-            "over_floor": {name: m / (1000 * floor) for name, m in ms.items()},
-            "bandwidth_gb_s": bandwidth / 1e9,
-        }
-        rows.append(row)
-        log(
-            f"{cached:>6} cached tokens: kvrag {ms['kvrag']:.1f} ms/token, transformers step "
-            f"{ms['transformers_step']:.1f} ms/token, floor {1000 * floor:.1f} ms "
-            f"(kvrag {row['over_floor']['kvrag']:.2f}x the floor)"
+    fast = decoder_of(kv.model) is not None
+    log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; fast step: {'yes' if fast else 'no'}")
+    compiled_before = bool(getattr(kv.model, "_kvrag_compile_decode", False))
+    paths: dict[str, Callable[[int], tuple[float, int, int]]] = {
+        "transformers_step": lambda n: _decode_time(kv, question, texts, n, False)
+    }
+    if fast:
+        paths["kvrag"] = lambda n: _eager_or_compiled(kv, False, lambda: _decode_time(kv, question, texts, n, True))
+        paths["kvrag_compiled"] = lambda n: _eager_or_compiled(
+            kv, True, lambda: _decode_time(kv, question, texts, n, True)
         )
+    rows = []
+    compile_s = None
+    try:
+        for size in contexts:
+            texts = kv.encode(context_texts(kv, size, 200))  # encoded once: only the prefill and decoding repeat
+            for name, path in paths.items():  # warm-up of every path (the compile happens in the first one)
+                t0 = time.perf_counter()
+                path(4)
+                if name == "kvrag_compiled" and compile_s is None:
+                    compile_s = time.perf_counter() - t0
+            times: dict[str, list[float]] = {name: [] for name in paths}
+            cached = 0
+            for _ in range(runs):
+                for name, path in paths.items():
+                    t, cached, _steps = path(tokens)
+                    times[name].append(t)
+            rows.append(_row(kv, machine, times, cached, tokens, compile_s, log))
+    finally:
+        compile_decoding(kv.model, compiled_before)
     return rows
+
+
+def _eager_or_compiled(
+    kv: KVModel, compiled: bool, run: Callable[[], tuple[float, int, int]]
+) -> tuple[float, int, int]:
+    compile_decoding(kv.model, compiled)
+    return run()
+
+
+def _row(
+    kv: KVModel,
+    machine: Machine,
+    times: dict[str, list[float]],
+    cached: int,
+    tokens: int,
+    compile_s: float | None,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """One size's row: the median ms a token of each path, and each as a ratio to the floor."""
+    floor = forward_cost(kv, 1, cached + tokens // 2).floor(machine)  # a step in the middle of the answer
+    ms = {name: 1000 * sorted(v)[len(v) // 2] for name, v in times.items()}
+    row = {
+        "context_tokens": cached,
+        "ms_per_token": ms,
+        "floor_ms": 1000 * floor,
+        "over_floor": {name: m / (1000 * floor) for name, m in ms.items()},
+        "bandwidth_gb_s": machine.read_bytes / 1e9,
+        "compile_s": compile_s,
+    }
+    shown = ", ".join(f"{name} {m:.1f} ms/token ({m / (1000 * floor):.2f}x)" for name, m in ms.items())
+    log(f"{cached:>6} cached tokens: floor {1000 * floor:.1f} ms; {shown}")
+    return row

@@ -23,6 +23,14 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
 
 
+def _compile_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="decode through torch.compile'd layer steps: seconds of compiling at the first token, faster after",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvrag", description="Reuse attention (KV) state in retrieval-augmented generation."
@@ -38,6 +46,7 @@ def _add_demo(sub: Any) -> None:
     """`kvrag demo`."""
     demo = sub.add_parser("demo", help="retrieve and answer over a bundled excerpt of the Python docs, offline")
     _model_args(demo)
+    _compile_arg(demo)
     demo.add_argument("--questions", type=int, default=3, help="how many bundled questions to ask (default 3)")
     demo.add_argument("--max-new-tokens", type=int, default=48)
 
@@ -85,6 +94,7 @@ def _add_ask(sub: Any) -> None:
     _secret_arg(ask)
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--threads", type=int, default=None)
+    _compile_arg(ask)
 
 
 def _add_agree_and_tune(sub: Any) -> None:
@@ -137,11 +147,21 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument("--runs", type=int, default=3, help="timed runs of each, the median is kept (default 3)")
 
     bench = sub.add_parser(
+        "bench-dtype", help="first-token KL and answer agreement of a lower-precision dtype against float32"
+    )
+    _model_args(bench)
+    bench.set_defaults(dtype="bfloat16")
+    bench.add_argument("--items", type=int, default=20, help="built-in study items a family (default 20)")
+    bench.add_argument("--max-new-tokens", type=int, default=32)
+    bench.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
+
+    bench = sub.add_parser(
         "bench",
         help="time to first token and a whole answer's time of every strategy beside full prefill and the floors; write "
         "bench.*",
     )
     _model_args(bench)
+    _compile_arg(bench)
     bench.add_argument("--out", required=True, type=Path, help="folder for bench.json, bench.md and ttft.png")
     bench.add_argument("--contexts", default=None, help="context sizes in tokens (default 1000,2000,4000,8000)")
     bench.add_argument("--chunk-tokens", type=int, default=None, help="tokens a chunk (default 200)")
@@ -277,7 +297,13 @@ def _run(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     from kvrag.demo import run_demo
 
-    load = dict(name_or_path=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    load = dict(
+        name_or_path=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        cache_dir=args.cache_dir,
+        compile_decode=args.compile_decode,
+    )
     run_demo(load=load, questions=args.questions, max_new_tokens=args.max_new_tokens)
 
 
@@ -296,6 +322,31 @@ def _bench_decode(args: argparse.Namespace) -> None:
     kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     decode_benchmark(kv, contexts=contexts, tokens=args.tokens, runs=args.runs)
+
+
+def _bench_dtype(args: argparse.Namespace) -> None:
+    import torch
+
+    from kvrag.bench_dtype import dtype_quality, markdown
+    from kvrag.kvmodel import KVModel
+    from kvrag.model import resolve_dtype
+
+    if resolve_dtype(args.dtype, args.device) == torch.float32:
+        raise InvalidRequestError(f"--dtype {args.dtype} is float32 here: give bfloat16 or float16 to compare")
+    if not 1 <= args.items <= 10_000 or args.max_new_tokens < 1:
+        raise InvalidRequestError(
+            f"need --items in 1..10000 and --max-new-tokens >= 1, got {args.items}, {args.max_new_tokens}"
+        )
+    load = dict(device=args.device, cache_dir=args.cache_dir)
+    reference = KVModel.from_pretrained(args.model, dtype="float32", **load)
+    low = KVModel.from_pretrained(args.model, dtype=args.dtype, **load)
+    result = dtype_quality(
+        reference, low, limit=args.items, max_new_tokens=args.max_new_tokens, log=lambda m: print(m, file=sys.stderr)
+    )
+    result["command"] = "kvrag " + " ".join(shlex.quote(a) for a in args.argv)
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1))
+    print(markdown(result))
 
 
 def _store(args: argparse.Namespace, *, read_only: bool = False) -> Any:
@@ -326,6 +377,7 @@ def _open_index(args: argparse.Namespace, *, read_only: bool = True) -> Any:
         require_store=True,
         secret=_secret(args),
         read_only=read_only,
+        compile_decode=getattr(args, "compile_decode", False),
     )
 
 
@@ -524,7 +576,9 @@ def _bench(args: argparse.Namespace) -> None:
             f"need --runs >= 1, --chunk-tokens >= 8, --answer-tokens >= 2 and every context at least one chunk long, "
             f"got runs {runs}, chunk tokens {chunk_tokens}, answer tokens {answer_tokens}, contexts {contexts}"
         )
-    kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    kv = KVModel.from_pretrained(
+        args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir, compile_decode=args.compile_decode
+    )
     command = "kvrag " + " ".join(shlex.quote(a) for a in args.argv)
     log = (lambda line: print(line, file=sys.stderr)) if args.json else print
     result = run_bench(
@@ -648,6 +702,7 @@ COMMANDS = {
     "demo": _demo,
     "bench-ingest": _bench_ingest,
     "bench-decode": _bench_decode,
+    "bench-dtype": _bench_dtype,
     "bench": _bench,
     "study": _study,
     "ingest": _ingest,

@@ -173,11 +173,12 @@ class KVRAG:
         namespace: str = "",
         require_store: bool = False,
         secret: bytes | str | None = None,
+        compile_decode: bool = False,
     ) -> KVRAG:
         """An engine on the embedded defaults (or the given model and embedder), loading `path` if it holds an index.
 
         The KV store defaults to memory in front of a disk store in `path/kv` (memory only without a path).
-        `namespace`, `require_store` and `secret` are those of `KVRAG`.
+        `namespace`, `require_store` and `secret` are those of `KVRAG`; `compile_decode` that of `KVModel`.
         """
         check_secret(secret)  # a bad secret or namespace is refused before the model loads or a folder is made
         if namespace:
@@ -192,8 +193,11 @@ class KVRAG:
                 namespace=namespace or None,
                 require_store=require_store,
                 secret=secret,
+                compile_decode=compile_decode,
             )
-        kv = KVModel.from_pretrained(model, dtype=dtype, device=device, cache_dir=cache_dir)
+        kv = KVModel.from_pretrained(
+            model, dtype=dtype, device=device, cache_dir=cache_dir, compile_decode=compile_decode
+        )
         if store is None:
             store = MemoryStore(memory_bytes)
             if path is not None:
@@ -224,12 +228,13 @@ class KVRAG:
         require_store: bool = False,
         secret: bytes | str | None = None,
         read_only: bool = False,
+        compile_decode: bool = False,
     ) -> KVRAG:
         """Open an index folder written by an engine with a path; the model and embedder are those it was built with.
 
         The namespace is the one the index was built with; passing another raises IndexLoadError, and so does
         a `secret` other than the one it was built with. `read_only` opens it without writing anything (a
-        chunk recomputed for lack of stored KV is not stored).
+        chunk recomputed for lack of stored KV is not stored). `compile_decode` is that of `KVModel`.
         """
         folder = IndexFolder(path, read_only=read_only, secret=check_secret(secret))
         if not folder.exists():
@@ -243,7 +248,13 @@ class KVRAG:
                     f"the index at {folder.path} was built for namespace {manifest.get('namespace', '')!r}, not "
                     f"{namespace!r}: open it without a namespace or ingest into another folder"
                 )
-            kv = KVModel.from_pretrained(manifest["model"], dtype=manifest["dtype"], device=device, cache_dir=cache_dir)
+            kv = KVModel.from_pretrained(
+                manifest["model"],
+                dtype=manifest["dtype"],
+                device=device,
+                cache_dir=cache_dir,
+                compile_decode=compile_decode,
+            )
             if kv.fingerprint.digest != manifest["fingerprint"]:
                 raise IndexLoadError(
                     f"the index at {folder.path} was built with another model ({manifest['architecture']}, "

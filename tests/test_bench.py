@@ -87,8 +87,9 @@ def test_bench_decode_prints_both_steps_and_the_floor(tmp_path, capsys):
     kv = KVModel.from_pretrained(str(save_tiny(tmp_path / "model")))
     rows = decode_benchmark(kv, contexts=(150,), tokens=6, runs=1, log=print)
     (row,) = rows
-    assert row["context_tokens"] >= 150 and set(row["ms_per_token"]) == {"kvrag", "transformers_step"}
+    assert row["context_tokens"] >= 150 and set(row["ms_per_token"]) == {"kvrag", "kvrag_compiled", "transformers_step"}
     assert all(ms > 0 for ms in row["ms_per_token"].values()) and row["floor_ms"] > 0
     assert forward_cost(kv, 1, 100).bytes > forward_cost(kv, 1, 0).bytes > 0  # the cached KV counts beside the weights
     assert forward_cost(kv, 10, 100).flops > forward_cost(kv, 10, 0).flops > forward_cost(kv, 1, 0).flops
+    assert row["compile_s"] > 0 and not getattr(kv.model, "_kvrag_compile_decode")  # left as it found the model
     assert "fast step: yes" in capsys.readouterr().out

@@ -211,3 +211,18 @@ def test_strategy_table_on_the_real_model(kv, docs):
         assert all(r["rec"] <= r["budget"] for r in rows[name])
     assert mean("full_prefill", "kl_own") < 1e-9 and mean("target_recompute", "frac") > 0
     assert mean("token_select", "extra") > 0 and mean("insert_full_kv", "extra") > 0
+
+
+def test_compiled_decoding_gives_the_eager_answers(kv, docs):
+    from kvrag.fastdecode import compile_decoding
+
+    chunks, items = docs
+    texts = [c["text"] for c in chunks[:4]]
+    questions = [item["question"] for item in items[:3]]
+    eager = [kv.answer(q, texts, strategy="target_recompute", max_new_tokens=24).text for q in questions]
+    assert compile_decoding(kv.model)
+    try:
+        compiled = [kv.answer(q, texts, strategy="target_recompute", max_new_tokens=24).text for q in questions]
+    finally:
+        compile_decoding(kv.model, enabled=False)  # the module's other tests decode eagerly
+    assert compiled == eager and all(len(a) > 20 for a in eager)

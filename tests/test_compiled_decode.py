@@ -1,0 +1,109 @@
+"""The compiled decode step (torch.compile'd layer steps) gives the eager step's logits to float32 rounding on
+every architecture the fast step takes, its tokens and cache through `decode`, and falls back to the eager step,
+with a warning, where compiling fails."""
+
+import warnings
+
+import pytest
+import torch
+from tiny import ARCHS, tiny_config
+from transformers import AutoModelForCausalLM
+
+from kvrag.fastdecode import Room, compile_decoding, decoder_of
+from kvrag.generate import Sampling, decode
+from kvrag.recompute import full_prefill
+
+TAKEN = [name for name, (model_type, _) in ARCHS.items() if model_type in ("llama", "mistral", "qwen2", "qwen3")]
+
+
+def _fresh(name):
+    """A tiny model of its own (compiling sets state on the model: the shared tiny models stay eager)."""
+    torch.manual_seed(0)
+    config = tiny_config(name)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+
+
+def _ids(n, seed=1):
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("name", TAKEN)
+def test_each_compiled_step_matches_the_whole_sequence_forward(name):
+    model = _fresh(name)
+    assert compile_decoding(model)
+    decoder = decoder_of(model)
+    assert decoder.compiled is not None
+    ids = _ids(60, seed=2)
+    reference = model(torch.tensor([ids])).logits[0].float()  # [T, V] over the whole sequence at once
+    out = full_prefill(model, ids[:20])
+    room = Room.of(out.cache, 40)
+    cos, sin = decoder.rotary(20, 40)
+    for step, token in enumerate(ids[20:]):  # 40 steps over a growing cache: one compile, a dynamic length
+        logits = decoder.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)
+        torch.testing.assert_close(logits, reference[20 + step], rtol=1e-4, atol=1e-4)
+    assert decoder._compiled_ran and decoder.compiled is not None  # the compiled path ran, and never fell back
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_compiled_decode_gives_the_eager_tokens_and_cache(name):
+    model = _fresh(name)
+    ids = _ids(90)
+
+    def run():
+        out = full_prefill(model, ids)
+        steps = decode(model, out.cache, out.logits[-1], out.next_position, Sampling(max_new_tokens=40), eos_ids=())
+        return list(steps), out.cache
+
+    eager, eager_cache = run()
+    compile_decoding(model)
+    compiled, compiled_cache = run()
+    assert compiled == eager and len(set(eager)) > 3
+    for a, b in zip(eager_cache.layers, compiled_cache.layers):
+        assert a.keys.shape == b.keys.shape == (1, a.keys.shape[1], 90 + 39, a.keys.shape[-1])
+        torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b.values, a.values, rtol=1e-4, atol=1e-4)
+    compile_decoding(model, enabled=False)
+    assert decoder_of(model).compiled is None
+    assert run()[0] == eager
+
+
+def test_a_failing_compiler_warns_once_and_the_eager_step_decodes(monkeypatch):
+    model = _fresh("llama")
+    decoder = decoder_of(model)
+    ids = _ids(30)
+    out = full_prefill(model, ids)
+    room = Room.of(out.cache, 4)
+    cos, sin = decoder.rotary(30, 4)
+    expected = decoder.step(5, cos[0], sin[0], room.keys, room.values, room.filled)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    decoder.compiled = (broken, broken)
+    with pytest.warns(RuntimeWarning, match="compiled decoding is off.*no C\\+\\+ compiler found"):
+        logits = decoder.step(5, cos[0], sin[0], room.keys, room.values, room.filled)
+    assert torch.equal(logits, expected) and decoder.compiled is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        decoder.step(7, cos[1], sin[1], room.keys, room.values, room.filled + 1)  # eager now, and silent
+
+
+def test_a_failure_after_the_compiled_step_ran_is_raised():
+    model = _fresh("llama")
+    decoder = decoder_of(model)
+    out = full_prefill(model, _ids(30))
+    room = Room.of(out.cache, 4)
+    cos, sin = decoder.rotary(30, 4)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    decoder.compiled, decoder._compiled_ran = (broken, broken), True
+    with pytest.raises(RuntimeError, match="out of memory"):
+        decoder.step(5, cos[0], sin[0], room.keys, room.values, room.filled)
+
+
+def test_compile_is_refused_quietly_where_the_fast_step_does_not_take_the_model():
+    model = _fresh("phi3")
+    assert not compile_decoding(model)
+    assert decoder_of(model) is None  # it decodes through transformers, as it did
