@@ -20,10 +20,12 @@ one function that torch.compile (inductor) turns into a few fused C++ kernels, c
 replayed for every layer and token; the number of cached tokens is a dynamic dimension, so a longer cache
 compiles nothing. Its products are written as reductions, which inductor generates as vectorized dot products
 over the weight rows on every core (closer to the memory bandwidth than a vector-matrix product through
-MKL); attention over the cache is fused the same way. It costs seconds of compilation on a model's first
-decoded token (inductor keeps the result on disk for later processes), so it pays off in a process that
-answers many questions. Its logits equal the eager step's to float32 rounding (the sums run in another
-order); where the compiler is missing or fails, decoding warns once and stays on the eager step.
+MKL). Its attention is split into blocks of BLOCK cache slots (flash-decoding), so every cached key and value
+is read once and the cores share the blocks; the cache keeps the room for whole blocks (`decode_room`). It
+costs seconds of compilation on a model's first decoded token (inductor keeps the result on disk for later
+processes), so it pays off in a process that answers many questions. Its logits equal the eager step's to
+float32 rounding (the sums run in another order); where the compiler is missing or fails, decoding warns once
+and stays on the eager step.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 TAKEN = ("llama", "mistral", "qwen2", "qwen3")
+BLOCK = 256  # cache slots an attention block of the compiled step reads (docs/performance.md, "Decoding")
 
 
 class Product:
@@ -214,7 +217,8 @@ class FastDecoder:
     ) -> torch.Tensor:
         """Logits [V] for `token` at the position whose rotary rows are cos, sin [d]; its key and value go to slot
         `filled` of every layer's keys/values buffers [H_kv, capacity, d], whose first `filled` slots attend."""
-        if self.compiled is not None and filled >= 1:  # (a dynamic dimension is never 0 or 1 long)
+        # compiled where the buffers hold whole blocks up to this slot (`decode_room` keeps them), else eager
+        if self.compiled is not None and keys[0].shape[1] >= -(-(filled + 1) // BLOCK) * BLOCK:
             try:
                 return self._compiled_step(token, cos, sin, keys, values, filled)
             except Exception as error:  # noqa: BLE001 - no compiler, or one that fails: the eager step is exact
@@ -264,11 +268,13 @@ class FastDecoder:
         filled: int,
     ) -> torch.Tensor:
         layer_step, head_step = self.compiled  # type: ignore[misc]
+        span = -(-(filled + 1) // BLOCK) * BLOCK  # whole blocks of slots, the last one partly filled
+        slot = torch.tensor([filled], device=self.embed.device)  # a tensor: a new slot compiles nothing
         x = self.embed[token]  # [D]
         for i, layer in enumerate(self.layers):
-            k, v = keys[i][:, : filled + 1], values[i][:, : filled + 1]  # the step writes slot `filled`, the last
-            torch._dynamo.mark_dynamic(k, 1)
-            torch._dynamo.mark_dynamic(v, 1)
+            k, v = keys[i][:, :span], values[i][:, :span]
+            torch._dynamo.maybe_mark_dynamic(k, 1)  # (one block compiles apart: a dimension of 1 is static)
+            torch._dynamo.maybe_mark_dynamic(v, 1)
             x = layer_step(
                 x,
                 layer.norm_in,
@@ -284,6 +290,7 @@ class FastDecoder:
                 sin,
                 k,
                 v,
+                slot,
                 self.heads,
                 self.eps,
                 self.scale,
@@ -322,13 +329,21 @@ def _layer_step(
     sin: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
+    slot: torch.Tensor,
     heads: int,
     eps: float,
     scale: float,
 ) -> torch.Tensor:
-    """One decoder layer for one token, as `FastDecoder.step`'s loop body: the token's key and value go to the
-    last slot of keys/values [H_kv, T, d], and it attends to all T."""
-    kv_heads, _, d = keys.shape
+    """One decoder layer for one token, as `FastDecoder.step`'s loop body.
+
+    keys/values [H_kv, T, d] are whole blocks of BLOCK slots of the cache; the token's key and value go to slot
+    `slot` ([1]), and it attends to slots 0..slot. Attention is split by blocks (flash-decoding): each block's
+    scores, softmax and weighted values on their own, then the blocks' partial results merged by their maxima,
+    so every key and value is read once and each core takes whole blocks. Slots after `slot` may hold anything
+    (they are masked out before any arithmetic reads them into the result).
+    """
+    kv_heads, span, d = keys.shape
+    blocks, group = span // BLOCK, heads // kv_heads
     h = _rms_norm(x, norm_in, eps)
     qkv = _dot(qkv_w, h, qkv_b)
     q = qkv[: heads * d].view(heads, d)
@@ -337,12 +352,20 @@ def _layer_step(
     if q_norm is not None:
         q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)  # type: ignore[arg-type]
     q, k = FastDecoder._rope(q, cos, sin), FastDecoder._rope(k, cos, sin)
-    keys[:, -1] = k
-    values[:, -1] = v
-    grouped = (q.view(kv_heads, heads // kv_heads, 1, d) * scale).float()  # the query rows of each kv head
-    weights = torch.softmax((grouped * keys[:, None].float()).sum(-1), dim=-1)  # [H_kv, G, T]
-    out = (weights[..., None] * values[:, None].float()).sum(-2).to(x.dtype)  # [H_kv, G, d]
-    x = x + _dot(o_w, out.reshape(heads * d))
+    keys.index_copy_(1, slot, k[:, None])
+    values.index_copy_(1, slot, v[:, None])
+    grouped = (q.view(kv_heads, 1, group, 1, d) * scale).float()  # the query rows of each kv head
+    scores = (grouped * keys.view(kv_heads, blocks, 1, BLOCK, d).float()).sum(-1)  # [H_kv, S, G, B]
+    seen = torch.arange(span, device=keys.device).view(blocks, 1, BLOCK) <= slot  # [S, 1, B]
+    scores = torch.where(seen, scores, float("-inf"))
+    top = scores.amax(-1)  # [H_kv, S, G]: every block holds a seen slot, so this is finite
+    weights = torch.exp(scores - top[..., None])
+    mass = weights.sum(-1)  # [H_kv, S, G]
+    weighted = weights[..., None] * values.view(kv_heads, blocks, 1, BLOCK, d).float()
+    partial = torch.where(seen[..., None], weighted, 0.0).sum(-2)  # [H_kv, S, G, d]
+    rescale = torch.exp(top - top.amax(1, keepdim=True))  # [H_kv, S, G]
+    out = (partial * rescale[..., None]).sum(1) / (mass * rescale).sum(1)[..., None]  # [H_kv, G, d]
+    x = x + _dot(o_w, out.to(x.dtype).reshape(heads * d))
     gate, up = _dot(gate_up_w, _rms_norm(x, norm_post, eps)).chunk(2)
     return x + _dot(down_w, F.silu(gate) * up)
 
@@ -356,6 +379,13 @@ def _compiled() -> tuple[Any, Any]:
     """The compiled layer step and head, made once a process (compiled code is kept per function and its shapes,
     so every decoder of every model shares them)."""
     return torch.compile(_layer_step, dynamic=False), torch.compile(_head_step, dynamic=False)
+
+
+def decode_room(model: torch.nn.Module, tokens: int) -> int:
+    """Free cache slots to keep after a prompt for `tokens` decoded ones: BLOCK - 1 more when `model` decodes
+    compiled, whose attention reads whole blocks of slots (the extra slots hold no token and take no
+    position: they never count against the context)."""
+    return tokens + BLOCK - 1 if getattr(model, "_kvrag_compile_decode", False) and tokens > 1 else tokens
 
 
 def compile_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from kvrag.compat import with_cache
 from kvrag.errors import InvalidRequestError
-from kvrag.fastdecode import Room, decoder_of
+from kvrag.fastdecode import Room, decode_room, decoder_of
 
 
 @dataclass(slots=True)
@@ -101,7 +101,7 @@ def decode(
         with lock or contextlib.nullcontext():  # made once a model, and it restacks the model's weights
             fast = decoder_of(model)
             if fast is not None:
-                room = Room.of(cache, sampling.max_new_tokens)
+                room = Room.of(cache, decode_room(model, sampling.max_new_tokens))
                 cos, sin = fast.rotary(position, sampling.max_new_tokens)  # [steps, d]: the positions decoded into
     logits = first_logits
     step = 0

@@ -16,6 +16,7 @@ from kvrag.chunks import Chunks
 from kvrag.defaults import shipped_default
 from kvrag.errors import ContextOverflowError
 from kvrag.executor import Executor, Job
+from kvrag.fastdecode import decode_room
 from kvrag.generate import Detokenizer, Sampling
 from kvrag.planner import Decision, make_plan
 from kvrag.probe import Probe
@@ -101,7 +102,8 @@ def prefill(
             measure = probe.of(kvmodel, chunks, suffix, request.question)
             decision = plan(kvmodel, request, chunks, measure)
         with phase(phases, "store load"):  # the KV the plan reuses and nothing measured yet: store, else encode
-            job = job_of(decision, chunks, suffix, room=room, logits_to_keep=logits_to_keep)
+            # the cache keeps the room decoding needs (a compiled step reads whole blocks of slots)
+            job = job_of(decision, chunks, suffix, room=decode_room(kvmodel.model, room), logits_to_keep=logits_to_keep)
         out = executor.prefill(job, phases=phases, pooled=pooled)
     return Prefilled(out, decision, measure, chunks, job.context_tokens)
 

@@ -9,7 +9,7 @@ import torch
 from tiny import ARCHS, tiny_config
 from transformers import AutoModelForCausalLM
 
-from kvrag.fastdecode import Room, compile_decoding, decoder_of
+from kvrag.fastdecode import BLOCK, Room, compile_decoding, decode_room, decoder_of
 from kvrag.generate import Sampling, decode
 from kvrag.recompute import full_prefill
 
@@ -36,12 +36,42 @@ def test_each_compiled_step_matches_the_whole_sequence_forward(name):
     ids = _ids(60, seed=2)
     reference = model(torch.tensor([ids])).logits[0].float()  # [T, V] over the whole sequence at once
     out = full_prefill(model, ids[:20])
-    room = Room.of(out.cache, 40)
+    room = Room.of(out.cache, decode_room(model, 40))
+    assert room.keys[0].shape[1] >= BLOCK
+    torch.nn.init.constant_(room.keys[0][:, 20:], float("nan"))  # free slots may hold anything: never read
+    torch.nn.init.constant_(room.values[0][:, 20:], float("inf"))
     cos, sin = decoder.rotary(20, 40)
     for step, token in enumerate(ids[20:]):  # 40 steps over a growing cache: one compile, a dynamic length
         logits = decoder.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)
         torch.testing.assert_close(logits, reference[20 + step], rtol=1e-4, atol=1e-4)
     assert decoder._compiled_ran and decoder.compiled is not None  # the compiled path ran, and never fell back
+
+
+def test_attention_blocks_merge_across_a_block_boundary():
+    model = _fresh("llama")
+    compile_decoding(model)
+    decoder = decoder_of(model)
+    ids = _ids(BLOCK + 8, seed=3)
+    start = BLOCK - 4  # the steps cross from one block into two
+    reference = model(torch.tensor([ids])).logits[0].float()
+    out = full_prefill(model, ids[:start])
+    room = Room.of(out.cache, decode_room(model, 12))
+    cos, sin = decoder.rotary(start, 12)
+    for step, token in enumerate(ids[start : start + 12]):
+        logits = decoder.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)
+        torch.testing.assert_close(logits, reference[start + step], rtol=1e-4, atol=1e-4)
+    assert decoder._compiled_ran
+
+
+def test_without_whole_blocks_of_room_the_eager_step_decodes():
+    model = _fresh("llama")
+    compile_decoding(model)
+    decoder = decoder_of(model)
+    out = full_prefill(model, _ids(20))
+    room = Room.of(out.cache, 4)  # room for 4 tokens, not for a block: a caller that skipped decode_room
+    cos, sin = decoder.rotary(20, 4)
+    decoder.step(5, cos[0], sin[0], room.keys, room.values, room.filled)
+    assert not decoder._compiled_ran and decoder.compiled is not None  # eager this time, compiled still on
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
@@ -72,7 +102,7 @@ def test_a_failing_compiler_warns_once_and_the_eager_step_decodes(monkeypatch):
     decoder = decoder_of(model)
     ids = _ids(30)
     out = full_prefill(model, ids)
-    room = Room.of(out.cache, 4)
+    room = Room.of(out.cache, BLOCK)
     cos, sin = decoder.rotary(30, 4)
     expected = decoder.step(5, cos[0], sin[0], room.keys, room.values, room.filled)
 
@@ -92,7 +122,7 @@ def test_a_failure_after_the_compiled_step_ran_is_raised():
     model = _fresh("llama")
     decoder = decoder_of(model)
     out = full_prefill(model, _ids(30))
-    room = Room.of(out.cache, 4)
+    room = Room.of(out.cache, BLOCK)
     cos, sin = decoder.rotary(30, 4)
 
     def broken(*args, **kwargs):
