@@ -39,6 +39,7 @@ from kvrag.bench_storage import bytes_per_token, int8_error, read_bandwidth
 from kvrag.defaults import shipped_default
 from kvrag.embed import Embedder
 from kvrag.engine import KVRAG
+from kvrag.fastdecode import decoder_of
 from kvrag.kvmodel import KVModel
 from kvrag.store import MemoryStore
 from kvrag.strategies import BUILTIN_STRATEGIES
@@ -121,7 +122,15 @@ def _machine(kv: KVModel) -> dict[str, Any]:
         "model": kv.fingerprint.architecture,
         "weights": kv.fingerprint.weights,
         "dtype": str(kv.prefix.keys.dtype).removeprefix("torch."),
+        "decoding": _decoding(kv),
     }
+
+
+def _decoding(kv: KVModel) -> str:
+    """How answers are decoded: kvrag's compiled or eager step, or the transformers forward."""
+    if decoder_of(kv.model) is None:
+        return "transformers forward"
+    return "compiled step" if getattr(kv.model, "_kvrag_compile_decode", False) else "eager step"
 
 
 def _references(row: dict[str, Any]) -> list[str]:
@@ -133,7 +142,8 @@ def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [
         (
-            f"{m['model']} ({m['dtype']}) on {m['device']}, {m['threads']} threads; budget {result['budget']}, "
+            f"{m['model']} ({m['dtype']}) on {m['device']}, {m['threads']} threads, decoding with the "
+            f"{m.get('decoding', 'eager step')}; budget {result['budget']}, "
             f"chunks of ~{result['chunk_tokens']} tokens, the first chunk as the target; median of {result['runs']} runs."
         ),
         "",

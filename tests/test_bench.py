@@ -57,6 +57,7 @@ def test_quick_bench_writes_every_output(tmp_path, capsys):
     assert result["int8"]["items"] >= 1 and result["int8"]["finite"]
     assert set(result["int8"]["first_token_kl"]) == {"reuse", "target_recompute"}
     markdown = (out / "bench.md").read_text()
+    assert result["machine"]["decoding"] == "eager step" and "decoding with the eager step" in markdown
     for section in (
         "Whole answer: 4 tokens",
         f"| {DEFAULT} ({result['default']['strategy']}) |",

@@ -2,6 +2,7 @@
 every architecture the fast step takes, its tokens and cache through `decode`, and falls back to the eager step,
 with a warning, where compiling fails."""
 
+import shutil
 import warnings
 
 import pytest
@@ -13,6 +14,8 @@ from kvrag.fastdecode import BLOCK, Room, compile_decoding, decode_room, decoder
 from kvrag.generate import Sampling, decode
 from kvrag.recompute import full_prefill
 
+NO_COMPILER = not any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+needs_compiler = pytest.mark.skipif(NO_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")
 TAKEN = [name for name, (model_type, _) in ARCHS.items() if model_type in ("llama", "mistral", "qwen2", "qwen3")]
 
 
@@ -27,6 +30,7 @@ def _ids(n, seed=1):
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@needs_compiler
 @pytest.mark.parametrize("name", TAKEN)
 def test_each_compiled_step_matches_the_whole_sequence_forward(name):
     model = _fresh(name)
@@ -47,6 +51,7 @@ def test_each_compiled_step_matches_the_whole_sequence_forward(name):
     assert decoder._compiled_ran and decoder.compiled is not None  # the compiled path ran, and never fell back
 
 
+@needs_compiler
 def test_attention_blocks_merge_across_a_block_boundary():
     model = _fresh("llama")
     compile_decoding(model)
@@ -74,6 +79,7 @@ def test_without_whole_blocks_of_room_the_eager_step_decodes():
     assert not decoder._compiled_ran and decoder.compiled is not None  # eager this time, compiled still on
 
 
+@needs_compiler
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_compiled_decode_gives_the_eager_tokens_and_cache(name):
     model = _fresh(name)
