@@ -189,10 +189,7 @@ class FastDecoder:
         return cos[0], sin[0]
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # as transformers' RMSNorm: in float32, then back to the input dtype before the weight
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(x.dtype)
+        return _rms_norm(x, weight, self.eps)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -309,6 +306,7 @@ def _dot(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' RMSNorm: in float32, then back to the input dtype before the weight."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
