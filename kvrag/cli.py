@@ -151,6 +151,7 @@ def _add_bench(sub: Any) -> None:
     )
     _model_args(bench)
     bench.set_defaults(dtype="bfloat16")
+    next(a for a in bench._actions if a.dest == "dtype").help = "the dtype compared with float32 (default bfloat16)"
     bench.add_argument("--items", type=int, default=20, help="built-in study items a family (default 20)")
     bench.add_argument("--max-new-tokens", type=int, default=32)
     bench.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
