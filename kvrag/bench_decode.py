@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from kvrag import pipeline
 from kvrag.bench import context_texts
 from kvrag.demo import sample_docs
-from kvrag.fastdecode import compile_decoding, decoder_of
+from kvrag.fastdecode import compile_decoding, decoder_of, decodes_compiled
 from kvrag.generate import Sampling, decode
 from kvrag.kv import ChunkKV
 from kvrag.kvmodel import KVModel
@@ -56,7 +56,7 @@ def decode_benchmark(
     bandwidth = machine.read_bytes
     fast = decoder_of(kv.model) is not None
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; fast step: {'yes' if fast else 'no'}")
-    compiled_before = bool(getattr(kv.model, "_kvrag_compile_decode", False))
+    compiled_before = decodes_compiled(kv.model)
     paths: dict[str, Callable[[int], tuple[float, int, int]]] = {
         "transformers_step": lambda n: _decode_time(kv, question, texts, n, False)
     }

@@ -39,7 +39,7 @@ from kvrag.bench_storage import bytes_per_token, int8_error, read_bandwidth
 from kvrag.defaults import shipped_default
 from kvrag.embed import Embedder
 from kvrag.engine import KVRAG
-from kvrag.fastdecode import decoder_of
+from kvrag.fastdecode import decoder_of, decodes_compiled
 from kvrag.kvmodel import KVModel
 from kvrag.store import MemoryStore
 from kvrag.strategies import BUILTIN_STRATEGIES
@@ -130,7 +130,7 @@ def _decoding(kv: KVModel) -> str:
     """How answers are decoded: kvrag's compiled or eager step, or the transformers forward."""
     if decoder_of(kv.model) is None:
         return "transformers forward"
-    return "compiled step" if getattr(kv.model, "_kvrag_compile_decode", False) else "eager step"
+    return "compiled step" if decodes_compiled(kv.model) else "eager step"
 
 
 def _references(row: dict[str, Any]) -> list[str]:

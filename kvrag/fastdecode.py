@@ -379,11 +379,16 @@ def _compiled() -> tuple[Any, Any]:
     return torch.compile(_layer_step, dynamic=False), torch.compile(_head_step, dynamic=False)
 
 
+def decodes_compiled(model: torch.nn.Module) -> bool:
+    """Whether `compile_decoding` turned the compiled step on for `model`."""
+    return bool(getattr(model, "_kvrag_compile_decode", False))
+
+
 def decode_room(model: torch.nn.Module, tokens: int) -> int:
     """Free cache slots to keep after a prompt for `tokens` decoded ones: BLOCK - 1 more when `model` decodes
     compiled, whose attention reads whole blocks of slots (the extra slots hold no token and take no
     position: they never count against the context)."""
-    return tokens + BLOCK - 1 if getattr(model, "_kvrag_compile_decode", False) and tokens > 1 else tokens
+    return tokens + BLOCK - 1 if decodes_compiled(model) and tokens > 1 else tokens
 
 
 def compile_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
@@ -433,7 +438,7 @@ def decoder_of(model: torch.nn.Module) -> FastDecoder | None:
         with torch.inference_mode(False), torch.no_grad():
             decoder = FastDecoder(model)
         model._kvrag_fast_decoder = decoder  # type: ignore[attr-defined]
-    if decoder is not None and getattr(model, "_kvrag_compile_decode", False):
+    if decoder is not None and decodes_compiled(model):
         decoder.compile()
     return decoder
 
