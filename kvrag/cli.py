@@ -81,7 +81,9 @@ def _add_ask(sub: Any) -> None:
     ask.add_argument("question")
     ask.add_argument("--index", required=True, type=Path)
     ask.add_argument(
-        "--strategy", default=None, help="default: the index's tuned default (kvrag tune), else target_recompute"
+        "--strategy",
+        default=None,
+        help="default: the index's tuned default (kvrag tune), else kvrag.defaults' for the model",
     )
     ask.add_argument("--picker", default=None, help="retriever, attention, likelihood, lexical, fused or oracle")
     ask.add_argument("--budget", type=float, default=None, help="default: the tuned default's, else 0.05")
@@ -95,6 +97,19 @@ def _add_ask(sub: Any) -> None:
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--threads", type=int, default=None)
     _compile_arg(ask)
+    ask.add_argument(
+        "--backend",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="what runs the plan: kvrag's transformers engine (default) or vLLM through kvrag's connector (vllm-kvrag; "
+        "it stores the prompt prefix's KV, which the connector loads, if the store lacks it)",
+    )
+    ask.add_argument(
+        "--vllm-server",
+        default=None,
+        metavar="URL",
+        help="with --backend vllm: a `vllm serve` that loads the connector",
+    )
 
 
 def _add_agree_and_tune(sub: Any) -> None:
@@ -155,6 +170,14 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument("--items", type=int, default=20, help="built-in study items a family (default 20)")
     bench.add_argument("--max-new-tokens", type=int, default=32)
     bench.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
+
+    bench = sub.add_parser(
+        "bench-vllm",
+        add_help=False,  # its options are vllm_kvrag.bench's (`main` hands them over): --help prints them
+        help="time to first token and concurrent throughput on vLLM through kvrag's connector, beside vLLM's own "
+        "prefill and kvrag's engine (needs vllm-kvrag)",
+    )
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
 
     bench = sub.add_parser(
         "bench",
@@ -523,7 +546,12 @@ def _gc(args: argparse.Namespace) -> None:
 
 
 def _ask(args: argparse.Namespace) -> None:
-    rag = _open_index(args)
+    if args.backend != "vllm" and args.vllm_server:
+        raise InvalidRequestError("--vllm-server goes with --backend vllm")
+    # vLLM's connector needs the prompt prefix's KV in the store: the vLLM backend stores it if it is missing
+    rag = _open_index(args, read_only=args.backend != "vllm")
+    if args.backend == "vllm":
+        _on_vllm(rag, args)
     kwargs = dict(
         strategy=args.strategy,
         picker=args.picker,
@@ -547,6 +575,41 @@ def _ask(args: argparse.Namespace) -> None:
             f"\n[{answer.stats.strategy}, ttft {answer.stats.ttft_s:.3f} s, sources: "
             f"{', '.join(s.id for s in answer.sources)}]"
         )
+
+
+def _vllm_kvrag(what: str) -> Any:
+    """The vllm_kvrag package, or a clear error saying where it is installed."""
+    import os
+
+    # A command's stdout is its result (--json: one object): vLLM's log goes to stderr, warnings and worse
+    # only, unless the environment says otherwise (vLLM's own variables). Set before vLLM is imported.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm_kvrag.attach
+
+        return vllm_kvrag
+    except ImportError as err:
+        raise InvalidRequestError(
+            f"{what} needs vllm-kvrag and vLLM ({err}): `make install-vllm` puts both in .venv-vllm; run "
+            f"`.venv-vllm/bin/kvrag ...` from there, or `pip install -e integrations/vllm-kvrag` beside vLLM"
+        ) from None
+
+
+def _on_vllm(rag: Any, args: argparse.Namespace) -> None:
+    """Hand the engine's plans to vLLM: an in-process engine with kvrag's connector, or a `vllm serve`."""
+    if args.compile_decode:
+        raise InvalidRequestError("--compile-decode is kvrag's transformers decode: vLLM decodes with its own")
+    vllm_kvrag = _vllm_kvrag("--backend vllm")
+    secret_file = str(args.secret_file) if args.secret_file else None  # the connector verifies under the same secret
+    vllm_kvrag.attach.attach(rag, server=args.vllm_server, secret_file=secret_file)
+
+
+def _bench_vllm(args: argparse.Namespace) -> None:
+    _vllm_kvrag("kvrag bench-vllm")
+    from vllm_kvrag.bench import main
+
+    main(args.rest)
 
 
 def _csv(text: str, kind: type, what: str) -> list:
@@ -704,6 +767,7 @@ COMMANDS = {
     "bench-ingest": _bench_ingest,
     "bench-decode": _bench_decode,
     "bench-dtype": _bench_dtype,
+    "bench-vllm": _bench_vllm,
     "bench": _bench,
     "study": _study,
     "ingest": _ingest,
@@ -723,7 +787,11 @@ def _redacted(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["bench-vllm"]:  # its options are vllm_kvrag.bench's own, --help included
+        args = argparse.Namespace(command="bench-vllm", rest=raw[1:], threads=None)
+    else:
+        args = build_parser().parse_args(raw)
     args.argv = _redacted(sys.argv[1:] if argv is None else argv)  # recorded in outputs: never a password
     try:
         _run(args)

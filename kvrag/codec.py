@@ -50,7 +50,7 @@ def _digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str], secret: 
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes())
+        h.update(t.view(torch.uint8).numpy())  # the buffer itself: no copy of the bytes
     h.update(json.dumps({k: v for k, v in metadata.items() if k != CHECKSUM}, sort_keys=True).encode())
     return h.hexdigest()
 

@@ -64,6 +64,10 @@ def test_ingest_ask_info(setup, capsys):
         (["ask", "q?", "--index", "{root}/index", "--top-k", "0"], "top_k must be"),
         (["ask", "  ", "--index", "{root}/index"], "question is empty"),
         (["ask", "q?", "--index", "{root}/index", "--device", "tpu9"], "unknown device 'tpu9'"),
+        (
+            ["ask", "q?", "--index", "{root}/index", "--vllm-server", "http://h:8000"],
+            "--vllm-server goes with --backend",
+        ),
     ],
 )
 def test_user_mistakes_are_one_line_and_exit_2(setup, capsys, argv, message):
@@ -73,6 +77,19 @@ def test_user_mistakes_are_one_line_and_exit_2(setup, capsys, argv, message):
         run(capsys, "ingest", setup[2], "--index", root / "index", "--model", model, "--quiet")
     code, out, err = run(capsys, *[a.format(root=root, model=model) for a in argv])
     assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_vllm_backend_without_vllm_kvrag_says_where_to_get_it(setup, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm_kvrag") is not None:
+        pytest.skip("vllm-kvrag is installed here: its own tests run the vLLM backend")
+    root, model, docs = setup
+    if not (root / "index").exists():
+        run(capsys, "ingest", docs, "--index", root / "index", "--model", model, "--quiet")
+    for argv in (["ask", "q?", "--index", root / "index", "--backend", "vllm"], ["bench-vllm", "--help"]):
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and "needs vllm-kvrag and vLLM" in err and "make install-vllm" in err and out == ""
 
 
 def test_redis_store_from_the_command_line(setup, capsys):

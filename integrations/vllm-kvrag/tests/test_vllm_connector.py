@@ -146,3 +146,85 @@ def test_a_tenant_executor_and_its_connector_share_one_view_of_the_store(kv, tmp
         view = open_store(config)
         view.bind(encoder=kv.encoder_id, dtype=torch.float32, device="cpu")
         assert (view.get(planned.prefix_key) is not None) is found
+
+
+def test_concurrent_queries_share_one_engine_and_each_gets_its_own_answer(kv, executor, store):
+    """Threads answering at once are batched by vLLM's one engine (each step advances every request); every
+    thread gets exactly the tokens it gets alone, and none waits on another's finished request."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    asks = [
+        (Q, dict(strategy="target_recompute", scores=[0.9, 0.2, 0.4])),
+        ("When does the archive open?", dict(strategy="reuse", scores=[0.1, 0.2, 0.9])),
+        ("When does the river Tam flood?", dict(strategy="target_only", scores=[0.2, 0.9, 0.1])),
+        (Q, dict(strategy="full_prefill")),
+    ] * 2
+    alone = [answer(kv, executor, store, q, TEXTS, max_new_tokens=12, **o).token_ids for q, o in asks]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        together = list(pool.map(lambda a: answer(kv, executor, store, a[0], TEXTS, max_new_tokens=12, **a[1]), asks))
+    assert [a.token_ids for a in together] == alone
+    assert not executor.llm.llm_engine.has_unfinished_requests() and not executor._stepper.queues
+
+
+def test_attach_runs_an_engines_plans_on_vllm_over_its_own_store(kv, llm, store_root):
+    """`attach` gives an engine a vLLM executor over the store it already has; the connector's config for that
+    store is the one the session's engine was started with."""
+    from kvrag import KVRAG
+    from kvrag.embed import Embedder
+    from kvrag.store import DiskStore, MemoryStore, TieredStore
+    from vllm_kvrag.attach import attach, store_config
+    from vllm_kvrag.executor import VLLMExecutor
+
+    disk = DiskStore(store_root, "float32")
+    assert store_config(TieredStore(MemoryStore(), disk)) == {
+        "store": "disk",
+        "path": str(store_root),
+        "storage_dtype": "float32",
+    }
+    assert store_config(disk.scoped("tenant-a"))["tenant"] == "tenant-a"
+    assert store_config(disk.scoped("tenant-a"))["path"] == str(store_root)
+    with pytest.raises(InvalidRequestError, match="disk folder or Redis"):
+        store_config(MemoryStore())
+    embedder = Embedder()
+    here = KVRAG(kv, embedder=embedder, store=TieredStore(MemoryStore(), DiskStore(store_root, "float32")))
+    here.ingest(TEXTS, split=False, progress=False)
+    want = here.query(Q, strategy="target_recompute", top_k=3, max_new_tokens=12)
+    there = attach(KVRAG(kv, embedder=embedder, store=DiskStore(store_root, "float32"), index=here.index), llm)
+    assert isinstance(there.executor, VLLMExecutor)
+    got = there.query(Q, strategy="target_recompute", top_k=3, max_new_tokens=12)
+    assert got.token_ids == want.token_ids and got.stats.chunks_encoded == 0
+    assert got.stats.recomputed_tokens < got.stats.context_tokens  # the reused chunks came through the connector
+
+
+def test_the_connectors_memory_tier_and_its_bad_settings(tmp_path):
+    from kvrag.errors import KVRAGError
+    from kvrag.store import TieredStore
+    from vllm_kvrag.connector import open_store
+
+    tiered = open_store({"store": "disk", "path": str(tmp_path), "memory_bytes": 1 << 20})
+    assert isinstance(tiered, TieredStore) and tiered.front.max_bytes == 1 << 20
+    for bad in ("2GB", -1, True):
+        with pytest.raises(KVRAGError, match="memory_bytes must be a whole number"):
+            open_store({"store": "disk", "path": str(tmp_path), "memory_bytes": bad})
+
+
+def test_a_request_resumed_after_preemption_is_loaded_again_into_its_new_blocks():
+    """vLLM frees a preempted request's KV and matches it again when it resumes; it then comes back among the
+    cached requests, with all its blocks: the connector loads it there as it loads a new one."""
+    from types import SimpleNamespace
+
+    from vllm_kvrag.connector import KVRAGConnector
+    from vllm_kvrag.plan import Piece, TransferPlan
+
+    connector = object.__new__(KVRAGConnector)  # the scheduler side's state only
+    plan = TransferPlan((Piece("ab" * 32, 0, 0, 40),), "encoder")
+    connector._pending = {"new": (plan, 0, 40), "resumed": (plan, 0, 40), "running": (plan, 0, 40)}
+    output = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="new", block_ids=([3, 4],))],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["running", "resumed"], resumed_req_ids={"resumed"}, new_block_ids=[([9],), ([7, 8],)]
+        ),
+    )
+    loads = connector.build_connector_meta(output).loads
+    assert [(load.block_ids, load.begin, load.end) for load in loads] == [([3, 4], 0, 40), ([7, 8], 0, 40)]
+    assert connector._pending == {}  # a request matched but not scheduled is matched afresh when it is

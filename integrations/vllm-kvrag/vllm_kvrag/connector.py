@@ -13,12 +13,15 @@ is read is reported as a load error, and vLLM recomputes those tokens (`kv_load_
 Configuration (`KVTransferConfig.kv_connector_extra_config`): `store` ("disk" or "redis"), `path` (disk),
 `url` and `namespace` (redis), `storage_dtype` (as the entries were written, default float16), and for a
 tenant: `tenant` (the engine's namespace: the connector reads that tenant's view of the store, as the
-engine writes it) and `secret_file` (a file holding the tenant secret its entries are checksummed with).
+engine writes it) and `secret_file` (a file holding the tenant secret its entries are checksummed with);
+`memory_bytes` (default 0: none) keeps entries, once read and verified, decoded in the worker's memory, at most
+that many bytes, least recently used out first.
 """
 
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import warnings
 from dataclasses import dataclass, field
@@ -35,8 +38,8 @@ from kvrag.errors import KVRAGError
 from kvrag.kv import ChunkKV
 from kvrag.model import check_architecture
 from kvrag.rope import Repositioner, rotary_of_config
-from kvrag.store import DiskStore, KVStore, RedisStore
-from vllm_kvrag.plan import TransferPlan
+from kvrag.store import DiskStore, KVStore, MemoryStore, RedisStore, TieredStore
+from vllm_kvrag.plan import Piece, TransferPlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+_READ_AHEAD = 2  # entries read and verified ahead of the one being written (bounded: each is a chunk's KV)
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -94,6 +98,13 @@ def open_store(extra: dict[str, Any]) -> KVStore:
                 f"the kvrag connector's secret_file {extra['secret_file']} holds {len(store.secret)} bytes: a secret "
                 "needs at least 16"
             )
+    memory = extra.get("memory_bytes", 0)
+    if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
+        raise KVRAGError(
+            f"the kvrag connector's memory_bytes must be a whole number of bytes (0: none), got {memory!r}"
+        )
+    if memory > 0:  # entries kept decoded in this process, bounded in bytes: a hot chunk skips the read and check
+        return TieredStore(MemoryStore(memory), store)
     return store
 
 
@@ -112,6 +123,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         self._repositioner: Repositioner | None = None
         if role == KVConnectorRole.WORKER:
             self._repositioner = Repositioner(rotary=rotary_of_config(hf_config))
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvrag-read")
 
     # -- scheduler side ---------------------------------------------------------------------------------
 
@@ -145,8 +157,14 @@ class KVRAGConnector(KVConnectorBase_V1):
             if new.req_id in self._pending:
                 plan, begin, end = self._pending.pop(new.req_id)
                 meta.loads.append(_Load(plan, list(new.block_ids[0]), begin, end))
-        # A request preempted before its load ran computes its prompt itself when it resumes.
-        self._pending.clear()
+        # A request vLLM preempted is matched again when it resumes (its KV was freed): it comes back among the
+        # cached requests, with every block it now holds, and is loaded again like a new one.
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in self._pending and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                plan, begin, end = self._pending.pop(req_id)
+                meta.loads.append(_Load(plan, list(cached.new_block_ids[i][0]), begin, end))
+        self._pending.clear()  # matched but not scheduled this step: matched afresh when it is
         return meta
 
     # -- worker side ------------------------------------------------------------------------------------
@@ -154,49 +172,62 @@ class KVRAGConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVRAGConnectorMetadata)
+        layers = _paged_layers(forward_context)
         for load in meta.loads:
-            stitched = self._stitch(load)
-            if stitched is None:
-                self._errors |= {load.block_ids[t // self._block_size] for t in range(load.begin, load.end)}
-                continue
-            keys, values = stitched  # [L, T, H_kv, D] for the tokens begin..end-1
-            slots = torch.tensor(
-                [load.block_ids[t // self._block_size] * self._block_size + t % self._block_size
-                 for t in range(load.begin, load.end)],
-                dtype=torch.long,
-            )  # fmt: skip
-            for name, layer in forward_context.no_compile_layers.items():
-                cache = getattr(layer, "kv_cache", None)
-                found = _LAYER.search(name)
-                if cache is None or found is None:
-                    continue
-                i = int(found.group(1))
-                _write(layer, cache, keys[i], values[i], slots.to(cache.device))
+            filled = self._fill(load, layers)
+            # vLLM recomputes from the first failed block on: the pieces before it stay loaded.
+            self._errors |= {load.block_ids[t // self._block_size] for t in range(filled, load.end)}
 
-    def _stitch(self, load: _Load) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Keys (re-positioned) and values of tokens [begin, end): [L, T, H_kv, D] each; None if an entry fails."""
+    def _fill(self, load: _Load, layers: list[tuple[int, Any, torch.Tensor]]) -> int:
+        """Write tokens [begin, end) piece by piece, layer by layer, into the request's blocks; return where the
+        filling stopped (`end`, or the first token of a piece whose entry is missing or damaged).
+
+        Entries are read and their checksums verified by a reader thread, up to _READ_AHEAD pieces ahead of the
+        one being rotated and written here (hashing and file reads release the GIL)."""
         assert self._repositioner is not None
+        # Read back in the model's dtype, as kvrag's own path reads it; the rotation itself runs in float32.
         self._store.bind(encoder=load.plan.encoder, dtype=self._dtype, device="cpu")
-        keys, values = [], []
-        for piece in load.plan.pieces:
-            if piece.position >= load.end:
-                break
-            kv: ChunkKV | None = self._store.get(piece.key)
-            if kv is None or len(kv) != piece.length or kv.start != piece.start:
-                warnings.warn(
-                    f"kvrag: the stored entry {piece.key[:12]} is missing or damaged; vLLM computes its tokens",
-                    KVRAGLoadWarning,
-                    stacklevel=2,
-                )
-                return None
-            k = kv.keys  # [L, H_kv, T, D], post-RoPE at kv.start
-            if piece.position != piece.start:
-                k = self._repositioner.shift(k, torch.full((len(kv),), piece.position - piece.start))
-            keys.append(k)
-            values.append(kv.values)
-        k_all = torch.cat(keys, dim=2)[:, :, load.begin : load.end]
-        v_all = torch.cat(values, dim=2)[:, :, load.begin : load.end]
-        return k_all.transpose(1, 2).contiguous(), v_all.transpose(1, 2).contiguous()  # [L, T, H_kv, D]
+        pieces = [p for p in load.plan.pieces if max(load.begin, p.position) < min(load.end, p.position + p.length)]
+        reads = [self._reader.submit(self._store.get, p.key) for p in pieces[:_READ_AHEAD]]
+        try:
+            for n, piece in enumerate(pieces):
+                if n + _READ_AHEAD < len(pieces):
+                    reads.append(self._reader.submit(self._store.get, pieces[n + _READ_AHEAD].key))
+                lo, hi = max(load.begin, piece.position), min(load.end, piece.position + piece.length)
+                kv: ChunkKV | None = reads[n].result()
+                if kv is None or len(kv) != piece.length or kv.start != piece.start:
+                    warnings.warn(
+                        f"kvrag: the stored entry {piece.key[:12]} is missing or damaged; vLLM computes its tokens",
+                        KVRAGLoadWarning,
+                        stacklevel=2,
+                    )
+                    return lo
+                self._place(kv, piece, lo, hi, load.block_ids, layers)
+            return load.end
+        finally:
+            for read in reads:
+                read.cancel()  # a failed piece: the reads after it are not needed
+
+    def _place(
+        self,
+        kv: ChunkKV,
+        piece: Piece,
+        lo: int,
+        hi: int,
+        block_ids: list[int],
+        layers: list[tuple[int, Any, torch.Tensor]],
+    ) -> None:
+        """Rotate a piece's keys for tokens [lo, hi) to their place and write its KV into those tokens' slots."""
+        assert self._repositioner is not None
+        a, b = lo - piece.position, hi - piece.position
+        keys, values = kv.keys[:, :, a:b], kv.values[:, :, a:b]  # [L, H_kv, t, D], keys post-RoPE at kv.start
+        if piece.position != piece.start:
+            keys = self._repositioner.shift(keys, torch.full((b - a,), piece.position - piece.start))
+        bs = self._block_size
+        slots = torch.tensor([block_ids[t // bs] * bs + t % bs for t in range(lo, hi)], dtype=torch.long)
+        for i, layer, cache in layers:
+            # [t, H_kv, D] views: vLLM's write op takes them strided, so nothing is copied to reorder them
+            _write(layer, cache, keys[i].transpose(0, 1), values[i].transpose(0, 1), slots.to(cache.device))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv writes every layer before the forward starts
@@ -210,6 +241,17 @@ class KVRAGConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+
+def _paged_layers(forward_context: ForwardContext) -> list[tuple[int, Any, torch.Tensor]]:
+    """(layer index, attention layer, its paged cache) for every decoder layer of the forward."""
+    layers = []
+    for name, layer in forward_context.no_compile_layers.items():
+        cache = getattr(layer, "kv_cache", None)
+        found = _LAYER.search(name)
+        if cache is not None and found is not None:
+            layers.append((int(found.group(1)), layer, cache))
+    return layers
 
 
 def _write(layer: Any, cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:

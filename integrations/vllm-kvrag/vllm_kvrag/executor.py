@@ -13,6 +13,8 @@ tail, never tokens inside reused KV. Others are refused with the reason.
 from __future__ import annotations
 
 import itertools
+import queue
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -58,6 +60,12 @@ class PlannedRequests:
         self.prefix_key = chunk_key(kvmodel.fingerprint.digest, [], kvmodel.layout.prefix_ids, salt="prefix")
         self._prefix = ChunkKV(prefix.token_ids, prefix.keys, prefix.values, 0, kvmodel.encoder_id)
         self._store_prefix()
+        if self.prefix_key not in self.store:
+            raise InvalidRequestError(
+                "vLLM's connector starts every planned prompt from the prompt prefix's KV in the store, and this "
+                "store is open read-only and lacks it: open the engine's store writable once (KVRAG.load(path) "
+                "without read_only; on the command line, `kvrag ask --backend vllm` does), so it is stored"
+            )
 
     def _store_prefix(self) -> None:
         """The prefix's entry, stored when it is not (at start, and again if `kvrag gc` removed it)."""
@@ -137,6 +145,7 @@ class VLLMExecutor(PlannedRequests):
     ) -> None:
         super().__init__(kvmodel, store, namespace, secret)
         self.llm, self.logprobs = llm, logprobs
+        self._stepper = _Stepper(llm.llm_engine)
 
     def decode(self, prefill: VLLMPrefill, sampling: Sampling) -> Iterator[int]:  # type: ignore[override]
         from vllm import SamplingParams
@@ -155,26 +164,84 @@ class VLLMExecutor(PlannedRequests):
             prompt["cache_salt"] = prefill.plan.salt  # approximate KV never meets an exact prompt's blocks
         elif self.tenant_salt:
             prompt["cache_salt"] = self.tenant_salt
-        engine = self.llm.llm_engine
-        engine.add_request(prefill.request_id, prompt, params)
-        sent = 0
+        stepper = self._stepper
+        stepper.add(prefill.request_id, prompt, params)
+        sent, counted = 0, False
         while True:
-            for out in engine.step():
-                if out.request_id != prefill.request_id:
-                    continue
-                tokens = out.outputs[0].token_ids
-                if self.logprobs and prefill.first_logprobs is None and out.outputs[0].logprobs:
-                    first = out.outputs[0].logprobs[0]
-                    prefill.first_logprobs = {int(t): float(lp.logprob) for t, lp in first.items()}
-                yield from tokens[sent:]
-                sent = len(tokens)
-                if out.finished:
-                    return
+            out = stepper.next(prefill.request_id)
+            tokens = out.outputs[0].token_ids
+            if not counted:
+                _count_loaded(prefill, out, len(self.kvmodel.prefix))
+                counted = True
+            if self.logprobs and prefill.first_logprobs is None and out.outputs[0].logprobs:
+                first = out.outputs[0].logprobs[0]
+                prefill.first_logprobs = {int(t): float(lp.logprob) for t, lp in first.items()}
+            yield from tokens[sent:]
+            sent = len(tokens)
+            if out.finished:
+                stepper.forget(prefill.request_id)
+                return
 
     def release(self, prefill: VLLMPrefill) -> None:
-        engine = self.llm.llm_engine
-        if prefill.request_id and engine.has_unfinished_requests():
-            engine.abort_request([prefill.request_id])
+        if prefill.request_id:
+            self._stepper.abort(prefill.request_id)
+
+
+def _count_loaded(prefill: VLLMPrefill, out: Any, prefix: int) -> None:
+    """Make the prefill's recomputed count vLLM's own: the context tokens it did not take from a cache (the
+    connector's load, or its prefix cache). A plan whose entries were gone or damaged is then counted as the
+    work vLLM did, not as the plan meant."""
+    cached = getattr(out, "num_cached_tokens", None)
+    if prefill.plan is None or cached is None:
+        return
+    context = prefill.recomputed_tokens + max(0, min(prefill.plan.reused, prefill.next_position - 1) - prefix)
+    prefill.recomputed_tokens = context - max(0, min(int(cached), prefix + context) - prefix)
+
+
+class _Stepper:
+    """One vLLM engine stepped for many threads at once (continuous batching across kvrag's concurrent queries).
+
+    A thread that wants its request's next output and finds none steps the engine itself, under the lock, and
+    hands every request's output to that request's queue: each step advances all requests in flight, and no
+    thread's output is lost to another. vLLM's outputs are cumulative, so a request reads only its latest.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.queues: dict[str, queue.SimpleQueue[Any]] = {}
+
+    def add(self, request_id: str, prompt: dict[str, Any], params: Any) -> None:
+        with self.lock:
+            self.queues[request_id] = queue.SimpleQueue()
+            self.engine.add_request(request_id, prompt, params)
+
+    def next(self, request_id: str) -> Any:
+        mine = self.queues[request_id]
+        while True:
+            try:
+                return mine.get_nowait()
+            except queue.Empty:
+                pass
+            with self.lock:
+                if not mine.empty():  # another thread's step brought it while this one waited for the lock
+                    continue
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM's engine holds no unfinished request, and {request_id} never finished")
+                for out in self.engine.step():
+                    found = self.queues.get(out.request_id)
+                    if found is not None:
+                        found.put(out)
+
+    def forget(self, request_id: str) -> None:
+        with self.lock:
+            self.queues.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request a reader left early (a stop string, a closed stream); a finished one is only forgotten."""
+        with self.lock:
+            if self.queues.pop(request_id, None) is not None and self.engine.has_unfinished_requests():
+                self.engine.abort_request([request_id])
 
 
 def _reused_head(job: Job) -> int:

@@ -1,0 +1,93 @@
+"""`attach`: one call that puts a kvrag engine's plans on vLLM, over the engine's own store.
+
+    rag = attach(KVRAG.load("./index"))            # an in-process vllm.LLM with kvrag's connector
+    rag = attach(KVRAG.load("./index"), server="http://vllm-host:8000")   # a `vllm serve` that loads it
+
+Retrieval, picking and planning stay in the engine; the forward and decoding run in vLLM. The connector reads
+the same store the engine writes (its disk folder or its Redis, the tenant's view of it), so ingestion
+stores each chunk's KV once for both.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvrag.errors import InvalidRequestError
+from kvrag.store import DiskStore, KVStore, RedisStore, TieredStore
+
+if TYPE_CHECKING:
+    from kvrag.engine import KVRAG
+
+
+def store_config(store: KVStore, *, namespace: str = "") -> dict[str, Any]:
+    """The connector's extra config that reads `store` (a disk folder or Redis, behind any memory front)."""
+    while isinstance(store, TieredStore):
+        store = store.back
+    if store.view:  # a tenant's view: the connector opens the whole store and takes the same view of it
+        namespace, store = store.view, store.legacy or store
+    if isinstance(store, DiskStore):
+        config: dict[str, Any] = {"store": "disk", "path": str(store.root), "storage_dtype": store.storage_dtype}
+    elif isinstance(store, RedisStore):
+        config = {
+            "store": "redis",
+            "url": store._raw_url,
+            "namespace": store.namespace,
+            "storage_dtype": store.storage_dtype,
+        }
+    else:
+        raise InvalidRequestError(
+            f"vLLM's connector reads a disk folder or Redis; this engine keeps its KV in a {type(store).__name__}: "
+            "give the engine a DiskStore or a RedisStore (behind a MemoryStore if you like)"
+        )
+    if namespace:
+        config["tenant"] = namespace
+    return config
+
+
+def attach(
+    rag: KVRAG,
+    llm: Any = None,
+    *,
+    server: str | None = None,
+    secret_file: str | None = None,
+    memory_bytes: int = 0,
+    **llm_options: Any,
+) -> KVRAG:
+    """Run `rag`'s plans on vLLM from now on; return `rag`.
+
+    Args:
+        rag: the engine (its index, store, model and tenant stay as they are).
+        llm: a `vllm.LLM` already made with `kv_transfer_config=connector_config(store_config(rag.store))`;
+            by default one is started here, over the engine's model, with `llm_options` passed to `vllm.LLM`.
+        server: the URL of a `vllm serve` that loads kvrag's connector over the same store (then no vLLM is
+            started here, and only httpx is needed).
+        secret_file: for an engine with a tenant secret, a file holding it, for the connector to read.
+        memory_bytes: the connector's memory tier (decoded entries kept in vLLM's worker).
+    """
+    from vllm_kvrag.executor import VLLMExecutor, connector_config
+
+    if rag.secret and not secret_file and server is None and llm is None:
+        raise InvalidRequestError(
+            "this engine checksums its entries under a tenant secret: pass secret_file=, a file holding the same "
+            "secret, so vLLM's connector can verify them"
+        )
+    if server is not None:
+        from vllm_kvrag.server import VLLMServerExecutor
+
+        rag.executor = VLLMServerExecutor(rag.kvmodel, server, rag.store, rag.namespace, secret=rag.secret)
+        return rag
+    if llm is None:
+        from vllm import LLM
+
+        from kvrag.model import convert_default
+
+        extra = store_config(rag.store, namespace=rag.namespace)
+        if secret_file:
+            extra["secret_file"] = str(secret_file)
+        if memory_bytes:
+            extra["memory_bytes"] = int(memory_bytes)
+        model = rag.model_source or str(convert_default()[0])
+        options = {"block_size": 32, "dtype": str(rag.kvmodel.model.dtype).removeprefix("torch."), **llm_options}
+        llm = LLM(model=model, kv_transfer_config=connector_config(extra), **options)
+    rag.executor = VLLMExecutor(rag.kvmodel, llm, rag.store, rag.namespace, secret=rag.secret)
+    return rag
