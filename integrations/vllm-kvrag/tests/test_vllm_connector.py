@@ -228,3 +228,23 @@ def test_a_request_resumed_after_preemption_is_loaded_again_into_its_new_blocks(
     loads = connector.build_connector_meta(output).loads
     assert [(load.block_ids, load.begin, load.end) for load in loads] == [([3, 4], 0, 40), ([7, 8], 0, 40)]
     assert connector._pending == {}  # a request matched but not scheduled is matched afresh when it is
+
+
+def test_a_store_that_fails_while_the_worker_reads_is_a_miss_not_a_dead_worker(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvrag.errors import StoreError
+    from kvrag.store import DiskStore
+    from vllm_kvrag.connector import KVRAGConnector, KVRAGLoadWarning, _Load
+    from vllm_kvrag.plan import Piece, TransferPlan
+
+    class Failing(DiskStore):
+        def _get(self, key):
+            raise StoreError("the disk went away")
+
+    connector = object.__new__(KVRAGConnector)  # the worker side's state only
+    connector._store, connector._dtype, connector._repositioner = Failing(tmp_path), torch.float32, object()
+    connector._reader, connector._block_size = ThreadPoolExecutor(1), 32
+    plan = TransferPlan((Piece("ab" * 32, 0, 0, 40), Piece("cd" * 32, 8, 40, 24)), "encoder")
+    with pytest.warns(KVRAGLoadWarning, match="the disk went away"):
+        assert connector._fill(_Load(plan, [0, 1], 0, 63), layers=[]) == 0  # vLLM computes from token 0 on

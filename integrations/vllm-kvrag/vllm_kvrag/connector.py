@@ -124,6 +124,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.WORKER:
             self._repositioner = Repositioner(rotary=rotary_of_config(hf_config))
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvrag-read")
+            self._shifts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- scheduler side ---------------------------------------------------------------------------------
 
@@ -182,52 +183,69 @@ class KVRAGConnector(KVConnectorBase_V1):
         """Write tokens [begin, end) piece by piece, layer by layer, into the request's blocks; return where the
         filling stopped (`end`, or the first token of a piece whose entry is missing or damaged).
 
-        Entries are read and their checksums verified by a reader thread, up to _READ_AHEAD pieces ahead of the
-        one being rotated and written here (hashing and file reads release the GIL)."""
-        assert self._repositioner is not None
+        A reader thread reads each entry, verifies its checksum and rotates its keys, up to _READ_AHEAD pieces
+        ahead of the one being written here (file reads, hashing and torch's ops release the GIL)."""
         # Read back in the model's dtype, as kvrag's own path reads it; the rotation itself runs in float32.
         self._store.bind(encoder=load.plan.encoder, dtype=self._dtype, device="cpu")
-        pieces = [p for p in load.plan.pieces if max(load.begin, p.position) < min(load.end, p.position + p.length)]
-        reads = [self._reader.submit(self._store.get, p.key) for p in pieces[:_READ_AHEAD]]
+        spans = [
+            (p, max(load.begin, p.position), min(load.end, p.position + p.length))
+            for p in load.plan.pieces
+            if max(load.begin, p.position) < min(load.end, p.position + p.length)
+        ]
+        reads = [self._reader.submit(self._prepared, *span) for span in spans[:_READ_AHEAD]]
         try:
-            for n, piece in enumerate(pieces):
-                if n + _READ_AHEAD < len(pieces):
-                    reads.append(self._reader.submit(self._store.get, pieces[n + _READ_AHEAD].key))
-                lo, hi = max(load.begin, piece.position), min(load.end, piece.position + piece.length)
-                kv: ChunkKV | None = reads[n].result()
-                if kv is None or len(kv) != piece.length or kv.start != piece.start:
+            for n, (piece, lo, hi) in enumerate(spans):
+                if n + _READ_AHEAD < len(spans):
+                    reads.append(self._reader.submit(self._prepared, *spans[n + _READ_AHEAD]))
+                prepared = reads[n].result()
+                if isinstance(prepared, str):
                     warnings.warn(
-                        f"kvrag: the stored entry {piece.key[:12]} is missing or damaged; vLLM computes its tokens",
+                        f"kvrag: the stored entry {piece.key[:12]} is missing or damaged{prepared}; vLLM computes "
+                        "its tokens",
                         KVRAGLoadWarning,
                         stacklevel=2,
                     )
                     return lo
-                self._place(kv, piece, lo, hi, load.block_ids, layers)
+                keys, values = prepared
+                bs = self._block_size
+                slots = torch.tensor([load.block_ids[t // bs] * bs + t % bs for t in range(lo, hi)], dtype=torch.long)
+                for i, layer, cache in layers:
+                    # [t, H_kv, D] views: vLLM's write op takes them strided, so nothing is copied to reorder them
+                    _write(layer, cache, keys[i].transpose(0, 1), values[i].transpose(0, 1), slots.to(cache.device))
             return load.end
         finally:
             for read in reads:
                 read.cancel()  # a failed piece: the reads after it are not needed
 
-    def _place(
-        self,
-        kv: ChunkKV,
-        piece: Piece,
-        lo: int,
-        hi: int,
-        block_ids: list[int],
-        layers: list[tuple[int, Any, torch.Tensor]],
-    ) -> None:
-        """Rotate a piece's keys for tokens [lo, hi) to their place and write its KV into those tokens' slots."""
-        assert self._repositioner is not None
+    def _prepared(self, piece: Piece, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor] | str:
+        """A piece's keys (rotated to their place) and values for tokens [lo, hi), [L, H_kv, t, D] each; or, for
+        an entry that is missing, damaged or unreadable, the reason ("" when there is nothing more to say)."""
+        try:
+            kv: ChunkKV | None = self._store.get(piece.key)
+        except (KVRAGError, OSError) as err:  # a store that fails is a miss here too, never a dead worker
+            return f" ({err})"
+        if kv is None or len(kv) != piece.length or kv.start != piece.start:
+            return ""
         a, b = lo - piece.position, hi - piece.position
-        keys, values = kv.keys[:, :, a:b], kv.values[:, :, a:b]  # [L, H_kv, t, D], keys post-RoPE at kv.start
+        keys, values = kv.keys[:, :, a:b], kv.values[:, :, a:b]  # keys post-RoPE at kv.start
         if piece.position != piece.start:
-            keys = self._repositioner.shift(keys, torch.full((b - a,), piece.position - piece.start))
-        bs = self._block_size
-        slots = torch.tensor([block_ids[t // bs] * bs + t % bs for t in range(lo, hi)], dtype=torch.long)
-        for i, layer, cache in layers:
-            # [t, H_kv, D] views: vLLM's write op takes them strided, so nothing is copied to reorder them
-            _write(layer, cache, keys[i].transpose(0, 1), values[i].transpose(0, 1), slots.to(cache.device))
+            assert self._repositioner is not None
+            cos, sin = self._angles(piece.position - piece.start)
+            moved = torch.empty_like(keys)
+            self._repositioner.rotate_into(moved, keys, cos, sin)  # one shift for all its tokens: [D_rot] angles
+            keys = moved
+        return keys, values
+
+    def _angles(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of one shift, [D_rot] float32 (kept: the same shifts recur from request to request)."""
+        found = self._shifts.get(delta)
+        if found is None:
+            assert self._repositioner is not None
+            cos, sin = self._repositioner.angles(torch.tensor([delta]))
+            if len(self._shifts) >= 1 << 16:
+                self._shifts.clear()
+            found = self._shifts[delta] = (cos[0], sin[0])
+        return found
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv writes every layer before the forward starts
