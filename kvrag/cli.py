@@ -173,11 +173,10 @@ def _add_bench(sub: Any) -> None:
 
     bench = sub.add_parser(
         "bench-vllm",
-        add_help=False,  # its options are vllm_kvrag.bench's (`main` hands them over): --help prints them
+        add_help=False,  # listed here only: `main` hands its arguments to vllm_kvrag.bench, --help included
         help="time to first token and concurrent throughput on vLLM through kvrag's connector, beside vLLM's own "
         "prefill and kvrag's engine (needs vllm-kvrag)",
     )
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
 
     bench = sub.add_parser(
         "bench",
@@ -792,7 +791,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = argparse.Namespace(command="bench-vllm", rest=raw[1:], threads=None)
     else:
         args = build_parser().parse_args(raw)
-    args.argv = _redacted(sys.argv[1:] if argv is None else argv)  # recorded in outputs: never a password
+    args.argv = _redacted(raw)  # recorded in outputs: never a password
     try:
         _run(args)
     except (KVRAGError, OSError) as err:  # a user's mistake or the world's; anything else is a bug: a traceback
