@@ -41,6 +41,7 @@ class VLLMPrefill:
     plan: TransferPlan | None  # None: vLLM computes the whole prompt
     next_position: int  # prompt tokens
     recomputed_tokens: int  # context tokens vLLM computes (the plan's, plus what block alignment leaves over)
+    context_tokens: int = 0  # the prompt's context tokens (the chunks')
     request_id: str = ""
     first_logprobs: dict[int, float] | None = None  # the first token's top log-probabilities, when asked for
     logits: Any = None  # vLLM returns tokens, not logits
@@ -80,7 +81,7 @@ class PlannedRequests:
         kv = self.kvmodel
         ids = [*kv.layout.prefix_ids, *(t for c in job.chunk_ids for t in c), *job.suffix_ids]
         if job.full_prefill:
-            return VLLMPrefill(ids, None, len(ids), job.context_tokens)
+            return VLLMPrefill(ids, None, len(ids), job.context_tokens, job.context_tokens)
         reused = _reused_head(job)
         self._store_prefix()
         pieces = [Piece(self.prefix_key, 0, 0, len(kv.prefix))]
@@ -90,7 +91,8 @@ class PlannedRequests:
             at += len(chunk)
         plan = TransferPlan(tuple(pieces), kv.encoder_id)
         loaded = min(plan.reused, len(ids) - 1)  # the connector leaves the last prompt token to compute
-        return VLLMPrefill(ids, plan, len(ids), job.context_tokens - max(0, loaded - len(kv.prefix)))
+        recomputed = job.context_tokens - max(0, loaded - len(kv.prefix))
+        return VLLMPrefill(ids, plan, len(ids), recomputed, job.context_tokens)
 
     @property
     def tenant_salt(self) -> str | None:
@@ -194,7 +196,7 @@ def _count_loaded(prefill: VLLMPrefill, out: Any, prefix: int) -> None:
     cached = getattr(out, "num_cached_tokens", None)
     if prefill.plan is None or cached is None:
         return
-    context = prefill.recomputed_tokens + max(0, min(prefill.plan.reused, prefill.next_position - 1) - prefix)
+    context = prefill.context_tokens
     prefill.recomputed_tokens = context - max(0, min(int(cached), prefix + context) - prefix)
 
 
