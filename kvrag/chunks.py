@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from kvrag.encode import encode_chunks
 from kvrag.errors import StoreError
+from kvrag.executor import StoredChunk
 from kvrag.kv import ChunkKey, ChunkKV
 from kvrag.store import KVStore, StoreWarning
 
@@ -74,6 +75,16 @@ class ChunkSource:
             warnings.warn(f"kvrag: the KV store failed ({err}); recomputing the chunk instead", StoreWarning, 4)
             return None
         return self._checked(key, kv, ids)
+
+    def holds(self, key: str) -> bool:
+        """Whether the store has an entry at `key` (not read, so not verified); a store that fails is a warning."""
+        if self.store is None:
+            return False
+        try:
+            return key in self.store
+        except StoreError as err:
+            warnings.warn(f"kvrag: the KV store failed ({err}); recomputing the chunk instead", StoreWarning, 4)
+            return False
 
     def peek(self, key: str, ids: Sequence[int]) -> ChunkKV | None:
         """A chunk's KV if this process holds it in memory already (another request stored it meanwhile)."""
@@ -190,6 +201,25 @@ class Chunks:
         if missing:
             self._fetch(missing)
         return [self._kv[i] for i in wanted]  # type: ignore[misc]
+
+    def stored(self, indices: Iterable[int]) -> list[ChunkKV | StoredChunk]:
+        """For an executor that reads the store itself: each chunk the store holds as a `StoredChunk` (its entry
+        is not read here), any other as `kv` gives it (KV in hand already, or encoded now and stored)."""
+        wanted = list(indices)
+        self._used.update(wanted)
+        source, found = self.source, {}
+        start = len(source.kvmodel.chunk_prefix)
+        for i in dict.fromkeys(wanted):
+            if self._kv[i] is not None or source.store is None:
+                continue
+            key = source.key(self.ids[i])
+            self._tried[i] = True  # a miss here is not asked again: `kv` encodes it
+            if source.holds(key):
+                self._hit[i] = True
+                found[i] = StoredChunk(key, start, len(self.ids[i]))
+        rest = [i for i in wanted if i not in found]
+        read = dict(zip(rest, self.kv(rest)))
+        return [found[i] if i in found else read[i] for i in wanted]
 
     @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:

@@ -21,12 +21,26 @@ if TYPE_CHECKING:
     from kvrag.kvmodel import KVModel
 
 
+@dataclass(frozen=True, slots=True)
+class StoredChunk:
+    """A reused chunk whose KV stays in the store: the executor reads it there itself (`Executor.reads_store`)."""
+
+    key: str  # the store key of its entry
+    start: int  # the position its KV was encoded at
+    length: int  # its tokens
+
+    def __len__(self) -> int:
+        return self.length
+
+
 @dataclass(slots=True)
 class Job:
     """A plan made concrete: the chunks of the prompt in stitched order, what to recompute, the suffix."""
 
     chunk_ids: list[list[int]]  # token ids of each chunk in the prompt, first to last
-    chunks: list[ChunkKV]  # their KV, after the plan's replacements; empty for a full prefill
+    # their KV, after the plan's replacements (empty for a full prefill); a StoredChunk for each reused chunk the
+    # store holds, only for an executor that reads the store itself
+    chunks: list[ChunkKV | StoredChunk]
     suffix_ids: list[int]  # the question template's ids, always computed
     recompute: dict[int, torch.Tensor] = field(default_factory=dict)  # position in `chunks` -> sorted offsets in S
     key_scale: dict[int, float] = field(default_factory=dict)  # position in `chunks` -> factor on its reused keys
@@ -40,7 +54,13 @@ class Job:
 
 
 class Executor(Protocol):
-    """What runs a Job: a prefill, the decoding after it, and the release of what the prefill holds."""
+    """What runs a Job: a prefill, the decoding after it, and the release of what the prefill holds.
+
+    `reads_store`: the executor reads reused chunks' KV from the store itself (a serving engine's connector):
+    kvrag then only makes sure each is stored, and hands it over as a `StoredChunk`, never reading it.
+    """
+
+    reads_store: bool
 
     def prefill(self, job: Job, *, phases: Phases | None = None, pooled: bool = False) -> Prefill:
         """The prompt's prefill: logits of its last positions and a cache to decode on."""
@@ -62,6 +82,8 @@ class HFExecutor:
     with `release`); a caller that keeps several prefills alive at once (the study) leaves it off.
     """
 
+    reads_store = False
+
     def __init__(self, kvmodel: KVModel) -> None:
         self.kvmodel = kvmodel
         self.workspace = Workspace()
@@ -74,12 +96,15 @@ class HFExecutor:
                 out = full_prefill(kv.model, ids, logits_to_keep=job.logits_to_keep)
             out.recomputed_tokens = job.context_tokens
             return out
+        chunks = [c for c in job.chunks if isinstance(c, ChunkKV)]
+        if len(chunks) != len(job.chunks):
+            raise TypeError("HFExecutor reads no store: give it every chunk's KV (reads_store is False)")
         return recompute(
             kv.model,
             kv.repositioner,
             kv.prefix,
-            job.chunks,
-            list(range(len(job.chunks))),
+            chunks,
+            list(range(len(chunks))),
             job.recompute,
             job.suffix_ids,
             logits_to_keep=job.logits_to_keep,

@@ -53,14 +53,25 @@ def plan(kvmodel: KVModel, request: Request, chunks: Chunks, probe: Probe) -> De
     return make_plan(request, chunks.lengths, probe)
 
 
-def job_of(decision: Decision, chunks: Chunks, suffix_ids: Sequence[int], *, room: int, logits_to_keep: int) -> Job:
-    """The executor's job: the plan's chunks in stitched order, their KV read only where the plan reuses it."""
+def job_of(
+    decision: Decision,
+    chunks: Chunks,
+    suffix_ids: Sequence[int],
+    *,
+    room: int,
+    logits_to_keep: int,
+    reads_store: bool = False,
+) -> Job:
+    """The executor's job: the plan's chunks in stitched order, their KV read only where the plan reuses it.
+
+    `reads_store`: the executor reads stored KV itself, so a reused chunk the store holds is not read here.
+    """
     plan_ = decision.plan
     ids = [chunks.ids[c] for c in plan_.order]
     if plan_.full_prefill:
         return Job(ids, [], list(suffix_ids), full_prefill=True, room=room, logits_to_keep=logits_to_keep)
     reused = [c for c in plan_.order if c not in plan_.replace]
-    stored = dict(zip(reused, chunks.kv(reused)))
+    stored = dict(zip(reused, chunks.stored(reused) if reads_store else chunks.kv(reused)))
     at = {c: j for j, c in enumerate(plan_.order)}
     return Job(
         ids,
@@ -94,7 +105,7 @@ def prefill(
     request.with_default(shipped_default(kvmodel.fingerprint.weights))
     suffix = kvmodel.layout.suffix_ids(request.question)
     check_fits(kvmodel, chunks, suffix, room)
-    if get_strategy(str(request.strategy)).reads_kv:
+    if get_strategy(str(request.strategy)).reads_kv and not executor.reads_store:
         with phase(phases, "store load"):  # outside the lock: a slow store holds up this request only
             chunks.prefetch()
     with chunks.deferring(), kvmodel.lock:  # misses encoded under the lock are stored once it is released
@@ -103,7 +114,14 @@ def prefill(
             decision = plan(kvmodel, request, chunks, measure)
         with phase(phases, "store load"):  # the KV the plan reuses and nothing measured yet: store, else encode
             # the cache keeps the room decoding needs (a compiled step reads whole blocks of slots)
-            job = job_of(decision, chunks, suffix, room=decode_room(kvmodel.model, room), logits_to_keep=logits_to_keep)
+            job = job_of(
+                decision,
+                chunks,
+                suffix,
+                room=decode_room(kvmodel.model, room),
+                logits_to_keep=logits_to_keep,
+                reads_store=executor.reads_store,
+            )
         out = executor.prefill(job, phases=phases, pooled=pooled)
     return Prefilled(out, decision, measure, chunks, job.context_tokens)
 

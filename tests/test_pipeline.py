@@ -8,7 +8,7 @@ from tiny import byte_tokenizer, tiny_model
 
 from kvrag import KVModel, MemoryStore, Request
 from kvrag.chunks import ChunkSource
-from kvrag.executor import HFExecutor, Job
+from kvrag.executor import HFExecutor, Job, StoredChunk
 from kvrag.generate import decode
 from kvrag.kv import ChunkKV
 from kvrag.recompute import full_prefill
@@ -32,6 +32,8 @@ def kv():
 class Recording:
     """An executor that records the jobs it is given and runs them on the in-process one."""
 
+    reads_store = False
+
     def __init__(self, inner):
         self.inner, self.jobs = inner, []
 
@@ -49,10 +51,11 @@ class Recording:
 class PlainForward:
     """Another executor: every job as one plain forward over its ids (it never reads the KV it is given)."""
 
-    def __init__(self, kv):
-        self.kv = kv
+    def __init__(self, kv, reads_store=False):
+        self.kv, self.reads_store, self.jobs = kv, reads_store, []
 
     def prefill(self, job, *, phases=None, pooled=False):
+        self.jobs.append(job)
         ids = [*self.kv.layout.prefix_ids, *(t for c in job.chunk_ids for t in c), *job.suffix_ids]
         return full_prefill(self.kv.model, ids)
 
@@ -103,6 +106,35 @@ def test_another_executor_plugs_in_behind_the_same_calls(kv):
     reference = kv.answer(Q, TEXTS, strategy="full_prefill", **GEN)
     assert mine.token_ids == reference.token_ids  # the plan's order, executed without reuse
     assert mine.stats.strategy == "reuse" and mine.stats.order == [0, 1, 2, 3]
+
+
+class CountingStore(MemoryStore):
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def get(self, key):
+        self.reads += 1
+        return super().get(key)
+
+
+def test_an_executor_that_reads_the_store_itself_is_handed_stored_entries_unread(kv):
+    store = CountingStore()
+    source = ChunkSource(kv, store)
+    source.chunks(TEXTS[:3]).kv()  # three of the four stored beforehand
+    store.reads = 0
+    executor = PlainForward(kv, reads_store=True)
+    request = Request.of(Q, TEXTS, strategy="reuse", **GEN)
+    chunks = source.chunks(request.chunks)
+    answer = pipeline_answer(kv, request, chunks, executor)
+    (job,) = executor.jobs
+    assert [type(c) for c in job.chunks] == [StoredChunk] * 3 + [ChunkKV]  # the fourth was a miss: encoded
+    assert [c.key for c in job.chunks[:3]] == [source.key(i) for i in chunks.ids[:3]]
+    assert {c.start for c in job.chunks} == {len(kv.chunk_prefix)} and list(map(len, job.chunks)) == chunks.lengths
+    assert store.reads == 0 and source.key(chunks.ids[3]) in store  # nothing read; the miss encoded and stored
+    assert (answer.stats.store_hits, answer.stats.chunks_encoded) == (3, 1)
+    with pytest.raises(TypeError, match="reads no store"):
+        HFExecutor(kv).prefill(job)
 
 
 def test_the_stats_come_from_the_request_the_plan_and_the_chunks(kv):

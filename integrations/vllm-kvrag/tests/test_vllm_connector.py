@@ -218,7 +218,8 @@ def test_a_request_resumed_after_preemption_is_loaded_again_into_its_new_blocks(
 
     connector = object.__new__(KVRAGConnector)  # the scheduler side's state only
     plan = TransferPlan((Piece("ab" * 32, 0, 0, 40),), "encoder")
-    connector._pending = {"new": (plan, 0, 40), "resumed": (plan, 0, 40), "running": (plan, 0, 40)}
+    ids = list(range(40))
+    connector._pending = {"new": (plan, 0, 40, ids), "resumed": (plan, 0, 40, ids), "running": (plan, 0, 40, ids)}
     output = SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id="new", block_ids=([3, 4],))],
         scheduled_cached_reqs=SimpleNamespace(
@@ -247,4 +248,28 @@ def test_a_store_that_fails_while_the_worker_reads_is_a_miss_not_a_dead_worker(t
     connector._reader, connector._block_size = ThreadPoolExecutor(1), 32
     plan = TransferPlan((Piece("ab" * 32, 0, 0, 40), Piece("cd" * 32, 8, 40, 24)), "encoder")
     with pytest.warns(KVRAGLoadWarning, match="the disk went away"):
-        assert connector._fill(_Load(plan, [0, 1], 0, 63), layers=[]) == 0  # vLLM computes from token 0 on
+        assert connector._fill(_Load(plan, [0, 1], 0, 63, list(range(63))), layers=[]) == 0  # vLLM computes it all
+
+
+def test_an_entry_holding_other_tokens_than_the_prompts_is_never_written(tmp_path):
+    """The connector checks each entry's token ids against the prompt's, as kvrag does when it reads one: KV of
+    another chunk written at a chunk's key (forged, or misplaced) is a miss, and vLLM computes those tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvrag.kv import ChunkKV
+    from kvrag.store import DiskStore
+    from vllm_kvrag.connector import KVRAGConnector, KVRAGLoadWarning, _Load
+    from vllm_kvrag.plan import Piece, TransferPlan
+
+    store = DiskStore(tmp_path)
+    store.bind(encoder="encoder", dtype=torch.float32, device="cpu")
+    ids = torch.arange(100, 140)
+    store.put("ab" * 32, ChunkKV(ids, torch.randn(2, 1, 40, 8), torch.randn(2, 1, 40, 8), 0, "encoder"))
+    connector = object.__new__(KVRAGConnector)  # the worker side's state only
+    connector._store, connector._dtype, connector._repositioner = store, torch.float32, object()
+    connector._reader, connector._block_size = ThreadPoolExecutor(1), 32
+    plan = TransferPlan((Piece("ab" * 32, 0, 0, 40),), "encoder")
+    assert connector._fill(_Load(plan, [0, 1], 0, 40, ids.tolist()), layers=[]) == 40
+    forged = [*ids.tolist()[:39], 7]
+    with pytest.warns(KVRAGLoadWarning, match="other tokens than the prompt's"):
+        assert connector._fill(_Load(plan, [0, 1], 0, 40, forged), layers=[]) == 0

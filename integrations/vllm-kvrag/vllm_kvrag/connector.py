@@ -65,6 +65,7 @@ class _Load:
     block_ids: list[int]
     begin: int
     end: int
+    token_ids: list[int]  # the prompt's ids [begin, end): an entry holding other tokens is never written
 
 
 @dataclass
@@ -118,7 +119,8 @@ class KVRAGConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._store = open_store(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         self._dtype = vllm_config.model_config.dtype
-        self._pending: dict[str, tuple[TransferPlan, int, int]] = {}  # scheduler: request id -> plan, begin, end
+        # scheduler: request id -> plan, begin, end, the prompt's ids [begin, end)
+        self._pending: dict[str, tuple[TransferPlan, int, int, list[int]]] = {}
         self._errors: set[int] = set()  # worker: blocks whose KV could not be loaded this step
         self._repositioner: Repositioner | None = None
         if role == KVConnectorRole.WORKER:
@@ -132,11 +134,11 @@ class KVRAGConnector(KVConnectorBase_V1):
         plan = TransferPlan.from_params(request.kv_transfer_params)
         if plan is None:
             return 0, False
-        prompt = len(request.prompt_token_ids or [])
-        end = min(self._available(plan), prompt - 1)  # at least one prompt token is computed, for its logits
+        prompt = list(request.prompt_token_ids or [])
+        end = min(self._available(plan), len(prompt) - 1)  # at least one prompt token is computed, for its logits
         if end <= num_computed_tokens:
             return 0, False
-        self._pending[request.request_id] = (plan, num_computed_tokens, end)
+        self._pending[request.request_id] = (plan, num_computed_tokens, end, prompt[num_computed_tokens:end])
         return end - num_computed_tokens, False
 
     def _available(self, plan: TransferPlan) -> int:
@@ -156,15 +158,15 @@ class KVRAGConnector(KVConnectorBase_V1):
         meta = KVRAGConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._pending:
-                plan, begin, end = self._pending.pop(new.req_id)
-                meta.loads.append(_Load(plan, list(new.block_ids[0]), begin, end))
+                plan, begin, end, ids = self._pending.pop(new.req_id)
+                meta.loads.append(_Load(plan, list(new.block_ids[0]), begin, end, ids))
         # A request vLLM preempted is matched again when it resumes (its KV was freed): it comes back among the
         # cached requests, with every block it now holds, and is loaded again like a new one.
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id in self._pending and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
-                plan, begin, end = self._pending.pop(req_id)
-                meta.loads.append(_Load(plan, list(cached.new_block_ids[i][0]), begin, end))
+                plan, begin, end, ids = self._pending.pop(req_id)
+                meta.loads.append(_Load(plan, list(cached.new_block_ids[i][0]), begin, end, ids))
         self._pending.clear()  # matched but not scheduled this step: matched afresh when it is
         return meta
 
@@ -188,13 +190,13 @@ class KVRAGConnector(KVConnectorBase_V1):
         # Read back in the model's dtype, as kvrag's own path reads it; the rotation itself runs in float32.
         self._store.bind(encoder=load.plan.encoder, dtype=self._dtype, device="cpu")
         spans = [
-            (p, max(load.begin, p.position), min(load.end, p.position + p.length))
+            (p, lo, hi, load.token_ids[lo - load.begin : hi - load.begin])
             for p in load.plan.pieces
-            if max(load.begin, p.position) < min(load.end, p.position + p.length)
+            if (lo := max(load.begin, p.position)) < (hi := min(load.end, p.position + p.length))
         ]
         reads = [self._reader.submit(self._prepared, *span) for span in spans[:_READ_AHEAD]]
         try:
-            for n, (piece, lo, hi) in enumerate(spans):
+            for n, (piece, lo, hi, _) in enumerate(spans):
                 if n + _READ_AHEAD < len(spans):
                     reads.append(self._reader.submit(self._prepared, *spans[n + _READ_AHEAD]))
                 prepared = reads[n].result()
@@ -217,9 +219,10 @@ class KVRAGConnector(KVConnectorBase_V1):
             for read in reads:
                 read.cancel()  # a failed piece: the reads after it are not needed
 
-    def _prepared(self, piece: Piece, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor] | str:
+    def _prepared(self, piece: Piece, lo: int, hi: int, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | str:
         """A piece's keys (rotated to their place) and values for tokens [lo, hi), [L, H_kv, t, D] each; or, for
-        an entry that is missing, damaged or unreadable, the reason ("" when there is nothing more to say)."""
+        an entry that is missing, damaged, unreadable or of other tokens than the prompt's `ids` there, the
+        reason ("" when there is nothing more to say)."""
         try:
             kv: ChunkKV | None = self._store.get(piece.key)
         except (KVRAGError, OSError) as err:  # a store that fails is a miss here too, never a dead worker
@@ -227,6 +230,8 @@ class KVRAGConnector(KVConnectorBase_V1):
         if kv is None or len(kv) != piece.length or kv.start != piece.start:
             return ""
         a, b = lo - piece.position, hi - piece.position
+        if kv.token_ids[a:b].tolist() != ids:  # a forged or misplaced entry: never another chunk's KV
+            return " (it holds other tokens than the prompt's)"
         keys, values = kv.keys[:, :, a:b], kv.values[:, :, a:b]  # keys post-RoPE at kv.start
         if piece.position != piece.start:
             assert self._repositioner is not None

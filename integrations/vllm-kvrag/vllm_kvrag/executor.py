@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from kvrag.chunks import ChunkSource
 from kvrag.errors import InvalidRequestError
-from kvrag.executor import Job
+from kvrag.executor import Job, StoredChunk
 from kvrag.generate import Sampling
 from kvrag.kv import ChunkKV, chunk_key
 from kvrag.store import KVStore
@@ -49,7 +49,12 @@ class VLLMPrefill:
 
 
 class PlannedRequests:
-    """What both vLLM executors share: a job becomes a prompt and a transfer plan, its entries in the store."""
+    """What both vLLM executors share: a job becomes a prompt and a transfer plan, its entries in the store.
+
+    The connector reads the entries itself, so kvrag hands over the stored ones unread (`reads_store`).
+    """
+
+    reads_store = True
 
     def __init__(self, kvmodel: KVModel, store: KVStore, namespace: str = "", secret: bytes = b"") -> None:
         # a tenant's view of the store, as its engine and the connector (extra config `tenant`) see it
@@ -87,7 +92,8 @@ class PlannedRequests:
         pieces = [Piece(self.prefix_key, 0, 0, len(kv.prefix))]
         at = len(kv.prefix)
         for ids_c, chunk in zip(job.chunk_ids[:reused], job.chunks[:reused]):
-            pieces.append(Piece(self._entry(ids_c, chunk), chunk.start, at, len(chunk)))
+            key = chunk.key if isinstance(chunk, StoredChunk) else self._entry(ids_c, chunk)
+            pieces.append(Piece(key, chunk.start, at, len(chunk)))
             at += len(chunk)
         plan = TransferPlan(tuple(pieces), kv.encoder_id)
         loaded = min(plan.reused, len(ids) - 1)  # the connector leaves the last prompt token to compute
