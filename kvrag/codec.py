@@ -95,9 +95,10 @@ def entry_metadata(blob: bytes) -> dict[str, str] | None:
 
 
 def decode_entry(
-    blob: bytes, *, key: str, encoder: str, dtype: torch.dtype, device: torch.device | str, secret: bytes = b""
+    blob: bytes, *, key: str, encoder: str, dtype: torch.dtype | None, device: torch.device | str, secret: bytes = b""
 ) -> ChunkKV | None:
-    """The ChunkKV in `blob`, in the model's dtype on its device, or None when it must not be used.
+    """The ChunkKV in `blob`, in `dtype` (the model's; None: as stored, int8 dequantized to float32) on
+    `device`, or None when it must not be used.
 
     None means: unreadable or truncated bytes, a checksum mismatch (flipped bytes, in the tensors or in the
     header, or one not keyed with `secret`), or an entry written under another key, model/prefix (`encoder`)

@@ -134,14 +134,15 @@ class KVStore(ABC):
         self.hits = 0
         self.misses = 0
         self.encoder = ""
-        self.dtype = torch.float32
+        self.dtype: torch.dtype | None = torch.float32
         self.device: torch.device | str = "cpu"
         self.secret = b""
 
     def bind(
-        self, *, encoder: str, dtype: torch.dtype, device: torch.device | str, secret: bytes | None = None
+        self, *, encoder: str, dtype: torch.dtype | None, device: torch.device | str, secret: bytes | None = None
     ) -> None:
-        """Serve entries for this model and prefix only, read back in this dtype on this device."""
+        """Serve entries for this model and prefix only, read back in this dtype on this device (None: as stored,
+        int8 dequantized to float32; for a reader that converts them itself, as vLLM's connector does)."""
         self.encoder, self.dtype, self.device = encoder, dtype, device
         if secret is not None:
             self.secret = secret
@@ -271,7 +272,7 @@ class _MemoryScope(KVStore):
         self.parent, self.prefix, self.view = parent, f"{namespace}/", namespace
 
     def bind(
-        self, *, encoder: str, dtype: torch.dtype, device: torch.device | str, secret: bytes | None = None
+        self, *, encoder: str, dtype: torch.dtype | None, device: torch.device | str, secret: bytes | None = None
     ) -> None:
         super().bind(encoder=encoder, dtype=dtype, device=device, secret=secret)
         self.parent.bind(encoder=encoder, dtype=dtype, device=device, secret=secret)
@@ -652,7 +653,7 @@ class TieredStore(KVStore):
         self.front, self.back = front, back
 
     def bind(
-        self, *, encoder: str, dtype: torch.dtype, device: torch.device | str, secret: bytes | None = None
+        self, *, encoder: str, dtype: torch.dtype | None, device: torch.device | str, secret: bytes | None = None
     ) -> None:
         super().bind(encoder=encoder, dtype=dtype, device=device, secret=secret)
         self.front.bind(encoder=encoder, dtype=dtype, device=device, secret=secret)

@@ -29,6 +29,18 @@ def test_an_entry_reads_back_within_its_storage_rounding(dtype, tol):
     assert (back.values - c.values).abs().max() <= tol * c.values.abs().max() + 1e-7
 
 
+@pytest.mark.parametrize(
+    "dtype, read_as", [("float16", torch.float16), ("bfloat16", torch.bfloat16), ("int8", torch.float32)]
+)
+def test_an_entry_read_as_stored_is_the_model_dtypes_reading_before_its_cast(dtype, read_as):
+    """dtype=None (a reader that converts entries itself): float storage as it is, int8 dequantized to float32;
+    cast to float32 it is exactly what a float32 reader gets."""
+    blob = encode_entry(chunk(), key="k", dtype=dtype)
+    stored = decode_entry(blob, key="k", encoder=ENC, dtype=None, device="cpu")
+    assert stored is not None and stored.keys.dtype == stored.values.dtype == read_as
+    assert torch.equal(stored.keys.float(), read(blob).keys) and torch.equal(stored.values.float(), read(blob).values)
+
+
 def test_another_key_or_encoder_and_damaged_bytes_are_misses():
     blob = encode_entry(chunk(), key="k")
     assert read(blob, key="other") is None and read(blob, encoder="encoder-2") is None

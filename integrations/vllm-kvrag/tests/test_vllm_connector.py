@@ -245,7 +245,7 @@ def test_a_store_that_fails_while_the_worker_reads_is_a_miss_not_a_dead_worker(t
 
     connector = object.__new__(KVRAGConnector)  # the worker side's state only
     connector._store, connector._dtype, connector._repositioner = Failing(tmp_path), torch.float32, object()
-    connector._reader, connector._block_size = ThreadPoolExecutor(1), 32
+    connector._reader, connector._block_size, connector._buffers = ThreadPoolExecutor(2), 32, {}
     plan = TransferPlan((Piece("ab" * 32, 0, 0, 40), Piece("cd" * 32, 8, 40, 24)), "encoder")
     with pytest.warns(KVRAGLoadWarning, match="the disk went away"):
         assert connector._fill(_Load(plan, [0, 1], 0, 63, list(range(63))), layers=[]) == 0  # vLLM computes it all
@@ -255,21 +255,31 @@ def test_an_entry_holding_other_tokens_than_the_prompts_is_never_written(tmp_pat
     """The connector checks each entry's token ids against the prompt's, as kvrag does when it reads one: KV of
     another chunk written at a chunk's key (forged, or misplaced) is a miss, and vLLM computes those tokens."""
     from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
 
     from kvrag.kv import ChunkKV
     from kvrag.store import DiskStore
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     from vllm_kvrag.connector import KVRAGConnector, KVRAGLoadWarning, _Load
     from vllm_kvrag.plan import Piece, TransferPlan
 
     store = DiskStore(tmp_path)
     store.bind(encoder="encoder", dtype=torch.float32, device="cpu")
     ids = torch.arange(100, 140)
-    store.put("ab" * 32, ChunkKV(ids, torch.randn(2, 1, 40, 8), torch.randn(2, 1, 40, 8), 0, "encoder"))
+    entry = ChunkKV(ids, torch.randn(2, 1, 40, 32), torch.randn(2, 1, 40, 32), 0, "encoder")
+    store.put("ab" * 32, entry)
     connector = object.__new__(KVRAGConnector)  # the worker side's state only
     connector._store, connector._dtype, connector._repositioner = store, torch.float32, object()
-    connector._reader, connector._block_size = ThreadPoolExecutor(1), 32
+    connector._reader, connector._block_size, connector._buffers = ThreadPoolExecutor(2), 32, {}
+    isa = _get_attn_isa(torch.float32, 32, 32)
+    layers = [(i, SimpleNamespace(isa=isa), torch.zeros(4, 1, 32, 64)) for i in range(2)]  # [blocks, H, bs, 2D]
     plan = TransferPlan((Piece("ab" * 32, 0, 0, 40),), "encoder")
-    assert connector._fill(_Load(plan, [0, 1], 0, 40, ids.tolist()), layers=[]) == 40
     forged = [*ids.tolist()[:39], 7]
     with pytest.warns(KVRAGLoadWarning, match="other tokens than the prompt's"):
-        assert connector._fill(_Load(plan, [0, 1], 0, 40, forged), layers=[]) == 0
+        assert connector._fill(_Load(plan, [2, 3], 0, 40, forged), layers) == 0
+    assert all(not cache.any() for _, _, cache in layers)  # nothing written
+    assert connector._fill(_Load(plan, [2, 3], 0, 40, ids.tolist()), layers) == 40
+    for i, _, cache in layers:  # into blocks 2 and 3 only, each layer its own entry's keys and values (whatever
+        assert not cache[:2].any()  # the layout inside a block: the values written are the entry's, all of them)
+        written, stored = cache[cache != 0].sort().values, torch.cat([entry.keys[i], entry.values[i]]).flatten()
+        assert torch.equal(written, stored.half().float().sort().values)  # as stored: float16

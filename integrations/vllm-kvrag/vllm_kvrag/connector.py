@@ -21,7 +21,7 @@ that many bytes, least recently used out first.
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 import warnings
 from dataclasses import dataclass, field
@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-_READ_AHEAD = 2  # entries read and verified ahead of the one being written (bounded: each is a chunk's KV)
+_GROUP_TOKENS = 1024  # tokens read into one buffer, then written with one call a layer (two buffers: ~95 MB here)
+_READERS = 2  # threads reading and verifying entries, and rotating their keys
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -66,6 +67,22 @@ class _Load:
     begin: int
     end: int
     token_ids: list[int]  # the prompt's ids [begin, end): an entry holding other tokens is never written
+
+
+_Span = tuple[Piece, int, int, list[int]]  # a piece, the tokens [lo, hi) of it to load, the prompt's ids there
+
+
+def _groups(spans: list[_Span]) -> list[list[_Span]]:
+    """Consecutive spans in groups of about _GROUP_TOKENS tokens (a piece is never split; one at least a group)."""
+    groups: list[list[_Span]] = []
+    total = _GROUP_TOKENS
+    for span in spans:
+        if total >= _GROUP_TOKENS:
+            groups.append([])
+            total = 0
+        groups[-1].append(span)
+        total += span[2] - span[1]
+    return groups
 
 
 @dataclass
@@ -125,8 +142,9 @@ class KVRAGConnector(KVConnectorBase_V1):
         self._repositioner: Repositioner | None = None
         if role == KVConnectorRole.WORKER:
             self._repositioner = Repositioner(rotary=rotary_of_config(hf_config))
-            self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvrag-read")
+            self._reader = ThreadPoolExecutor(_READERS, thread_name_prefix="kvrag-read")
             self._shifts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- scheduler side ---------------------------------------------------------------------------------
 
@@ -182,47 +200,101 @@ class KVRAGConnector(KVConnectorBase_V1):
             self._errors |= {load.block_ids[t // self._block_size] for t in range(filled, load.end)}
 
     def _fill(self, load: _Load, layers: list[tuple[int, Any, torch.Tensor]]) -> int:
-        """Write tokens [begin, end) piece by piece, layer by layer, into the request's blocks; return where the
-        filling stopped (`end`, or the first token of a piece whose entry is missing or damaged).
+        """Write tokens [begin, end) into the request's blocks, a group of pieces at a time, one write per layer
+        each; return where the filling stopped (`end`, or the first token of a piece whose entry is missing or
+        damaged).
 
-        A reader thread reads each entry, verifies its checksum and rotates its keys, up to _READ_AHEAD pieces
-        ahead of the one being written here (file reads, hashing and torch's ops release the GIL)."""
-        # Read back in the model's dtype, as kvrag's own path reads it; the rotation itself runs in float32.
-        self._store.bind(encoder=load.plan.encoder, dtype=self._dtype, device="cpu")
+        Reader threads read the entries, verify their checksums, and rotate the keys into a group's buffer while
+        the group before it is written here (file reads, hashing and torch's ops release the GIL)."""
+        # Entries are read as stored (a memory tier then holds float16, not float32) and converted into the
+        # buffers in the model's dtype, as kvrag's own path reads them; the rotation itself runs in float32.
+        self._store.bind(encoder=load.plan.encoder, dtype=None, device="cpu")
         spans = [
             (p, lo, hi, load.token_ids[lo - load.begin : hi - load.begin])
             for p in load.plan.pieces
             if (lo := max(load.begin, p.position)) < (hi := min(load.end, p.position + p.length))
         ]
-        reads = [self._reader.submit(self._prepared, *span) for span in spans[:_READ_AHEAD]]
+        groups = _groups(spans)
+        reads = self._read(groups[0], layers, 0) if groups else []
         try:
-            for n, (piece, lo, hi, _) in enumerate(spans):
-                if n + _READ_AHEAD < len(spans):
-                    reads.append(self._reader.submit(self._prepared, *spans[n + _READ_AHEAD]))
-                prepared = reads[n].result()
-                if isinstance(prepared, str):
+            for g, group in enumerate(groups):
+                mine, reads = reads, self._read(groups[g + 1], layers, (g + 1) % 2) if g + 1 < len(groups) else []
+                reasons = [read.result() for read in mine]
+                ok = next((n for n, why in enumerate(reasons) if why is not None), len(group))
+                self._write_group(load, group[:ok], layers, g % 2)
+                if ok < len(group):
+                    piece, lo = group[ok][0], group[ok][1]
                     warnings.warn(
-                        f"kvrag: the stored entry {piece.key[:12]} is missing or damaged{prepared}; vLLM computes "
+                        f"kvrag: the stored entry {piece.key[:12]} is missing or damaged{reasons[ok]}; vLLM computes "
                         "its tokens",
                         KVRAGLoadWarning,
                         stacklevel=2,
                     )
                     return lo
-                keys, values = prepared
-                bs = self._block_size
-                slots = torch.tensor([load.block_ids[t // bs] * bs + t % bs for t in range(lo, hi)], dtype=torch.long)
-                for i, layer, cache in layers:
-                    # [t, H_kv, D] views: vLLM's write op takes them strided, so nothing is copied to reorder them
-                    _write(layer, cache, keys[i].transpose(0, 1), values[i].transpose(0, 1), slots.to(cache.device))
             return load.end
-        finally:
+        finally:  # a failed piece: the reads after it are not needed, and none may still write into a buffer
             for read in reads:
-                read.cancel()  # a failed piece: the reads after it are not needed
+                read.cancel()
+            wait(reads)
 
-    def _prepared(self, piece: Piece, lo: int, hi: int, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | str:
-        """A piece's keys (rotated to their place) and values for tokens [lo, hi), [L, H_kv, t, D] each; or, for
-        an entry that is missing, damaged, unreadable or of other tokens than the prompt's `ids` there, the
-        reason ("" when there is nothing more to say)."""
+    def _read(self, group: list[_Span], layers: list[tuple[int, Any, torch.Tensor]], slot: int) -> list[Future]:
+        """Start reading a group's pieces into buffer `slot` (each piece its own run of tokens of it)."""
+        keys, values = self._buffer(slot, layers, sum(hi - lo for _, lo, hi, _ in group))
+        at, reads = 0, []
+        for piece, lo, hi, ids in group:
+            n = hi - lo
+            reads.append(
+                self._reader.submit(
+                    self._prepared, piece, lo, hi, ids, keys[:, :, at : at + n], values[:, :, at : at + n]
+                )
+            )
+            at += n
+        return reads
+
+    def _write_group(
+        self, load: _Load, group: list[_Span], layers: list[tuple[int, Any, torch.Tensor]], slot: int
+    ) -> None:
+        """Write a group's pieces (read into buffer `slot`) into the request's blocks: one write per layer."""
+        if not group:
+            return
+        keys, values = self._buffers[slot]
+        bs, blocks = self._block_size, load.block_ids
+        slots = torch.tensor([blocks[t // bs] * bs + t % bs for _, lo, hi, _ in group for t in range(lo, hi)])
+        n = len(slots)
+        for i, layer, cache in layers:
+            # [t, H_kv, D] views: vLLM's write op takes them strided, so nothing is copied to reorder them
+            _write(layer, cache, keys[i, :, :n].transpose(0, 1), values[i, :, :n].transpose(0, 1), slots)
+
+    def _buffer(
+        self, slot: int, layers: list[tuple[int, Any, torch.Tensor]], tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values for a group of `tokens` tokens, [L, H_kv, t, D] each. Two are kept: a group is read into
+        one while the other is written. Each grows to the largest group it has held (a piece is never split, so
+        a group passes _GROUP_TOKENS by less than its last piece)."""
+        _, heads, _, width = layers[0][2].shape if layers else (0, 0, 0, 0)
+        shape = (max((i for i, _, _ in layers), default=-1) + 1, heads, max(tokens, _GROUP_TOKENS), width // 2)
+        found = self._buffers.get(slot)
+        if (
+            found is None
+            or found[0].shape[:2] != shape[:2]
+            or found[0].shape[3] != shape[3]
+            or found[0].shape[2] < tokens
+        ):
+            found = self._buffers[slot] = (torch.empty(shape, dtype=self._dtype), torch.empty(shape, dtype=self._dtype))
+        return found[0][:, :, :tokens], found[1][:, :, :tokens]
+
+    def _prepared(
+        self, piece: Piece, lo: int, hi: int, ids: list[int], keys_out: torch.Tensor, values_out: torch.Tensor
+    ) -> str | None:
+        """Write a piece's keys (rotated to their place) and values for tokens [lo, hi) into the [L, H_kv, t, D]
+        views given; None, or for an entry that is missing, damaged, unreadable or of other tokens than the
+        prompt's `ids` there, the reason ("" when there is nothing more to say)."""
+        with torch.inference_mode():  # as vLLM's forward, which made the buffers: they are inference tensors
+            return self._prepared_here(piece, lo, hi, ids, keys_out, values_out)
+
+    def _prepared_here(
+        self, piece: Piece, lo: int, hi: int, ids: list[int], keys_out: torch.Tensor, values_out: torch.Tensor
+    ) -> str | None:
         try:
             kv: ChunkKV | None = self._store.get(piece.key)
         except (KVRAGError, OSError) as err:  # a store that fails is a miss here too, never a dead worker
@@ -232,14 +304,18 @@ class KVRAGConnector(KVConnectorBase_V1):
         a, b = lo - piece.position, hi - piece.position
         if kv.token_ids[a:b].tolist() != ids:  # a forged or misplaced entry: never another chunk's KV
             return " (it holds other tokens than the prompt's)"
-        keys, values = kv.keys[:, :, a:b], kv.values[:, :, a:b]  # keys post-RoPE at kv.start
+        layers = keys_out.shape[0]  # the layers this worker holds are the first `layers` of the entry's or fewer
+        keys, values = kv.keys[:layers, :, a:b], kv.values[:layers, :, a:b]  # keys post-RoPE at kv.start
+        if keys.shape != keys_out.shape or values.shape != values_out.shape:
+            return f" (its KV is {tuple(kv.keys.shape)}, this worker's cache takes {tuple(keys_out.shape)})"
         if piece.position != piece.start:
             assert self._repositioner is not None
             cos, sin = self._angles(piece.position - piece.start)
-            moved = torch.empty_like(keys)
-            self._repositioner.rotate_into(moved, keys, cos, sin)  # one shift for all its tokens: [D_rot] angles
-            keys = moved
-        return keys, values
+            self._repositioner.rotate_into(keys_out, keys, cos, sin)  # one shift for all its tokens: [D_rot] angles
+        else:
+            keys_out.copy_(keys)
+        values_out.copy_(values)
+        return None
 
     def _angles(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of one shift, [D_rot] float32 (kept: the same shifts recur from request to request)."""
