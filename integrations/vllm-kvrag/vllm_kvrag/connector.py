@@ -14,8 +14,13 @@ Configuration (`KVTransferConfig.kv_connector_extra_config`): `store` ("disk" or
 `url` and `namespace` (redis), `storage_dtype` (as the entries were written, default float16), and for a
 tenant: `tenant` (the engine's namespace: the connector reads that tenant's view of the store, as the
 engine writes it) and `secret_file` (a file holding the tenant secret its entries are checksummed with);
-`memory_bytes` (default 0: none) keeps entries, once read and verified, decoded in the worker's memory, at most
-that many bytes, least recently used out first.
+`memory_bytes` (default 0: none) keeps entries, once read and verified, decoded (in their storage dtype) in
+the worker's memory, at most that many bytes, least recently used out first.
+
+A load reads its pieces a group of about _GROUP_TOKENS tokens at a time: reader threads read each entry,
+verify it, check its token ids against the prompt's, and rotate its keys into the group's buffer (in the
+model's dtype); the group is then written with one call of vLLM's write op a layer, while the readers
+fill the next group's buffer.
 """
 
 from __future__ import annotations
