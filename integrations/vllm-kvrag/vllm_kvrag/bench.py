@@ -4,7 +4,8 @@ throughput under concurrent requests. Run it alone (`kvrag bench-vllm`, or `pyth
 Time to first token, at each context size (one request at a time, median of `runs`):
 - vLLM's full prefill, and vLLM over an exact prefix-cache hit of the whole prompt (the least work there is);
 - the floor for `target_recompute`: vLLM computing the target and the suffix over an exact prefix-cache hit
-  of the head it reuses;
+  of the head it reuses (cut to whole blocks, as vLLM caches them), timed from the engine's own steps, with
+  nothing of kvrag's in between;
 - `reuse` and `target_recompute` through kvrag's connector, with the entries read from the store (disk) and,
   when `memory_bytes` is given, again with them in the worker's memory tier (read and verified once before);
 - kvrag's transformers engine: full prefill and `target_recompute`.
@@ -21,6 +22,7 @@ and the mean time to first token.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shlex
 import statistics
@@ -34,6 +36,8 @@ from typing import Any, Callable
 import torch
 
 CONNECTOR = ("reuse", "target_recompute")
+BLOCK = 32  # vLLM's block size here
+_floor_ids = itertools.count()
 
 
 def run(
@@ -72,7 +76,7 @@ def run(
         model=folder,
         dtype="float32",
         max_model_len=max(longest + answer_tokens, 2048),
-        block_size=32,
+        block_size=BLOCK,
         enforce_eager=True,
         gpu_memory_utilization=0.3,  # on the CPU backend: the share of memory kept for the paged KV
         max_num_seqs=max([*concurrency, 1]),
@@ -126,8 +130,6 @@ def _answer(kv: Any, executor: Any, store: Any, question: str, texts: list[str],
 def _ttft_row(
     kv: Any, llm: Any, ex: Any, store: Any, texts: list[str], question: str, *, runs: int, memory: bool
 ) -> dict[str, Any]:
-    from vllm import SamplingParams
-
     def ttft(strategy: str, executor: Any = ex) -> float:
         return _answer(kv, executor, store, question, texts, strategy, 1).stats.ttft_s
 
@@ -149,20 +151,34 @@ def _ttft_row(
     ids = layout.prefix_ids + [t for c in [*texts[1:], texts[0]] for t in layout.chunk_ids(c)]
     ids += layout.suffix_ids(question)
     head = len(layout.prefix_ids) + sum(len(layout.chunk_ids(c)) for c in texts[1:])
-    one = SamplingParams(max_tokens=1, temperature=0)
+    # vLLM's prefix cache holds whole blocks: the head is cut to whole blocks (at most BLOCK - 1 of its last
+    # tokens dropped), so the floor computes exactly the target and the suffix, over a head at most that shorter
+    aligned = head - head % BLOCK
     times = []
     for _ in range(runs + 1):
         llm.reset_prefix_cache()
-        llm.generate([{"prompt_token_ids": ids[:head]}], one, use_tqdm=False)
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
-        times.append(time.perf_counter() - t0)
+        _engine_ttft(ex, ids[:aligned])
+        times.append(_engine_ttft(ex, ids[:aligned] + ids[head:]))
     row["floor: target + suffix over an exact cache hit of the head"] = statistics.median(times[1:])
     for strategy in CONNECTOR:  # with a memory tier, the warm run fills it and every timed run reads from it
         row[f"connector {strategy}" + (", memory tier" if memory else "")] = cold(lambda s=strategy: ttft(s))
     row["kvrag transformers full_prefill"] = statistics.median(ttft("full_prefill", kv.executor) for _ in range(runs))
     row["kvrag transformers target_recompute"] = cold(lambda: ttft("target_recompute", kv.executor))
     return row
+
+
+def _engine_ttft(ex: Any, ids: list[int]) -> float:
+    """Seconds from handing vLLM's engine a prompt of token ids to its first token, stepped as the executor steps
+    it (nothing of kvrag's in between: the floor's own path)."""
+    from vllm import SamplingParams
+
+    stepper, rid = ex._stepper, f"floor-{next(_floor_ids)}"
+    t0 = time.perf_counter()
+    stepper.add(rid, {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0))
+    while not stepper.next(rid).finished:
+        pass
+    stepper.forget(rid)
+    return time.perf_counter() - t0
 
 
 def _throughput_row(

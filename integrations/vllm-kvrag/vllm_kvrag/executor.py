@@ -179,7 +179,7 @@ class VLLMExecutor(PlannedRequests):
             out = stepper.next(prefill.request_id)
             tokens = out.outputs[0].token_ids
             if not counted:
-                _count_loaded(prefill, out, len(self.kvmodel.prefix))
+                count_cached(prefill, getattr(out, "num_cached_tokens", None), len(self.kvmodel.prefix))
                 counted = True
             if self.logprobs and prefill.first_logprobs is None and out.outputs[0].logprobs:
                 first = out.outputs[0].logprobs[0]
@@ -195,11 +195,10 @@ class VLLMExecutor(PlannedRequests):
             self._stepper.abort(prefill.request_id)
 
 
-def _count_loaded(prefill: VLLMPrefill, out: Any, prefix: int) -> None:
+def count_cached(prefill: VLLMPrefill, cached: int | None, prefix: int) -> None:
     """Make the prefill's recomputed count vLLM's own: the context tokens it did not take from a cache (the
-    connector's load, or its prefix cache). A plan whose entries were gone or damaged is then counted as the
-    work vLLM did, not as the plan meant."""
-    cached = getattr(out, "num_cached_tokens", None)
+    connector's load, or its prefix cache; `cached` is vLLM's `num_cached_tokens`, None when not reported). A
+    plan whose entries were gone or damaged is then counted as the work vLLM did, not as the plan meant."""
     if prefill.plan is None or cached is None:
         return
     context = prefill.context_tokens

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from kvrag.errors import StoreError
 from kvrag.generate import Sampling
 from kvrag.store import KVStore
-from vllm_kvrag.executor import PlannedRequests, VLLMPrefill
+from vllm_kvrag.executor import PlannedRequests, VLLMPrefill, count_cached
 
 if TYPE_CHECKING:
     from kvrag.kvmodel import KVModel
@@ -70,6 +70,7 @@ class VLLMServerExecutor(PlannedRequests):
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "stream": True,
+            "stream_options": {"include_usage": True},  # the last event: vLLM's cached-token count
             "return_token_ids": True,
         }
         if sampling.seed is not None:
@@ -83,18 +84,31 @@ class VLLMServerExecutor(PlannedRequests):
             if response.status_code != 200:
                 response.read()
                 raise StoreError(f"the vLLM server refused the request ({response.status_code}): {response.text[:300]}")
+            last: list[int] = []  # the finishing event's tokens, held until the usage event after it is read
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                for choice in json.loads(line[6:]).get("choices", []):
-                    yield from choice.get("token_ids") or []
+                event = json.loads(line[6:])
+                usage = event.get("usage") or {}
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                count_cached(prefill, cached, len(self.kvmodel.prefix))
+                for choice in event.get("choices", []):
+                    tokens = choice.get("token_ids") or []
+                    if choice.get("finish_reason"):
+                        last += tokens
+                    else:
+                        yield from tokens
+            yield from last
 
     def release(self, prefill: VLLMPrefill) -> None:
         return  # closing the stream ends the request on the server
 
 
 def serve_command(model: str, store: dict[str, Any], *, port: int = 8000, extra: str = "") -> str:
-    """The `vllm serve` command line that loads kvrag's connector over `store` (the connector's extra config)."""
+    """The `vllm serve` command line that loads kvrag's connector over `store` (the connector's extra config).
+
+    `--enable-prompt-tokens-details` makes the server report its cached-token count, from which each answer's
+    recomputed tokens are vLLM's own count (as in-process)."""
     config = {
         "kv_connector": "KVRAGConnector",
         "kv_connector_module_path": "vllm_kvrag.connector",
@@ -103,5 +117,6 @@ def serve_command(model: str, store: dict[str, Any], *, port: int = 8000, extra:
         "kv_connector_extra_config": store,
     }
     return (
-        f"vllm serve {shlex.quote(model)} --port {port} --kv-transfer-config {shlex.quote(json.dumps(config))} {extra}"
+        f"vllm serve {shlex.quote(model)} --port {port} --enable-prompt-tokens-details "
+        f"--kv-transfer-config {shlex.quote(json.dumps(config))} {extra}"
     )
