@@ -63,7 +63,28 @@ def test_the_server_gives_kvrags_answers_for_planned_and_plain_requests(kv, stor
         got = answer(kv, remote, store, Q, TEXTS, **options)
         want = answer(kv, kv.executor, store, Q, TEXTS, **options)
         assert got.token_ids == want.token_ids, strategy
+        assert got.stats.recomputed_tokens == want.stats.recomputed_tokens, strategy  # the server's own count
     question = "Who built the lighthouse of Corran?"
     text = "The lighthouse of Corran was built in 1853 by the engineer Ada Renn." + FILLER
     streamed = answer(kv, remote, store, question, [text], strategy="reuse", max_new_tokens=8, stop=["\n"])
     assert streamed.stats.ttft_s <= streamed.stats.total_s and streamed.finish_reason in ("eos", "stop", "length")
+
+
+def test_an_entry_gone_before_the_server_reads_it_is_counted_as_recomputed(kv, store, server):
+    """The server reports how many prompt tokens it took from a cache: a chunk whose entry went missing between
+    the plan and the load is counted as the work the server did (all of it), not as the plan meant."""
+    from kvrag import Request, pipeline
+    from kvrag.chunks import ChunkSource
+
+    remote = VLLMServerExecutor(kv, server, store)
+    question = "Who catalogued the maps of Mersa?"
+    text = "The archive of Mersa keeps four thousand maps, catalogued by Ilse Varn." + FILLER
+    own = answer(kv, remote, store, question, [text], strategy="full_prefill", max_new_tokens=8)
+    request = Request.of(question, [text], strategy="reuse", max_new_tokens=8).with_default(None)
+    chunks = ChunkSource(kv, store).chunks(request.chunks)
+    run = pipeline.prefill(kv, request, chunks, remote)  # the plan is made and its entries stored
+    assert run.prefill.recomputed_tokens == 0
+    store.delete(run.prefill.plan.pieces[1].key)
+    tokens = list(remote.decode(run.prefill, request.sampling))
+    assert tokens[: len(own.token_ids)] == own.token_ids  # the server computed the chunk itself
+    assert run.prefill.recomputed_tokens == run.context_tokens > 0

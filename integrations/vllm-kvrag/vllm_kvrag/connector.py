@@ -25,6 +25,7 @@ fill the next group's buffer.
 
 from __future__ import annotations
 
+import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -147,7 +148,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         self._repositioner: Repositioner | None = None
         if role == KVConnectorRole.WORKER:
             self._repositioner = Repositioner(rotary=rotary_of_config(hf_config))
-            self._reader = ThreadPoolExecutor(_READERS, thread_name_prefix="kvrag-read")
+            self._reader = ThreadPoolExecutor(_READERS, thread_name_prefix="kvrag-read", initializer=_use_worker_cpus)
             self._shifts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -345,6 +346,22 @@ class KVRAGConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+
+def _use_worker_cpus() -> None:
+    """Let a reader thread run on every core the worker's threads may use. vLLM's CPU worker pins its main
+    thread to one core (its OpenMP threads to the others), and a thread inherits its creator's pinning: the
+    readers would otherwise share the writer's one core while the others sit idle during the load."""
+    if not hasattr(os, "sched_setaffinity"):
+        return  # not Linux: nothing is pinned this way
+    cpus: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            cpus |= os.sched_getaffinity(int(task.name))
+        except (OSError, ValueError):  # a thread that ended meanwhile
+            continue
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 def _paged_layers(forward_context: ForwardContext) -> list[tuple[int, Any, torch.Tensor]]:
