@@ -269,7 +269,9 @@ class KVRAGConnector(KVConnectorBase_V1):
         n = len(slots)
         for i, layer, cache in layers:
             # [t, H_kv, D] views: vLLM's write op takes them strided, so nothing is copied to reorder them
-            _write(layer, cache, keys[i, :, :n].transpose(0, 1), values[i, :, :n].transpose(0, 1), slots)
+            _write(
+                layer, cache, keys[i, :, :n].transpose(0, 1), values[i, :, :n].transpose(0, 1), slots.to(cache.device)
+            )
 
     def _buffer(
         self, slot: int, layers: list[tuple[int, Any, torch.Tensor]], tokens: int
@@ -289,18 +291,13 @@ class KVRAGConnector(KVConnectorBase_V1):
             found = self._buffers[slot] = (torch.empty(shape, dtype=self._dtype), torch.empty(shape, dtype=self._dtype))
         return found[0][:, :, :tokens], found[1][:, :, :tokens]
 
+    @torch.inference_mode()  # as vLLM's forward, which made the buffers: they are inference tensors
     def _prepared(
         self, piece: Piece, lo: int, hi: int, ids: list[int], keys_out: torch.Tensor, values_out: torch.Tensor
     ) -> str | None:
         """Write a piece's keys (rotated to their place) and values for tokens [lo, hi) into the [L, H_kv, t, D]
         views given; None, or for an entry that is missing, damaged, unreadable or of other tokens than the
-        prompt's `ids` there, the reason ("" when there is nothing more to say)."""
-        with torch.inference_mode():  # as vLLM's forward, which made the buffers: they are inference tensors
-            return self._prepared_here(piece, lo, hi, ids, keys_out, values_out)
-
-    def _prepared_here(
-        self, piece: Piece, lo: int, hi: int, ids: list[int], keys_out: torch.Tensor, values_out: torch.Tensor
-    ) -> str | None:
+        prompt's `ids` there, the reason ("" when there is nothing more to say). Runs in a reader thread."""
         try:
             kv: ChunkKV | None = self._store.get(piece.key)
         except (KVRAGError, OSError) as err:  # a store that fails is a miss here too, never a dead worker
