@@ -17,6 +17,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from kvrag import pipeline
+from kvrag.attention import GQA_SDPA, use_gqa_sdpa
 from kvrag.answer import Answer, AnswerStats, last_answer
 from kvrag.chunks import ChunkSource
 from kvrag.encode import DEFAULT_BATCH_TOKENS, encode_chunks, encode_prefix
@@ -49,7 +50,7 @@ DEFAULT_LEAD = "The passages below come from several documents, one after anothe
 _MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
 _MODEL_LOCKS_GUARD = threading.Lock()
 # Attention implementations that honour a custom 4-D additive mask (flash attention reads it as padding).
-MASK_ATTENTION = ("sdpa", "eager", "flex_attention")
+MASK_ATTENTION = ("sdpa", GQA_SDPA, "eager", "flex_attention")
 
 
 def model_lock(model: Any) -> threading.RLock:
@@ -101,6 +102,7 @@ class KVModel:
                 f"attention implementation '{attention}' does not take the 4-D position mask that stitching needs: "
                 f"load the model with attn_implementation= one of {', '.join(MASK_ATTENTION)}"
             )
+        use_gqa_sdpa(model)  # sdpa without copying kv heads on CPU (`kvrag.attention`), bitwise the same
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.layout = layout or PromptLayout(tokenizer)

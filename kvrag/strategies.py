@@ -414,5 +414,32 @@ def _full_prefill_top3(request: PlanRequest) -> Plan:
     return _top_k_full_prefill(request, 3)
 
 
+@register_strategy(
+    "top3_exact",
+    budgeted=False,
+    description="the three best-scored chunks (in the given order), the first's stored KV as is and the other two "
+    "recomputed: exactly full_prefill_top3, at the cost of two chunks and the suffix",
+)
+def _top3_exact(request: PlanRequest) -> Plan:
+    plan = _top_k_full_prefill(request, 3)
+    # The first kept chunk's KV, encoded right behind the prefix, is its full-prefill KV; computing the rest over it
+    # is that prefill's own arithmetic.
+    return Plan(order=plan.order, recompute={c: torch.arange(request.lengths[c]) for c in plan.order[1:]})
+
+
+@register_strategy(
+    "top3_target_last",
+    budgeted=False,
+    needs_target=True,
+    description="the picked target and the two best-scored other chunks, the target moved next to the question; the "
+    "first chunk's stored KV as is and the other two recomputed: exactly full prefill over those three in that order",
+)
+def _top3_target_last(request: PlanRequest) -> Plan:
+    target = _target(request)
+    others = set([i for i in by_score(request) if i != target][:2])
+    order = [*(i for i in range(len(request.lengths)) if i in others), target]
+    return Plan(order=order, recompute={c: torch.arange(request.lengths[c]) for c in order[1:]})
+
+
 # The strategies kvrag ships, in registration order (what `kvrag bench` runs by default).
 BUILTIN_STRATEGIES = tuple(STRATEGIES)

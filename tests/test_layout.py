@@ -58,3 +58,18 @@ def test_template_that_rewrites_content_is_refused():
     tok = byte_tokenizer(chat_template="{% for m in messages %}{{ m['content'] | upper }}{% endfor %}")
     with pytest.raises(LayoutError, match="verbatim"):
         PromptLayout(tok)
+
+
+def test_a_chunk_is_tokenized_once_and_each_caller_gets_its_own_list():
+    tok = byte_tokenizer()
+    layout = PromptLayout(tok)
+    calls = []
+    tokenize = layout._ids
+    layout._ids = lambda text: calls.append(text) or tokenize(text)  # type: ignore[method-assign]
+    first = layout.chunk_ids("A chunk seen by every query.")
+    first.append(-1)
+    again = layout.chunk_ids("A chunk seen by every query.")
+    assert again == first[:-1] == tok("A chunk seen by every query.\n\n", add_special_tokens=False)["input_ids"]
+    assert len(calls) == 1
+    with pytest.raises(EmptyInputError):
+        layout.chunk_ids("   ")

@@ -62,3 +62,26 @@ def test_the_rotary_module_built_from_the_config_moves_keys_exactly_as_the_model
     keys = torch.randn(2, 2, 5, head_dim)
     deltas = torch.tensor([3, 7, 100, 2, 9])
     assert own.rotary_dim == built.rotary_dim and torch.equal(own.shift(keys, deltas), built.shift(keys, deltas))
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("phi3", torch.float32), ("llama", torch.bfloat16)])
+def test_keys_rotated_a_few_layers_at_a_time_equal_one_pass_over_all(arch, dtype, monkeypatch):
+    import kvrag.rope
+
+    rep = Repositioner(tiny_model(arch))
+    keys = torch.randn(6, 2, 3000, 16, generator=torch.Generator().manual_seed(3)).to(dtype)  # 384 KB a layer
+    cos, sin = rep.angles(torch.tensor([517]))
+    monkeypatch.setattr(kvrag.rope, "_ROTATE_BLOCK_BYTES", 800_000)  # two layers a block, three blocks
+    blocked = torch.empty_like(keys)
+    rep.rotate_into(blocked, keys, cos[0], sin[0])
+    monkeypatch.setattr(kvrag.rope, "_ROTATE_BLOCK_BYTES", 1 << 40)  # every layer in one pass
+    whole = torch.empty_like(keys)
+    rep.rotate_into(whole, keys, cos[0], sin[0])
+    assert torch.equal(blocked, whole)
+    half, rot = rep.rotary_dim // 2, rep.rotary_dim
+    k = keys.float()[..., :rot]
+    want = k * cos[0] + torch.cat((-k[..., half:], k[..., :half]), -1) * sin[0]  # the formula, written plainly
+    assert torch.allclose(
+        blocked[..., :rot].float(), want.to(dtype).float(), atol=1e-2 if dtype != torch.float32 else 1e-5
+    )
+    assert torch.equal(blocked[..., rot:], keys[..., rot:])

@@ -36,7 +36,13 @@ def test_every_study_strategy_is_registered_and_runs(kv, enc):
     assert set(STUDY) <= set(STRATEGIES)
     for name in STUDY:
         a = kv.answer(Q, enc, strategy=name, target=4, budget=0.2, max_new_tokens=2)
-        kept = {"full_prefill_top1": 1, "full_prefill_top3": 3, "target_only": 1}.get(name, 5)  # they drop chunks
+        kept = {
+            "full_prefill_top1": 1,
+            "full_prefill_top3": 3,
+            "target_only": 1,
+            "top3_exact": 3,
+            "top3_target_last": 3,
+        }.get(name, 5)  # they drop chunks
         assert a.stats.strategy == name and len(set(a.stats.order)) == len(a.stats.order) == kept
 
 
@@ -162,7 +168,7 @@ def test_attention_select_picks_the_chunk_the_question_attends_to(kv, loud):
     assert a.stats.target_correct == (loud == 4)
     suffix = len(kv.layout.suffix_ids(Q))
     assert a.stats.extra_token_layers == suffix * kv.model.config.num_hidden_layers
-    assert kv.model.config._attn_implementation == "sdpa"  # restored after the eager pass
+    assert kv.model.config._attn_implementation == "kvrag_sdpa"  # restored after the eager pass
 
 
 def test_hybrid_spends_the_leftover_outside_the_target(kv, enc):
@@ -378,6 +384,29 @@ def test_a_lead_is_encoded_before_every_chunk_and_never_enters_the_prompt(kv):
         kv.prefill(Q, chunks)
     assert led.answer(Q, chunks, target=4, max_new_tokens=2).stats.recomputed_tokens == len(chunks[4])
     assert led.prefill(Q, chunks, picker="likelihood").decision.target in range(5)
+
+
+def test_top3_exact_is_exactly_full_prefill_over_the_three_best_chunks(kv, enc):
+    scores = [0.1, 0.7, 0.2, 0.9, 0.3]
+    exact = kv.prefill(Q, enc, strategy="top3_exact", scores=scores)
+    top3 = kv.prefill(Q, enc, strategy="full_prefill_top3", scores=scores)
+    assert exact.decision.plan.order == top3.decision.plan.order == [1, 3, 4]
+    assert exact.prefill.recomputed_tokens == len(enc[3]) + len(enc[4])  # the first chunk's KV is reused as is
+    assert (exact.prefill.logits[-1] - top3.prefill.logits[-1]).abs().max() < 1e-4
+    a = kv.answer(Q, enc, strategy="top3_exact", scores=scores, max_new_tokens=6)
+    b = kv.answer(Q, enc, strategy="full_prefill_top3", scores=scores, max_new_tokens=6)
+    assert a.token_ids == b.token_ids and a.stats.context_tokens == len(enc[1]) + len(enc[3]) + len(enc[4])
+
+
+def test_top3_target_last_is_exactly_full_prefill_over_the_two_best_others_then_the_target(kv, enc):
+    scores = [0.1, 0.7, 0.2, 0.9, 0.3]
+    run = kv.prefill(Q, enc, strategy="top3_target_last", target=0, scores=scores)
+    assert run.decision.plan.order == [1, 3, 0] and run.prefill.recomputed_tokens == len(enc[3]) + len(enc[0])
+    ids = [c.token_ids.tolist() for c in enc]
+    with torch.inference_mode():
+        want = kv.model(input_ids=torch.tensor([kv.prompt_ids(Q, ids, [1, 3, 0])]), logits_to_keep=1).logits[0, -1]
+    assert (run.prefill.logits[-1] - want.float()).abs().max() < 1e-4
+    assert kv.prefill(Q, enc, strategy="top3_target_last", target=3, scores=scores).decision.plan.order == [1, 4, 3]
 
 
 def test_target_only_is_exactly_full_prefill_over_that_chunk_at_the_cost_of_the_suffix(kv, enc):

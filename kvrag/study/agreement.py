@@ -35,7 +35,7 @@ DEFAULT_CANDIDATES = (
     "target_spread",
     "token_select",
     "target_only",
-    "full_prefill_top3",
+    "top3_exact",  # full_prefill_top3's answers, at the cost of two chunks and the suffix
 )
 DEFAULT_BUDGETS = (0.05, 0.2)
 DEFAULT_FLOOR = 0.9

@@ -1,0 +1,76 @@
+"""kvrag_sdpa: transformers' sdpa without copying kv heads on CPU, bitwise the same on every architecture."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers.integrations.sdpa_attention as hf_sdpa
+from tiny import ARCHS, VOCAB, byte_tokenizer, tiny_model
+
+from kvrag.attention import GQA_SDPA, use_gqa_sdpa
+from kvrag.compat import with_cache
+from kvrag.kvmodel import KVModel
+from kvrag.recompute import causal_mask
+
+
+def _copies_kv_heads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count transformers' repeat_kv calls that copy (more than one query head a kv head)."""
+    calls: list[int] = []
+    original = hf_sdpa.repeat_kv
+
+    def counting(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
+        calls.extend([n_rep] if n_rep > 1 else [])
+        return original(hidden, n_rep)
+
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", counting)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_masked_forward_is_bitwise_sdpas_and_copies_no_kv_head(arch, dtype, monkeypatch):
+    plain = copy.deepcopy(tiny_model(arch)).to(dtype)
+    plain.set_attn_implementation("sdpa")
+    fast = copy.deepcopy(plain)
+    use_gqa_sdpa(fast)
+    assert fast.config._attn_implementation == GQA_SDPA
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, 11), generator=g)
+    positions = torch.arange(11)
+    mask = causal_mask(positions, positions, dtype).expand(2, 1, 11, 11)  # a 4-D mask, as stitched prefills pass
+    with torch.inference_mode():
+        want = plain(input_ids=ids, attention_mask=mask).logits
+        copies = _copies_kv_heads(monkeypatch)
+        got = fast(input_ids=ids, attention_mask=mask).logits
+        assert torch.equal(got, want) and not copies
+        plain(input_ids=ids, attention_mask=mask)
+    grouped = getattr(plain.config, "num_key_value_heads", None) not in (None, plain.config.num_attention_heads)
+    assert bool(copies) == grouped  # transformers' own sdpa copies grouped heads: the check above can fail
+
+
+def test_kvmodel_switches_an_sdpa_model_and_leaves_eager_as_it_is():
+    model = copy.deepcopy(tiny_model("llama"))
+    model.set_attn_implementation("sdpa")
+    KVModel(model, byte_tokenizer())
+    assert model.config._attn_implementation == GQA_SDPA
+    KVModel(model, byte_tokenizer())  # a second engine over the same model accepts it
+    eager = copy.deepcopy(tiny_model("llama"))
+    eager.set_attn_implementation("eager")
+    KVModel(eager, byte_tokenizer())
+    assert eager.config._attn_implementation == "eager"
+
+
+def test_one_token_and_unmasked_calls_are_transformers_own(monkeypatch):
+    model = copy.deepcopy(tiny_model("llama"))
+    model.set_attn_implementation("sdpa")
+    reference = copy.deepcopy(model)
+    use_gqa_sdpa(model)
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+        out = model(input_ids=ids[:, :8], use_cache=True)
+        step = model(input_ids=ids[:, 8:], **with_cache(model, out.past_key_values)).logits
+        ref = reference(input_ids=ids[:, :8], use_cache=True)
+        assert torch.equal(step, reference(input_ids=ids[:, 8:], **with_cache(reference, ref.past_key_values)).logits)
