@@ -141,14 +141,16 @@ class ChunkSource:
             self.put(key, kv)
         return self.store.as_stored(kv)
 
-    def put(self, key: str, kv: ChunkKV) -> None:
-        """Write a chunk's KV; a store that fails is a warning (the answer never needed it)."""
+    def put(self, key: str, kv: ChunkKV) -> bool:
+        """Write a chunk's KV; a store that fails is a warning (the answer never needed it). True if written."""
         if self.read_only:
-            return
+            return False
         try:
             self.store.put(key, kv)  # type: ignore[union-attr]
+            return True
         except StoreError as err:
             warnings.warn(f"kvrag: could not store a chunk's KV ({err}); answering anyway", StoreWarning, 4)
+            return False
 
 
 class Chunks:
@@ -204,21 +206,29 @@ class Chunks:
 
     def stored(self, indices: Iterable[int]) -> list[ChunkKV | StoredChunk]:
         """For an executor that reads the store itself: each chunk the store holds as a `StoredChunk` (its entry
-        is not read here), any other as `kv` gives it (KV in hand already, or encoded now and stored)."""
+        is not read here). A miss is encoded and, since that executor reads it from the store, written at once
+        (not when `deferring` ends) and handed over as stored too; KV in hand already, or a write that failed,
+        comes as `kv` gives it."""
         wanted = list(indices)
         self._used.update(wanted)
-        source, found = self.source, {}
+        source, found, keys = self.source, {}, {}
         start = len(source.kvmodel.chunk_prefix)
         for i in dict.fromkeys(wanted):
             if self._kv[i] is not None or source.store is None:
                 continue
-            key = source.key(self.ids[i])
+            keys[i] = key = source.key(self.ids[i])
             self._tried[i] = True  # a miss here is not asked again: `kv` encodes it
             if source.holds(key):
                 self._hit[i] = True
                 found[i] = StoredChunk(key, start, len(self.ids[i]))
         rest = [i for i in wanted if i not in found]
         read = dict(zip(rest, self.kv(rest)))
+        pending = dict(self._writes or [])
+        for i in dict.fromkeys(rest):
+            kv = pending.get(keys.get(i, ""))
+            if kv is not None and source.put(keys[i], kv):
+                self._writes = [w for w in self._writes or [] if w[0] != keys[i]]  # written: not again at the end
+                found[i] = StoredChunk(keys[i], start, len(self.ids[i]))
         return [found[i] if i in found else read[i] for i in wanted]
 
     @contextlib.contextmanager

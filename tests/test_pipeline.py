@@ -112,26 +112,32 @@ class CountingStore(MemoryStore):
     def __init__(self):
         super().__init__()
         self.reads = 0
+        self.writes: list[str] = []
 
     def get(self, key):
         self.reads += 1
         return super().get(key)
+
+    def put(self, key, kv):
+        self.writes.append(key)
+        return super().put(key, kv)
 
 
 def test_an_executor_that_reads_the_store_itself_is_handed_stored_entries_unread(kv):
     store = CountingStore()
     source = ChunkSource(kv, store)
     source.chunks(TEXTS[:3]).kv()  # three of the four stored beforehand
-    store.reads = 0
+    store.reads, store.writes = 0, []
     executor = PlainForward(kv, reads_store=True)
     request = Request.of(Q, TEXTS, strategy="reuse", **GEN)
     chunks = source.chunks(request.chunks)
     answer = pipeline_answer(kv, request, chunks, executor)
     (job,) = executor.jobs
-    assert [type(c) for c in job.chunks] == [StoredChunk] * 3 + [ChunkKV]  # the fourth was a miss: encoded
-    assert [c.key for c in job.chunks[:3]] == [source.key(i) for i in chunks.ids[:3]]
+    # the fourth was a miss: encoded, stored before the executor ran (it reads the store), and handed over as stored
+    assert [type(c) for c in job.chunks] == [StoredChunk] * 4
+    assert [c.key for c in job.chunks] == [source.key(i) for i in chunks.ids]
     assert {c.start for c in job.chunks} == {len(kv.chunk_prefix)} and list(map(len, job.chunks)) == chunks.lengths
-    assert store.reads == 0 and source.key(chunks.ids[3]) in store  # nothing read; the miss encoded and stored
+    assert store.reads == 0 and store.writes == [source.key(chunks.ids[3])]  # nothing read; the miss written once
     assert (answer.stats.store_hits, answer.stats.chunks_encoded) == (3, 1)
     with pytest.raises(TypeError, match="reads no store"):
         HFExecutor(kv).prefill(job)
