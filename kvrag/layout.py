@@ -8,7 +8,6 @@ touches the model.
 from __future__ import annotations
 
 import array
-import functools
 from typing import Any, Mapping, Sequence
 
 from kvrag.errors import EmptyInputError, InvalidRequestError, LayoutError
@@ -45,7 +44,7 @@ class PromptLayout:
         if "{question}" not in question_template:
             raise LayoutError(f"question_template must contain '{{question}}', got {question_template!r}")
         self.tokenizer = tokenizer
-        self._chunk_ids = functools.lru_cache(maxsize=CHUNK_IDS_REMEMBERED)(self._tokenize_chunk)
+        self._chunk_ids: dict[str, array.array[int]] = {}  # text -> ids, 8 bytes a token (a list takes 36)
         self.system_prompt = system_prompt
         self.header = header
         self.question_template = question_template
@@ -89,11 +88,14 @@ class PromptLayout:
         """A chunk's ids: the stripped text plus a paragraph break, tokenized alone (no BOS)."""
         if not text or not text.strip():
             raise EmptyInputError("a chunk is empty or whitespace only: drop it or give it text")
-        return list(self._chunk_ids(text))
-
-    def _tokenize_chunk(self, text: str) -> array.array[int]:
-        check_unicode(text, "a chunk")
-        return array.array("q", self._ids(text.strip() + CHUNK_SEPARATOR))  # 8 bytes a token, not a list's 36
+        ids = self._chunk_ids.get(text)
+        if ids is None:
+            check_unicode(text, "a chunk")
+            ids = array.array("q", self._ids(text.strip() + CHUNK_SEPARATOR))
+            if len(self._chunk_ids) >= CHUNK_IDS_REMEMBERED:
+                self._chunk_ids.clear()  # one step, safe under threads; the chunks in use come back at once
+            self._chunk_ids[text] = ids
+        return list(ids)
 
     def suffix_ids(self, question: str) -> list[int]:
         """The question template, the question, the end of the user turn and the assistant header."""

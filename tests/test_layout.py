@@ -73,3 +73,13 @@ def test_a_chunk_is_tokenized_once_and_each_caller_gets_its_own_list():
     assert len(calls) == 1
     with pytest.raises(EmptyInputError):
         layout.chunk_ids("   ")
+
+
+def test_a_layout_with_remembered_ids_pickles_and_copies():
+    import copy
+    import pickle
+
+    layout = PromptLayout(byte_tokenizer())
+    ids = layout.chunk_ids("Kept between queries.")
+    for other in (pickle.loads(pickle.dumps(layout)), copy.deepcopy(layout)):
+        assert other.chunk_ids("Kept between queries.") == ids and other.chunk_ids("New.") == layout.chunk_ids("New.")
