@@ -107,6 +107,29 @@ def redact(url: str) -> str:
     return head + rest
 
 
+def without_credentials(url: str) -> str:
+    """`url` with its password and credential query values removed (the username stays): a URL that may be
+    written where a log can show it, the credentials given apart."""
+    head, userinfo, rest = _split_url(url)
+    if userinfo is not None:
+        user = userinfo.partition(":")[0]
+        rest = f"{user}@{rest}" if user else rest
+    where, q, query = rest.partition("?")
+    if q:
+        kept = [
+            part
+            for part in re.split(r"[&;]", query)
+            if not (part.partition("=")[1] and unquote(part.partition("=")[0]).lower() in _SECRET_PARAMS)
+        ]
+        rest = f"{where}?{'&'.join(kept)}" if kept else where
+    return head + rest
+
+
+def has_credentials(url: str) -> bool:
+    """Whether `url` carries a password or a credential query value."""
+    return bool(_url_secrets(url))
+
+
 def _encode_userinfo(url: str) -> str:
     """`url` with '/', '?', '#', '@', '[' and ']' in its username and password percent-encoded (redis-py decodes
     them), so that a password holding them reaches the server instead of breaking the URL's parse."""
@@ -562,6 +585,7 @@ class RedisStore(_SerializedStore):
             kwargs["ssl_cert_reqs"] = "required"
             if url.startswith("redis://"):
                 url = "rediss://" + url[len("redis://") :]
+        self.tls: dict[str, str] = {}  # the TLS files given, as passed (another process opening this store needs them)
         if url.startswith("rediss://"):
             for name, value in (
                 ("ssl_ca_certs", ssl_ca_certs),
@@ -569,11 +593,12 @@ class RedisStore(_SerializedStore):
                 ("ssl_keyfile", ssl_keyfile),
             ):
                 if value:
-                    kwargs[name] = value
+                    kwargs[name] = self.tls[name] = value
         self.url = redact(url)
         # What redis-py's own errors could echo: the URL, its password, the password given apart.
         secrets = {*_url_secrets(url), *_url_secrets(_encode_userinfo(url)), *([password] if password else [])}
         self._secrets = sorted(secrets, key=len, reverse=True)
+        self.has_password = bool(secrets)  # in the URL or given apart
         self._raw_url = url
         try:
             self.client = client or redis.Redis.from_url(_encode_userinfo(url), **kwargs)

@@ -129,3 +129,19 @@ def test_the_command_line_never_prints_the_password(setup, capsys, monkeypatch, 
     out = capsys.readouterr()
     assert code == 2 and out.out == "" and out.err.count("\n") == 1 and out.err.startswith("kvrag: error:")
     assert "pa/ss" not in out.err and "qq" not in out.err and "Start the server" in out.err
+
+
+@pytest.mark.parametrize(
+    "url, bare",
+    [
+        (SECRET_URL, "redis://default@127.0.0.1:1/0"),
+        ("redis://:secret@host:6379/0", "redis://host:6379/0"),
+        ("rediss://u:p@ss@host/0?db=1&auth=c", "rediss://u@host/0?db=1"),
+        ("redis://host/0", "redis://host/0"),
+    ],
+)
+def test_a_url_without_its_credentials_keeps_the_rest(url, bare):
+    from kvrag.store import has_credentials, without_credentials
+
+    assert without_credentials(url) == bare
+    assert has_credentials(url) == (url != bare) and not has_credentials(bare)

@@ -283,3 +283,40 @@ def test_an_entry_holding_other_tokens_than_the_prompts_is_never_written(tmp_pat
         assert not cache[:2].any()  # the layout inside a block: the values written are the entry's, all of them)
         written, stored = cache[cache != 0].sort().values, torch.cat([entry.keys[i], entry.values[i]]).flatten()
         assert torch.equal(written, stored.half().float().sort().values)  # as stored: float16
+
+
+def test_the_connector_opens_redis_over_tls_with_its_password_from_a_file_never_from_the_config(tmp_path):
+    """vLLM logs kv_connector_extra_config: a password comes from password_file, a URL holding one is refused,
+    and store_config writes none (the TLS files pass as given)."""
+    from kvrag.errors import InvalidRequestError, KVRAGError
+    from kvrag.store import RedisStore
+    from vllm_kvrag.attach import store_config
+    from vllm_kvrag.connector import open_store
+
+    ca, password = tmp_path / "ca.pem", tmp_path / "redis-password"
+    ca.write_text("not read until a connection is made")
+    password.write_text("s3cret-pass\n")
+    store = open_store(
+        {
+            "store": "redis",
+            "url": "rediss://cache.internal:6380/0",
+            "ssl_ca_certs": str(ca),
+            "password_file": str(password),
+        }
+    )
+    pool = store.client.connection_pool.connection_kwargs
+    assert (pool["password"], pool["ssl_ca_certs"]) == ("s3cret-pass", str(ca))
+    assert store.client.connection_pool.connection_class.__name__ == "SSLConnection"  # it verifies the server
+    with pytest.raises(KVRAGError, match="carries a password.*password_file") as refused:
+        open_store({"store": "redis", "url": "redis://:s3cret-pass@cache.internal:6379/0"})
+    assert "s3cret-pass" not in str(refused.value)
+    with pytest.raises(KVRAGError, match="cannot read its password_file"):
+        open_store({"store": "redis", "url": "redis://cache.internal/0", "password_file": str(tmp_path / "gone")})
+    engine_side = RedisStore("redis://:s3cret-pass@cache.internal:6380/0", ssl=True, ssl_ca_certs=str(ca))
+    with pytest.raises(InvalidRequestError, match="password_file="):
+        store_config(engine_side)
+    config = store_config(engine_side, password_file=str(password))
+    assert "s3cret-pass" not in repr(config) and config["url"] == "rediss://cache.internal:6380/0"
+    assert (config["password_file"], config["ssl_ca_certs"]) == (str(password), str(ca))
+    reopened = open_store(config).client.connection_pool.connection_kwargs
+    assert (reopened["password"], reopened["ssl_ca_certs"]) == ("s3cret-pass", str(ca))

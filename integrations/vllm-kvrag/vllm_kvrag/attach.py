@@ -13,14 +13,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvrag.errors import InvalidRequestError
-from kvrag.store import DiskStore, KVStore, RedisStore, TieredStore
+from kvrag.store import DiskStore, KVStore, RedisStore, TieredStore, without_credentials
 
 if TYPE_CHECKING:
     from kvrag.engine import KVRAG
 
 
-def store_config(store: KVStore, *, namespace: str = "") -> dict[str, Any]:
-    """The connector's extra config that reads `store` (a disk folder or Redis, behind any memory front)."""
+def store_config(store: KVStore, *, namespace: str = "", password_file: str | None = None) -> dict[str, Any]:
+    """The connector's extra config that reads `store` (a disk folder or Redis, behind any memory front).
+
+    vLLM writes this config to its log, so it never holds a password: a Redis that needs one is given
+    `password_file`, a file holding it, for the connector to read. Its TLS files are passed as they were given.
+    """
     while isinstance(store, TieredStore):
         store = store.back
     if store.view:  # a tenant's view: the connector opens the whole store and takes the same view of it
@@ -28,12 +32,20 @@ def store_config(store: KVStore, *, namespace: str = "") -> dict[str, Any]:
     if isinstance(store, DiskStore):
         config: dict[str, Any] = {"store": "disk", "path": str(store.root), "storage_dtype": store.storage_dtype}
     elif isinstance(store, RedisStore):
+        if store.has_password and not password_file:
+            raise InvalidRequestError(
+                "this engine's Redis needs a password, and vLLM writes its connector's config to its log: pass "
+                "password_file=, a file holding the password, for the connector to read it from there"
+            )
         config = {
             "store": "redis",
-            "url": store._raw_url,
+            "url": without_credentials(store._raw_url),
             "namespace": store.namespace,
             "storage_dtype": store.storage_dtype,
+            **store.tls,
         }
+        if password_file:
+            config["password_file"] = str(password_file)
     else:
         raise InvalidRequestError(
             f"vLLM's connector reads a disk folder or Redis; this engine keeps its KV in a {type(store).__name__}: "
@@ -50,6 +62,7 @@ def attach(
     *,
     server: str | None = None,
     secret_file: str | None = None,
+    password_file: str | None = None,
     memory_bytes: int = 0,
     **llm_options: Any,
 ) -> KVRAG:
@@ -62,6 +75,7 @@ def attach(
         server: the URL of a `vllm serve` that loads kvrag's connector over the same store (then no vLLM is
             started here, and only httpx is needed).
         secret_file: for an engine with a tenant secret, a file holding it, for the connector to read.
+        password_file: for an engine whose Redis needs a password, a file holding it, for the connector to read.
         memory_bytes: the connector's memory tier (decoded entries kept in vLLM's worker).
     """
     from vllm_kvrag.executor import VLLMExecutor, connector_config
@@ -81,7 +95,7 @@ def attach(
 
         from kvrag.model import convert_default
 
-        extra = store_config(rag.store, namespace=rag.namespace)
+        extra = store_config(rag.store, namespace=rag.namespace, password_file=password_file)
         if secret_file:
             extra["secret_file"] = str(secret_file)
         if memory_bytes:

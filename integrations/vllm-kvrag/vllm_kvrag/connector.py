@@ -11,7 +11,9 @@ anything: kvrag's exact entries are kvrag's to write. An entry that has gone or 
 is read is reported as a load error, and vLLM recomputes those tokens (`kv_load_failure_policy="recompute"`).
 
 Configuration (`KVTransferConfig.kv_connector_extra_config`): `store` ("disk" or "redis"), `path` (disk),
-`url` and `namespace` (redis), `storage_dtype` (as the entries were written, default float16), and for a
+`url` and `namespace` (redis; never a password in the URL, since vLLM logs this config: `password_file` names a
+file holding it; TLS with a rediss:// URL or `ssl`, and `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`),
+`storage_dtype` (as the entries were written, default float16), and for a
 tenant: `tenant` (the engine's namespace: the connector reads that tenant's view of the store, as the
 engine writes it) and `secret_file` (a file holding the tenant secret its entries are checksummed with);
 `memory_bytes` (default 0: none) keeps entries, once read and verified, decoded (in their storage dtype) in
@@ -44,7 +46,7 @@ from kvrag.errors import KVRAGError
 from kvrag.kv import ChunkKV
 from kvrag.model import check_architecture
 from kvrag.rope import Repositioner, rotary_of_config
-from kvrag.store import DiskStore, KVStore, MemoryStore, RedisStore, TieredStore
+from kvrag.store import DiskStore, KVStore, MemoryStore, RedisStore, TieredStore, has_credentials, redact
 from vllm_kvrag.plan import Piece, TransferPlan
 
 if TYPE_CHECKING:
@@ -96,6 +98,17 @@ class KVRAGConnectorMetadata(KVConnectorMetadata):
     loads: list[_Load] = field(default_factory=list)
 
 
+_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+def _read_file(path: Any, what: str) -> bytes:
+    """A secret the connector's config names by its file (the config itself is logged by vLLM)."""
+    try:
+        return Path(path).read_bytes().strip()
+    except OSError as err:
+        raise KVRAGError(f"the kvrag connector cannot read its {what} {path}: {err.strerror}") from None
+
+
 def open_store(extra: dict[str, Any]) -> KVStore:
     """kvrag's store named by the connector's extra config."""
     kind = extra.get("store", "disk")
@@ -105,18 +118,33 @@ def open_store(extra: dict[str, Any]) -> KVStore:
             raise KVRAGError("the kvrag connector's store is 'disk': give kv_connector_extra_config['path']")
         store: KVStore = DiskStore(extra["path"], storage, read_only=True)
     elif kind == "redis":
+        url = str(extra.get("url", "redis://localhost:6379/0"))
+        if has_credentials(url):
+            raise KVRAGError(
+                f"the kvrag connector's Redis URL {redact(url)} carries a password, and vLLM writes "
+                "kv_connector_extra_config to its log: put the password in a file and give its path as password_file"
+            )
+        password = None
+        if extra.get("password_file"):
+            try:
+                password = _read_file(extra["password_file"], "password_file").decode()
+            except UnicodeDecodeError:
+                raise KVRAGError(f"the kvrag connector's password_file {extra['password_file']} is not UTF-8 text")
         store = RedisStore(
-            extra["url"], namespace=extra.get("namespace", "kvrag"), storage_dtype=storage, read_only=True
+            url,
+            namespace=extra.get("namespace", "kvrag"),
+            storage_dtype=storage,
+            read_only=True,
+            password=password,
+            ssl=bool(extra.get("ssl")) or None,
+            **{name: str(extra[name]) for name in _TLS_FILES if extra.get(name)},
         )
     else:
         raise KVRAGError(f"the kvrag connector's store must be 'disk' or 'redis', got {kind!r}")
     if extra.get("tenant"):
         store = store.scoped(str(extra["tenant"]))
     if extra.get("secret_file"):
-        try:
-            store.secret = Path(extra["secret_file"]).read_bytes().strip()
-        except OSError as err:
-            raise KVRAGError(f"the kvrag connector cannot read its secret_file {extra['secret_file']}: {err.strerror}")
+        store.secret = _read_file(extra["secret_file"], "secret_file")
         if len(store.secret) < 16:
             raise KVRAGError(
                 f"the kvrag connector's secret_file {extra['secret_file']} holds {len(store.secret)} bytes: a secret "
