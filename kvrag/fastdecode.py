@@ -8,8 +8,9 @@ core. q, k and v are one such product, and so are gate and up: their weights are
 model's own modules view the stack (no second copy). The rest of a step is a short loop over layers: the
 rotary embedding looked up from a table that the model's own rotary module computes (so scaled RoPE is the
 model's), the new key and value written into the cache's preallocated room, attention over the filled slots,
-and no mask, position or cache bookkeeping. Its tokens are those of the transformers forward (tested in
-float32 on every architecture it takes). It never builds a prompt or a cache: the prefill's cache is read and
+and no mask, position or cache bookkeeping. On CPU that attention is `kvrag.ckernel`'s C kernel where it built
+(every key and value read once, in float32 vectors, blocks of slots across the threads), else torch's. Its
+tokens are those of the transformers forward (tested in float32 on every architecture it takes). It never builds a prompt or a cache: the prefill's cache is read and
 extended in place.
 
 Taken: llama, mistral, qwen2 and qwen3 (rotate-half RoPE, RMSNorm, gated SiLU MLP, no sliding window).
@@ -37,6 +38,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kvrag import ckernel
 
 TAKEN = ("llama", "mistral", "qwen2", "qwen3")
 BLOCK = 256  # cache slots an attention block of the compiled step reads (docs/performance.md, "Decoding")
@@ -231,6 +234,8 @@ class FastDecoder:
         if torch.get_num_threads() != self.threads:  # one part a thread, as many as torch runs now
             self._resplit(max(1, torch.get_num_threads()))
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        kernel = ckernel.supports(keys[0], hq // hkv)  # the C kernel's attention, where it built and takes the cache
+        scratch = torch.empty(ckernel.scratch_size(hkv, hq // hkv, d, filled + 1)) if kernel else None
         x = self.embed[token]  # [D]
         for i, layer in enumerate(self.layers):
             h = self._rms(x, layer.norm_in)
@@ -243,12 +248,16 @@ class FastDecoder:
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             keys[i][:, filled] = k
             values[i][:, filled] = v
-            # the heads that share a kv head form that head's query rows: attention needs no repeated keys and,
-            # for one new token seeing every cached one, no mask; the scale goes on q alone (torch's attention
-            # also scales every cached key, a pass over the whole cache)
-            scores = (q.view(hkv, hq // hkv, d) * self.scale) @ keys[i][:, : filled + 1].transpose(1, 2)  # [H_kv, G, T]
-            weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-            out = weights @ values[i][:, : filled + 1]  # [H_kv, G, d]
+            if kernel and keys[i].is_contiguous() and values[i].is_contiguous():
+                out = ckernel.decode_attention(q.float() * self.scale, keys[i], values[i], filled + 1, scratch)
+                out = out.to(x.dtype)
+            else:
+                # the heads that share a kv head form that head's query rows: attention needs no repeated keys and,
+                # for one new token seeing every cached one, no mask; the scale goes on q alone (torch's attention
+                # also scales every cached key, a pass over the whole cache)
+                scores = (q.view(hkv, hq // hkv, d) * self.scale) @ keys[i][:, : filled + 1].transpose(1, 2)
+                weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # [H_kv, G, T]
+                out = weights @ values[i][:, : filled + 1]  # [H_kv, G, d]
             x = x + layer.o(out.reshape(hq * d))
             h = self._rms(x, layer.norm_post)
             gate, up = layer.gate_up(h).chunk(2)
@@ -264,10 +273,45 @@ class FastDecoder:
         values: list[torch.Tensor],
         filled: int,
     ) -> torch.Tensor:
-        layer_step, head_step = self.compiled  # type: ignore[misc]
+        layer_step, head_step, layer_in, layer_out = self.compiled  # type: ignore[misc]
         span = -(-(filled + 1) // BLOCK) * BLOCK  # whole blocks of slots, the last one partly filled
         slot = torch.tensor([filled], device=self.embed.device)  # a tensor: a new slot compiles nothing
         x = self.embed[token]  # [D]
+        group = self.heads // self.kv_heads
+        if ckernel.supports(keys[0], group) and ckernel.supports(values[0], group):
+            # attention in the C kernel, between the compiled parts of each layer (it reads each slot once,
+            # where inductor's code for it runs at a third of that speed)
+            scratch = torch.empty(ckernel.scratch_size(self.kv_heads, group, self.head_dim, filled + 1))
+            for i, layer in enumerate(self.layers):
+                torch._dynamo.maybe_mark_dynamic(keys[i], 1)  # the cache's room may grow: nothing recompiles
+                torch._dynamo.maybe_mark_dynamic(values[i], 1)
+                q = layer_in(
+                    x,
+                    layer.norm_in,
+                    layer.qkv.weight,
+                    layer.qkv.bias,
+                    layer.q_norm,
+                    layer.k_norm,
+                    cos,
+                    sin,
+                    keys[i],
+                    values[i],
+                    slot,
+                    self.heads,
+                    self.eps,
+                )
+                attended = ckernel.decode_attention(q.float() * self.scale, keys[i], values[i], filled + 1, scratch)
+                x = layer_out(
+                    x,
+                    attended.view(-1),
+                    layer.o.weight,
+                    layer.norm_post,
+                    layer.gate_up.weight,
+                    layer.down.weight,
+                    self.eps,
+                )
+            self._compiled_ran = True
+            return head_step(x, self.norm, self.lm_head.weight, self.eps)
         for i, layer in enumerate(self.layers):
             k, v = keys[i][:, :span], values[i][:, :span]
             torch._dynamo.maybe_mark_dynamic(k, 1)  # (one block compiles apart: a dimension of 1 is static)
@@ -312,6 +356,51 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
+def _layer_in(
+    x: torch.Tensor,
+    norm_in: torch.Tensor,
+    qkv_w: torch.Tensor,
+    qkv_b: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slot: torch.Tensor,
+    heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """A layer's step up to attention: the token's query heads [H, d], its key and value written to slot `slot`."""
+    kv_heads, _, d = keys.shape
+    h = _rms_norm(x, norm_in, eps)
+    qkv = _dot(qkv_w, h, qkv_b)
+    q = qkv[: heads * d].view(heads, d)
+    k = qkv[heads * d : (heads + kv_heads) * d].view(kv_heads, d)
+    v = qkv[(heads + kv_heads) * d :].view(kv_heads, d)
+    if q_norm is not None:
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)  # type: ignore[arg-type]
+    q, k = FastDecoder._rope(q, cos, sin), FastDecoder._rope(k, cos, sin)
+    keys.index_copy_(1, slot, k[:, None])
+    values.index_copy_(1, slot, v[:, None])
+    return q
+
+
+def _layer_out(
+    x: torch.Tensor,
+    attended: torch.Tensor,
+    o_w: torch.Tensor,
+    norm_post: torch.Tensor,
+    gate_up_w: torch.Tensor,
+    down_w: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """A layer's step after attention (`attended`: [H * d]): the output product and the MLP, with residuals."""
+    x = x + _dot(o_w, attended.to(x.dtype))
+    gate, up = _dot(gate_up_w, _rms_norm(x, norm_post, eps)).chunk(2)
+    return x + _dot(down_w, F.silu(gate) * up)
+
+
 def _layer_step(
     x: torch.Tensor,
     norm_in: torch.Tensor,
@@ -332,7 +421,8 @@ def _layer_step(
     eps: float,
     scale: float,
 ) -> torch.Tensor:
-    """One decoder layer for one token, as `FastDecoder.step`'s loop body.
+    """One decoder layer for one token, as `FastDecoder.step`'s loop body, attention included (where the C
+    kernel is not there to attend between `_layer_in` and `_layer_out`).
 
     keys/values [H_kv, T, d] are whole blocks of BLOCK slots of the cache; the token's key and value go to slot
     `slot` ([1]), and it attends to slots 0..slot. Attention is split by blocks (flash-decoding): each block's
@@ -342,16 +432,7 @@ def _layer_step(
     """
     kv_heads, span, d = keys.shape
     blocks, group = span // BLOCK, heads // kv_heads
-    h = _rms_norm(x, norm_in, eps)
-    qkv = _dot(qkv_w, h, qkv_b)
-    q = qkv[: heads * d].view(heads, d)
-    k = qkv[heads * d : (heads + kv_heads) * d].view(kv_heads, d)
-    v = qkv[(heads + kv_heads) * d :].view(kv_heads, d)
-    if q_norm is not None:
-        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)  # type: ignore[arg-type]
-    q, k = FastDecoder._rope(q, cos, sin), FastDecoder._rope(k, cos, sin)
-    keys.index_copy_(1, slot, k[:, None])
-    values.index_copy_(1, slot, v[:, None])
+    q = _layer_in(x, norm_in, qkv_w, qkv_b, q_norm, k_norm, cos, sin, keys, values, slot, heads, eps)
     grouped = (q.view(kv_heads, 1, group, 1, d) * scale).float()  # the query rows of each kv head
     scores = (grouped * keys.view(kv_heads, blocks, 1, BLOCK, d).float()).sum(-1)  # [H_kv, S, G, B]
     seen = torch.arange(span, device=keys.device).view(blocks, 1, BLOCK) <= slot  # [S, 1, B]
@@ -363,9 +444,7 @@ def _layer_step(
     partial = torch.where(seen[..., None], weighted, 0.0).sum(-2)  # [H_kv, S, G, d]
     rescale = torch.exp(top - top.amax(1, keepdim=True))  # [H_kv, S, G]
     out = (partial * rescale[..., None]).sum(1) / (mass * rescale).sum(1)[..., None]  # [H_kv, G, d]
-    x = x + _dot(o_w, out.to(x.dtype).reshape(heads * d))
-    gate, up = _dot(gate_up_w, _rms_norm(x, norm_post, eps)).chunk(2)
-    return x + _dot(down_w, F.silu(gate) * up)
+    return _layer_out(x, out.reshape(heads * d), o_w, norm_post, gate_up_w, down_w, eps)
 
 
 def _head_step(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
@@ -373,10 +452,10 @@ def _head_step(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: 
 
 
 @functools.cache
-def _compiled() -> tuple[Any, Any]:
-    """The compiled layer step and head, made once a process (compiled code is kept per function and its shapes,
-    so every decoder of every model shares them)."""
-    return torch.compile(_layer_step, dynamic=False), torch.compile(_head_step, dynamic=False)
+def _compiled() -> tuple[Any, Any, Any, Any]:
+    """The compiled layer step, head, and a layer's parts around attention, made once a process (compiled code
+    is kept per function and its shapes, so every decoder of every model shares them)."""
+    return tuple(torch.compile(f, dynamic=False) for f in (_layer_step, _head_step, _layer_in, _layer_out))
 
 
 def decodes_compiled(model: torch.nn.Module) -> bool:

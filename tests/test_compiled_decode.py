@@ -10,6 +10,7 @@ import torch
 from tiny import ARCHS, tiny_config
 from transformers import AutoModelForCausalLM
 
+from kvrag import ckernel
 from kvrag.fastdecode import BLOCK, Room, compile_decoding, decode_room, decoder_of
 from kvrag.generate import Sampling, decode
 from kvrag.recompute import full_prefill
@@ -31,8 +32,13 @@ def _ids(n, seed=1):
 
 
 @needs_compiler
+@pytest.mark.parametrize("c_kernel", [True, False], ids=["C kernel attention", "inductor attention"])
 @pytest.mark.parametrize("name", TAKEN)
-def test_each_compiled_step_matches_the_whole_sequence_forward(name):
+def test_each_compiled_step_matches_the_whole_sequence_forward(name, c_kernel, monkeypatch):
+    if not c_kernel:  # the compiled step's own attention, where the C kernel did not build
+        monkeypatch.setattr(ckernel, "supports", lambda *args: False)
+    elif not ckernel.available():
+        pytest.skip("no C compiler for kvrag.ckernel")
     model = _fresh(name)
     assert compile_decoding(model)
     decoder = decoder_of(model)
@@ -52,7 +58,10 @@ def test_each_compiled_step_matches_the_whole_sequence_forward(name):
 
 
 @needs_compiler
-def test_attention_blocks_merge_across_a_block_boundary():
+@pytest.mark.parametrize("c_kernel", [True, False], ids=["C kernel attention", "inductor attention"])
+def test_attention_blocks_merge_across_a_block_boundary(c_kernel, monkeypatch):
+    if not c_kernel:
+        monkeypatch.setattr(ckernel, "supports", lambda *args: False)
     model = _fresh("llama")
     compile_decoding(model)
     decoder = decoder_of(model)
@@ -115,7 +124,7 @@ def test_a_failing_compiler_warns_once_and_the_eager_step_decodes(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
 
-    decoder.compiled = (broken, broken)
+    decoder.compiled = (broken,) * 4
     with pytest.warns(RuntimeWarning, match="compiled decoding is off.*no C\\+\\+ compiler found"):
         logits = decoder.step(5, cos[0], sin[0], room.keys, room.values, room.filled)
     assert torch.equal(logits, expected) and decoder.compiled is None
@@ -134,7 +143,7 @@ def test_a_failure_after_the_compiled_step_ran_is_raised():
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    decoder.compiled, decoder._compiled_ran = (broken, broken), True
+    decoder.compiled, decoder._compiled_ran = (broken,) * 4, True
     with pytest.raises(RuntimeError, match="out of memory"):
         decoder.step(5, cos[0], sin[0], room.keys, room.values, room.filled)
 

@@ -1,0 +1,138 @@
+"""The decode step's attention as a small C kernel (`kernels/decode_attention.c`), built here on first use.
+
+torch runs one token's grouped-query attention over a long cache at a third to a quarter of what a core can
+read: its products for so few query rows, and its softmax, are not made for that shape. The kernel reads each
+key and value once, in 16-lane float32 vectors, and splits the cache into blocks across the threads
+(flash-decoding). It is compiled once per machine with the system's C compiler (`cc`, or `$CC`), for this
+CPU (`-march=native`), into kvrag's cache folder, and loaded with ctypes; it links the OpenMP runtime torch
+already loaded, so its threads are torch's. Where there is no compiler, or the build fails, `decode_attention`
+is None and the decode step keeps torch's attention.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
+BLOCK = 256  # the kernel's block of cache slots
+MAX_GROUP, MAX_HEAD_DIM = 8, 256
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC")
+_FUNCTIONS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
+
+
+def _cpu_id() -> str:
+    """What the build depends on besides the source: the CPU's model and flags (-march=native)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return platform.machine() + "\n".join(lines)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not SOURCE.exists() or platform.system() != "Linux":
+        return None
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    from kvrag.model import default_cache_dir
+
+    target = default_cache_dir() / "kernels" / f"decode_attention-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # built apart, renamed: concurrent builds
+            built = Path(scratch) / target.name
+            try:
+                subprocess.run(
+                    [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                    check=True,
+                    capture_output=True,
+                    timeout=120,
+                )
+            except (OSError, subprocess.SubprocessError):
+                return None
+            os.replace(built, target)
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError:
+        return None
+    pointer = ctypes.c_void_p
+    for name in _FUNCTIONS.values():
+        function = getattr(library, name)
+        function.argtypes = [pointer, pointer, pointer, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        function.argtypes += [ctypes.c_long, pointer, pointer, ctypes.c_int]
+        function.restype = None
+    return library
+
+
+def supports(keys: torch.Tensor, group: int) -> bool:
+    """Whether the kernel takes a cache of these keys ([H_kv, capacity, d]) and this many query heads a kv head."""
+    return (
+        keys.device.type == "cpu"
+        and keys.dtype in _FUNCTIONS
+        and keys.dim() == 3
+        and keys.is_contiguous()
+        and keys.shape[-1] % 16 == 0
+        and keys.shape[-1] <= MAX_HEAD_DIM
+        and 1 <= group <= MAX_GROUP
+        and _library() is not None
+    )
+
+
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention of one token's query heads q [H, d] (float32, scaled) over slots 0..n-1 of keys and values
+    [H_kv, capacity, d] (contiguous, float32 or bfloat16; `supports` says which): [H, d] float32.
+
+    `scratch`: a float32 buffer of at least `scratch_size` elements, reused between calls (else allocated).
+    """
+    library = _library()
+    assert library is not None, "check kvrag.ckernel.supports first"
+    kv_heads, capacity, d = keys.shape
+    group = q.shape[0] // kv_heads
+    if not 0 < n <= capacity or values.shape != keys.shape or not values.is_contiguous():
+        raise ValueError(f"decode_attention: {n} slots of a cache of {capacity}, values {tuple(values.shape)}")
+    q = q.to(torch.float32).contiguous()
+    size = scratch_size(kv_heads, group, d, n)
+    if scratch is None or scratch.numel() < size:
+        scratch = torch.empty(size, dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    function: Callable[..., None] = getattr(library, _FUNCTIONS[keys.dtype])
+    function(
+        q.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        capacity,
+        kv_heads,
+        group,
+        d,
+        n,
+        out.data_ptr(),
+        scratch.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def scratch_size(kv_heads: int, group: int, d: int, n: int) -> int:
+    """Floats of scratch the kernel needs for n slots."""
+    return kv_heads * -(-n // BLOCK) * group * (d + 2)
+
+
+def available() -> bool:
+    """Whether the kernel built and loaded on this machine."""
+    return _library() is not None

@@ -1,0 +1,63 @@
+"""kvrag.ckernel: the decode step's C attention equals torch's, and the step uses it where it takes the cache."""
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from kvrag import ckernel
+from kvrag.fastdecode import Room, decoder_of
+from kvrag.recompute import full_prefill
+
+needs_kernel = pytest.mark.skipif(not ckernel.available(), reason="no C compiler here: the step keeps torch's")
+
+
+def _reference(q, keys, values, n):
+    kv_heads, _, d = keys.shape
+    scores = q.view(kv_heads, -1, d) @ keys[:, :n].float().transpose(1, 2)
+    return (torch.softmax(scores, -1) @ values[:, :n].float()).reshape(q.shape)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "kv_heads, group, d, capacity, n",
+    [(3, 3, 64, 4400, 4184), (2, 1, 16, 300, 1), (2, 4, 32, 600, 256), (2, 4, 32, 600, 257), (1, 8, 128, 512, 300)],
+)
+def test_the_kernel_equals_softmax_attention(dtype, kv_heads, group, d, capacity, n):
+    g = torch.Generator().manual_seed(n)
+    keys, values = (torch.randn(kv_heads, capacity, d, generator=g).to(dtype) for _ in range(2))
+    keys[:, n:] = values[:, n:] = 1e4  # slots past n hold anything: never read
+    q = torch.randn(kv_heads * group, d, generator=g)
+    got = ckernel.decode_attention(q, keys, values, n)
+    torch.testing.assert_close(got, _reference(q, keys, values, n), rtol=1e-5, atol=2e-5)
+
+
+def test_what_the_kernel_does_not_take_is_said_before_it_runs():
+    keys = torch.zeros(2, 64, 64)
+    assert not ckernel.supports(keys.half(), 2)  # float16: torch's attention
+    assert not ckernel.supports(torch.zeros(2, 64, 24), 2)  # a head size not in 16-lane vectors
+    assert not ckernel.supports(keys.transpose(0, 1), 2)  # not contiguous
+    assert not ckernel.supports(keys, ckernel.MAX_GROUP + 1)
+    if ckernel.available():
+        assert ckernel.supports(keys, 2)
+        with pytest.raises(ValueError, match="65 slots of a cache of 64"):
+            ckernel.decode_attention(torch.zeros(4, 64), keys, keys, 65)
+
+
+@needs_kernel
+def test_the_decode_step_attends_through_the_kernel_and_keeps_its_logits(monkeypatch):
+    model = tiny_model("llama")
+    decoder = decoder_of(model)
+    ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    reference = model(torch.tensor([ids])).logits[0].float()
+    calls = []
+    run = ckernel.decode_attention
+    monkeypatch.setattr(ckernel, "decode_attention", lambda *a: calls.append(a[3]) or run(*a))
+    out = full_prefill(model, ids[:20])
+    room = Room.of(out.cache, 20)
+    cos, sin = decoder.rotary(20, 20)
+    for step, token in enumerate(ids[20:]):
+        logits = decoder.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)
+        torch.testing.assert_close(logits, reference[20 + step], rtol=1e-4, atol=1e-4)
+    layers = model.config.num_hidden_layers
+    assert calls == [n for n in range(21, 41) for _ in range(layers)]  # every layer, over every filled slot
