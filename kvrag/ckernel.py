@@ -104,8 +104,14 @@ def decode_attention(
     assert library is not None, "check kvrag.ckernel.supports first"
     kv_heads, capacity, d = keys.shape
     group = q.shape[0] // kv_heads
-    if not 0 < n <= capacity or values.shape != keys.shape or not values.is_contiguous():
-        raise ValueError(f"decode_attention: {n} slots of a cache of {capacity}, values {tuple(values.shape)}")
+    if not 0 < n <= capacity or q.shape != (kv_heads * group, d) or group > MAX_GROUP:
+        raise ValueError(f"decode_attention: {n} slots of a cache of {capacity}, q {tuple(q.shape)}, keys {keys.shape}")
+    if (
+        values.shape != keys.shape
+        or values.dtype != keys.dtype
+        or not (keys.is_contiguous() and values.is_contiguous())
+    ):
+        raise ValueError("decode_attention: keys and values must be contiguous, of one shape and dtype")
     q = q.to(torch.float32).contiguous()
     size = scratch_size(kv_heads, group, d, n)
     if scratch is None or scratch.numel() < size:

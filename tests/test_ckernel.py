@@ -42,6 +42,8 @@ def test_what_the_kernel_does_not_take_is_said_before_it_runs():
         assert ckernel.supports(keys, 2)
         with pytest.raises(ValueError, match="65 slots of a cache of 64"):
             ckernel.decode_attention(torch.zeros(4, 64), keys, keys, 65)
+        with pytest.raises(ValueError, match="one shape and dtype"):
+            ckernel.decode_attention(torch.zeros(4, 64), keys, keys.bfloat16(), 8)
 
 
 @needs_kernel
