@@ -142,3 +142,26 @@ def scratch_size(kv_heads: int, group: int, d: int, n: int) -> int:
 def available() -> bool:
     """Whether the kernel built and loaded on this machine."""
     return _library() is not None
+
+
+@torch.library.custom_op("kvrag::decode_attention", mutates_args=("keys", "values"))
+def _decode_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slot: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """For a compiled step: the token's key and value k, v [H_kv, d] written to slot `slot` ([1]) of keys and
+    values [H_kv, capacity, d], then its query heads q [H, d] (times `scale`) attending to slots 0..slot."""
+    n = int(slot.item())
+    keys[:, n] = k
+    values[:, n] = v
+    return decode_attention(q.float() * scale, keys, values, n + 1)
+
+
+@_decode_attention_op.register_fake
+def _(q, k, v, keys, values, slot, scale):  # type: ignore[no-untyped-def]
+    return torch.empty(q.shape, dtype=torch.float32, device=q.device)

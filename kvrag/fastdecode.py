@@ -21,8 +21,9 @@ one function that torch.compile (inductor) turns into a few fused C++ kernels, c
 replayed for every layer and token; the number of cached tokens is a dynamic dimension, so a longer cache
 compiles nothing. Its products are written as reductions, which inductor generates as vectorized dot products
 over the weight rows on every core (closer to the memory bandwidth than a vector-matrix product through
-MKL). Its attention is split into blocks of BLOCK cache slots (flash-decoding), so every cached key and value
-is read once and the cores share the blocks; the cache keeps the room for whole blocks (`decode_room`). It
+MKL). Its attention is the C kernel's where it built (`kvrag::decode_attention`, an op the graph calls as it
+is); else the graph's own, split into blocks of BLOCK cache slots (flash-decoding), so every cached key and
+value is read once and the cores share the blocks; the cache keeps the room for whole blocks (`decode_room`). It
 costs seconds of compilation on a model's first decoded token (inductor keeps the result on disk for later
 processes), so it pays off in a process that answers many questions. Its logits equal the eager step's to
 float32 rounding (the sums run in another order); where the compiler is missing or fails, decoding warns once
@@ -273,47 +274,15 @@ class FastDecoder:
         values: list[torch.Tensor],
         filled: int,
     ) -> torch.Tensor:
-        layer_step, head_step, layer_in, layer_out = self.compiled  # type: ignore[misc]
+        layer_step, head_step = self.compiled  # type: ignore[misc]
         span = -(-(filled + 1) // BLOCK) * BLOCK  # whole blocks of slots, the last one partly filled
         slot = torch.tensor([filled], device=self.embed.device)  # a tensor: a new slot compiles nothing
         x = self.embed[token]  # [D]
-        group = self.heads // self.kv_heads
-        if ckernel.supports(keys[0], group) and ckernel.supports(values[0], group):
-            # attention in the C kernel, between the compiled parts of each layer (it reads each slot once,
-            # where inductor's code for it runs at a third of that speed)
-            scratch = torch.empty(ckernel.scratch_size(self.kv_heads, group, self.head_dim, filled + 1))
-            for i, layer in enumerate(self.layers):
-                torch._dynamo.maybe_mark_dynamic(keys[i], 1)  # the cache's room may grow: nothing recompiles
-                torch._dynamo.maybe_mark_dynamic(values[i], 1)
-                q = layer_in(
-                    x,
-                    layer.norm_in,
-                    layer.qkv.weight,
-                    layer.qkv.bias,
-                    layer.q_norm,
-                    layer.k_norm,
-                    cos,
-                    sin,
-                    keys[i],
-                    values[i],
-                    slot,
-                    self.heads,
-                    self.eps,
-                )
-                attended = ckernel.decode_attention(q.float() * self.scale, keys[i], values[i], filled + 1, scratch)
-                x = layer_out(
-                    x,
-                    attended.view(-1),
-                    layer.o.weight,
-                    layer.norm_post,
-                    layer.gate_up.weight,
-                    layer.down.weight,
-                    self.eps,
-                )
-            self._compiled_ran = True
-            return head_step(x, self.norm, self.lm_head.weight, self.eps)
+        # attention in the C kernel where it takes the cache (an opaque op inside the layer's graph, over the
+        # whole buffer), else the graph's own over whole blocks
+        kernel = ckernel.supports(keys[0], self.heads // self.kv_heads)
         for i, layer in enumerate(self.layers):
-            k, v = keys[i][:, :span], values[i][:, :span]
+            k, v = (keys[i], values[i]) if kernel else (keys[i][:, :span], values[i][:, :span])
             torch._dynamo.maybe_mark_dynamic(k, 1)  # (one block compiles apart: a dimension of 1 is static)
             torch._dynamo.maybe_mark_dynamic(v, 1)
             x = layer_step(
@@ -335,6 +304,7 @@ class FastDecoder:
                 self.heads,
                 self.eps,
                 self.scale,
+                kernel,
             )
         logits = head_step(x, self.norm, self.lm_head.weight, self.eps)
         self._compiled_ran = True
@@ -356,7 +326,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
-def _layer_in(
+def _qkv(
     x: torch.Tensor,
     norm_in: torch.Tensor,
     qkv_w: torch.Tensor,
@@ -365,40 +335,20 @@ def _layer_in(
     k_norm: torch.Tensor | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    slot: torch.Tensor,
     heads: int,
+    kv_heads: int,
     eps: float,
-) -> torch.Tensor:
-    """A layer's step up to attention: the token's query heads [H, d], its key and value written to slot `slot`."""
-    kv_heads, _, d = keys.shape
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's step up to attention: the token's query heads [H, d], key and value [H_kv, d], rotated."""
     h = _rms_norm(x, norm_in, eps)
     qkv = _dot(qkv_w, h, qkv_b)
+    d = qkv.shape[0] // (heads + 2 * kv_heads)
     q = qkv[: heads * d].view(heads, d)
     k = qkv[heads * d : (heads + kv_heads) * d].view(kv_heads, d)
     v = qkv[(heads + kv_heads) * d :].view(kv_heads, d)
     if q_norm is not None:
         q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)  # type: ignore[arg-type]
-    q, k = FastDecoder._rope(q, cos, sin), FastDecoder._rope(k, cos, sin)
-    keys.index_copy_(1, slot, k[:, None])
-    values.index_copy_(1, slot, v[:, None])
-    return q
-
-
-def _layer_out(
-    x: torch.Tensor,
-    attended: torch.Tensor,
-    o_w: torch.Tensor,
-    norm_post: torch.Tensor,
-    gate_up_w: torch.Tensor,
-    down_w: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    """A layer's step after attention (`attended`: [H * d]): the output product and the MLP, with residuals."""
-    x = x + _dot(o_w, attended.to(x.dtype))
-    gate, up = _dot(gate_up_w, _rms_norm(x, norm_post, eps)).chunk(2)
-    return x + _dot(down_w, F.silu(gate) * up)
+    return FastDecoder._rope(q, cos, sin), FastDecoder._rope(k, cos, sin), v
 
 
 def _layer_step(
@@ -420,31 +370,39 @@ def _layer_step(
     heads: int,
     eps: float,
     scale: float,
+    kernel: bool = False,
 ) -> torch.Tensor:
-    """One decoder layer for one token, as `FastDecoder.step`'s loop body, attention included (where the C
-    kernel is not there to attend between `_layer_in` and `_layer_out`).
+    """One decoder layer for one token, as `FastDecoder.step`'s loop body.
 
-    keys/values [H_kv, T, d] are whole blocks of BLOCK slots of the cache; the token's key and value go to slot
-    `slot` ([1]), and it attends to slots 0..slot. Attention is split by blocks (flash-decoding): each block's
-    scores, softmax and weighted values on their own, then the blocks' partial results merged by their maxima,
-    so every key and value is read once and each core takes whole blocks. Slots after `slot` may hold anything
-    (they are masked out before any arithmetic reads them into the result).
+    The token's key and value go to slot `slot` ([1]) of keys/values [H_kv, T, d], and it attends to slots
+    0..slot. With `kernel`, the C kernel does both (`kvrag::decode_attention`, an op inductor calls as it is),
+    over the whole buffer. Else keys/values are whole blocks of BLOCK slots of the cache and attention is split
+    by blocks (flash-decoding): each block's scores, softmax and weighted values on their own, then the blocks'
+    partial results merged by their maxima, so every key and value is read once and each core takes whole
+    blocks. Slots after `slot` may hold anything (they are masked out before any arithmetic reads them).
     """
     kv_heads, span, d = keys.shape
-    blocks, group = span // BLOCK, heads // kv_heads
-    q = _layer_in(x, norm_in, qkv_w, qkv_b, q_norm, k_norm, cos, sin, keys, values, slot, heads, eps)
-    grouped = (q.view(kv_heads, 1, group, 1, d) * scale).float()  # the query rows of each kv head
-    scores = (grouped * keys.view(kv_heads, blocks, 1, BLOCK, d).float()).sum(-1)  # [H_kv, S, G, B]
-    seen = torch.arange(span, device=keys.device).view(blocks, 1, BLOCK) <= slot  # [S, 1, B]
-    scores = torch.where(seen, scores, float("-inf"))
-    top = scores.amax(-1)  # [H_kv, S, G]: every block holds a seen slot, so this is finite
-    weights = torch.exp(scores - top[..., None])
-    mass = weights.sum(-1)  # [H_kv, S, G]
-    weighted = weights[..., None] * values.view(kv_heads, blocks, 1, BLOCK, d).float()
-    partial = torch.where(seen[..., None], weighted, 0.0).sum(-2)  # [H_kv, S, G, d]
-    rescale = torch.exp(top - top.amax(1, keepdim=True))  # [H_kv, S, G]
-    out = (partial * rescale[..., None]).sum(1) / (mass * rescale).sum(1)[..., None]  # [H_kv, G, d]
-    return _layer_out(x, out.reshape(heads * d), o_w, norm_post, gate_up_w, down_w, eps)
+    q, k, v = _qkv(x, norm_in, qkv_w, qkv_b, q_norm, k_norm, cos, sin, heads, kv_heads, eps)
+    if kernel:
+        out = torch.ops.kvrag.decode_attention(q, k, v, keys, values, slot, scale)  # [H, d] float32
+    else:
+        keys.index_copy_(1, slot, k[:, None])
+        values.index_copy_(1, slot, v[:, None])
+        blocks, group = span // BLOCK, heads // kv_heads
+        grouped = (q.view(kv_heads, 1, group, 1, d) * scale).float()  # the query rows of each kv head
+        scores = (grouped * keys.view(kv_heads, blocks, 1, BLOCK, d).float()).sum(-1)  # [H_kv, S, G, B]
+        seen = torch.arange(span, device=keys.device).view(blocks, 1, BLOCK) <= slot  # [S, 1, B]
+        scores = torch.where(seen, scores, float("-inf"))
+        top = scores.amax(-1)  # [H_kv, S, G]: every block holds a seen slot, so this is finite
+        weights = torch.exp(scores - top[..., None])
+        mass = weights.sum(-1)  # [H_kv, S, G]
+        weighted = weights[..., None] * values.view(kv_heads, blocks, 1, BLOCK, d).float()
+        partial = torch.where(seen[..., None], weighted, 0.0).sum(-2)  # [H_kv, S, G, d]
+        rescale = torch.exp(top - top.amax(1, keepdim=True))  # [H_kv, S, G]
+        out = (partial * rescale[..., None]).sum(1) / (mass * rescale).sum(1)[..., None]  # [H_kv, G, d]
+    x = x + _dot(o_w, out.to(x.dtype).reshape(heads * d))
+    gate, up = _dot(gate_up_w, _rms_norm(x, norm_post, eps)).chunk(2)
+    return x + _dot(down_w, F.silu(gate) * up)
 
 
 def _head_step(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
@@ -452,10 +410,10 @@ def _head_step(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: 
 
 
 @functools.cache
-def _compiled() -> tuple[Any, Any, Any, Any]:
-    """The compiled layer step, head, and a layer's parts around attention, made once a process (compiled code
-    is kept per function and its shapes, so every decoder of every model shares them)."""
-    return tuple(torch.compile(f, dynamic=False) for f in (_layer_step, _head_step, _layer_in, _layer_out))
+def _compiled() -> tuple[Any, Any]:
+    """The compiled layer step and head, made once a process (compiled code is kept per function and its shapes,
+    so every decoder of every model shares them)."""
+    return torch.compile(_layer_step, dynamic=False), torch.compile(_head_step, dynamic=False)
 
 
 def decodes_compiled(model: torch.nn.Module) -> bool:

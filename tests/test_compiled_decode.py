@@ -35,10 +35,14 @@ def _ids(n, seed=1):
 @pytest.mark.parametrize("c_kernel", [True, False], ids=["C kernel attention", "inductor attention"])
 @pytest.mark.parametrize("name", TAKEN)
 def test_each_compiled_step_matches_the_whole_sequence_forward(name, c_kernel, monkeypatch):
+    calls = []
     if not c_kernel:  # the compiled step's own attention, where the C kernel did not build
         monkeypatch.setattr(ckernel, "supports", lambda *args: False)
     elif not ckernel.available():
         pytest.skip("no C compiler for kvrag.ckernel")
+    else:
+        attend = ckernel.decode_attention
+        monkeypatch.setattr(ckernel, "decode_attention", lambda *args: calls.append(args[3]) or attend(*args))
     model = _fresh(name)
     assert compile_decoding(model)
     decoder = decoder_of(model)
@@ -55,6 +59,7 @@ def test_each_compiled_step_matches_the_whole_sequence_forward(name, c_kernel, m
         logits = decoder.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)
         torch.testing.assert_close(logits, reference[20 + step], rtol=1e-4, atol=1e-4)
     assert decoder._compiled_ran and decoder.compiled is not None  # the compiled path ran, and never fell back
+    assert len(calls) == (40 * model.config.num_hidden_layers if c_kernel else 0)  # the kernel attended, or none
 
 
 @needs_compiler
@@ -124,7 +129,7 @@ def test_a_failing_compiler_warns_once_and_the_eager_step_decodes(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
 
-    decoder.compiled = (broken,) * 4
+    decoder.compiled = (broken, broken)
     with pytest.warns(RuntimeWarning, match="compiled decoding is off.*no C\\+\\+ compiler found"):
         logits = decoder.step(5, cos[0], sin[0], room.keys, room.values, room.filled)
     assert torch.equal(logits, expected) and decoder.compiled is None
@@ -143,7 +148,7 @@ def test_a_failure_after_the_compiled_step_ran_is_raised():
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    decoder.compiled, decoder._compiled_ran = (broken,) * 4, True
+    decoder.compiled, decoder._compiled_ran = (broken, broken), True
     with pytest.raises(RuntimeError, match="out of memory"):
         decoder.step(5, cos[0], sin[0], room.keys, room.values, room.filled)
 
