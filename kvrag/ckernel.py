@@ -5,8 +5,8 @@ read: its products for so few query rows, and its softmax, are not made for that
 key and value once, in 16-lane float32 vectors, and splits the cache into blocks across the threads
 (flash-decoding). It is compiled once per machine with the system's C compiler (`cc`, or `$CC`), for this
 CPU (`-march=native`), into kvrag's cache folder, and loaded with ctypes; it links the OpenMP runtime torch
-already loaded, so its threads are torch's. Where there is no compiler, or the build fails, `decode_attention`
-is None and the decode step keeps torch's attention.
+already loaded, so its threads are torch's. Where there is no compiler, or the build or the load fails,
+`available()` is False and the decode step keeps torch's attention (the same tokens, slower).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -43,31 +44,24 @@ def _cpu_id() -> str:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or not SOURCE.exists() or platform.system() != "Linux":
+    compiler = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
+    if not compiler or not SOURCE.exists() or platform.system() != "Linux":
         return None
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
     from kvrag.model import default_cache_dir
 
     target = default_cache_dir() / "kernels" / f"decode_attention-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # built apart, renamed: concurrent builds
-            built = Path(scratch) / target.name
-            try:
-                subprocess.run(
-                    [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                    check=True,
-                    capture_output=True,
-                    timeout=120,
-                )
-            except (OSError, subprocess.SubprocessError):
-                return None
-            os.replace(built, target)
     try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # built apart, renamed: concurrent builds
+                built = Path(scratch) / target.name
+                command = [*compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"]
+                subprocess.run(command, check=True, capture_output=True, timeout=120)
+                os.replace(built, target)
         library = ctypes.CDLL(str(target))
-    except OSError:
+    except (OSError, subprocess.SubprocessError):  # no compiler that works, a cache folder not writable, noexec
         return None
     pointer = ctypes.c_void_p
     for name in _FUNCTIONS.values():

@@ -63,3 +63,23 @@ def test_the_decode_step_attends_through_the_kernel_and_keeps_its_logits(monkeyp
         torch.testing.assert_close(logits, reference[20 + step], rtol=1e-4, atol=1e-4)
     layers = model.config.num_hidden_layers
     assert calls == [n for n in range(21, 41) for _ in range(layers)]  # every layer, over every filled slot
+
+
+def test_without_a_compiler_there_is_no_kernel_and_the_step_keeps_torchs_attention(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before
+    ckernel._library.cache_clear()
+    try:
+        assert not ckernel.available() and not ckernel.supports(torch.zeros(2, 64, 64), 2)
+        model = tiny_model("qwen3")
+        decoder = decoder_of(model)
+        ids = torch.randint(3, 250, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+        reference = model(torch.tensor([ids])).logits[0].float()
+        out = full_prefill(model, ids[:20])
+        room = Room.of(out.cache, 10)
+        cos, sin = decoder.rotary(20, 10)
+        for step, token in enumerate(ids[20:]):
+            logits = decoder.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)
+            torch.testing.assert_close(logits, reference[20 + step], rtol=1e-4, atol=1e-4)
+    finally:
+        ckernel._library.cache_clear()  # the next test builds or finds the kernel again
