@@ -326,31 +326,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
-def _qkv(
-    x: torch.Tensor,
-    norm_in: torch.Tensor,
-    qkv_w: torch.Tensor,
-    qkv_b: torch.Tensor | None,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    heads: int,
-    kv_heads: int,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A layer's step up to attention: the token's query heads [H, d], key and value [H_kv, d], rotated."""
-    h = _rms_norm(x, norm_in, eps)
-    qkv = _dot(qkv_w, h, qkv_b)
-    d = qkv.shape[0] // (heads + 2 * kv_heads)
-    q = qkv[: heads * d].view(heads, d)
-    k = qkv[heads * d : (heads + kv_heads) * d].view(kv_heads, d)
-    v = qkv[(heads + kv_heads) * d :].view(kv_heads, d)
-    if q_norm is not None:
-        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)  # type: ignore[arg-type]
-    return FastDecoder._rope(q, cos, sin), FastDecoder._rope(k, cos, sin), v
-
-
 def _layer_step(
     x: torch.Tensor,
     norm_in: torch.Tensor,
@@ -382,7 +357,14 @@ def _layer_step(
     blocks. Slots after `slot` may hold anything (they are masked out before any arithmetic reads them).
     """
     kv_heads, span, d = keys.shape
-    q, k, v = _qkv(x, norm_in, qkv_w, qkv_b, q_norm, k_norm, cos, sin, heads, kv_heads, eps)
+    h = _rms_norm(x, norm_in, eps)
+    qkv = _dot(qkv_w, h, qkv_b)
+    q = qkv[: heads * d].view(heads, d)
+    k = qkv[heads * d : (heads + kv_heads) * d].view(kv_heads, d)
+    v = qkv[(heads + kv_heads) * d :].view(kv_heads, d)
+    if q_norm is not None:
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)  # type: ignore[arg-type]
+    q, k = FastDecoder._rope(q, cos, sin), FastDecoder._rope(k, cos, sin)
     if kernel:
         out = torch.ops.kvrag.decode_attention(q, k, v, keys, values, slot, scale)  # [H, d] float32
     else:

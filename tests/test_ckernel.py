@@ -46,21 +46,26 @@ def test_what_the_kernel_does_not_take_is_said_before_it_runs():
             ckernel.decode_attention(torch.zeros(4, 64), keys, keys.bfloat16(), 8)
 
 
+def _steps_match_the_forward(model, tokens, prompt=20):
+    """Decode `tokens` ids step by step after a prefill of the first `prompt`: each step's logits are those of
+    one transformers forward over the whole sequence."""
+    decoder = decoder_of(model)
+    ids = torch.randint(3, 250, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
+    reference = model(torch.tensor([ids])).logits[0].float()
+    room = Room.of(full_prefill(model, ids[:prompt]).cache, tokens - prompt)
+    cos, sin = decoder.rotary(prompt, tokens - prompt)
+    for step, token in enumerate(ids[prompt:]):
+        logits = decoder.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)
+        torch.testing.assert_close(logits, reference[prompt + step], rtol=1e-4, atol=1e-4)
+
+
 @needs_kernel
 def test_the_decode_step_attends_through_the_kernel_and_keeps_its_logits(monkeypatch):
     model = tiny_model("llama")
-    decoder = decoder_of(model)
-    ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    reference = model(torch.tensor([ids])).logits[0].float()
     calls = []
     run = ckernel.decode_attention
     monkeypatch.setattr(ckernel, "decode_attention", lambda *a: calls.append(a[3]) or run(*a))
-    out = full_prefill(model, ids[:20])
-    room = Room.of(out.cache, 20)
-    cos, sin = decoder.rotary(20, 20)
-    for step, token in enumerate(ids[20:]):
-        logits = decoder.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)
-        torch.testing.assert_close(logits, reference[20 + step], rtol=1e-4, atol=1e-4)
+    _steps_match_the_forward(model, 40)
     layers = model.config.num_hidden_layers
     assert calls == [n for n in range(21, 41) for _ in range(layers)]  # every layer, over every filled slot
 
@@ -71,15 +76,6 @@ def test_without_a_compiler_there_is_no_kernel_and_the_step_keeps_torchs_attenti
     ckernel._library.cache_clear()
     try:
         assert not ckernel.available() and not ckernel.supports(torch.zeros(2, 64, 64), 2)
-        model = tiny_model("qwen3")
-        decoder = decoder_of(model)
-        ids = torch.randint(3, 250, (30,), generator=torch.Generator().manual_seed(4)).tolist()
-        reference = model(torch.tensor([ids])).logits[0].float()
-        out = full_prefill(model, ids[:20])
-        room = Room.of(out.cache, 10)
-        cos, sin = decoder.rotary(20, 10)
-        for step, token in enumerate(ids[20:]):
-            logits = decoder.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)
-            torch.testing.assert_close(logits, reference[20 + step], rtol=1e-4, atol=1e-4)
+        _steps_match_the_forward(tiny_model("qwen3"), 30)
     finally:
         ckernel._library.cache_clear()  # the next test builds or finds the kernel again
