@@ -28,7 +28,10 @@ import torch
 SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
 BLOCK = 256  # the kernel's block of cache slots
 MAX_GROUP, MAX_HEAD_DIM = 8, 256
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC")
+# Compiled with -ffast-math (the vector exp, reassociated sums) but linked without it: linked in, it would add
+# a constructor that flushes subnormal floats to zero for the whole process.
+COMPILE = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c")
+LINK = ("-shared", "-fopenmp")
 _FUNCTIONS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 
 
@@ -48,7 +51,7 @@ def _library() -> ctypes.CDLL | None:
     if not compiler or not SOURCE.exists() or platform.system() != "Linux":
         return None
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(COMPILE + LINK).encode() + _cpu_id().encode()).hexdigest()[:16]
     from kvrag.model import default_cache_dir
 
     target = default_cache_dir() / "kernels" / f"decode_attention-{digest}.so"
@@ -56,9 +59,12 @@ def _library() -> ctypes.CDLL | None:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # built apart, renamed: concurrent builds
-                built = Path(scratch) / target.name
-                command = [*compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"]
-                subprocess.run(command, check=True, capture_output=True, timeout=120)
+                built, objects = Path(scratch) / target.name, Path(scratch) / "decode_attention.o"
+                for command in (
+                    [*compiler, *COMPILE, str(SOURCE), "-o", str(objects)],
+                    [*compiler, *LINK, str(objects), "-o", str(built), "-lm"],
+                ):
+                    subprocess.run(command, check=True, capture_output=True, timeout=120)
                 os.replace(built, target)
         library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError):  # no compiler that works, a cache folder not writable, noexec

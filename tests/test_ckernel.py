@@ -79,3 +79,11 @@ def test_without_a_compiler_there_is_no_kernel_and_the_step_keeps_torchs_attenti
         _steps_match_the_forward(tiny_model("qwen3"), 30)
     finally:
         ckernel._library.cache_clear()  # the next test builds or finds the kernel again
+
+
+@needs_kernel
+def test_loading_the_kernel_leaves_the_processs_floating_point_as_it_was():
+    """Linked with -ffast-math, a shared library flushes subnormals to zero for every caller in the process."""
+    assert ckernel.available()
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # a float32 subnormal
+    assert (tiny * 1.0).item() > 0 and 5e-324 * 2 > 0
