@@ -3,9 +3,9 @@
 Given a 4-D mask, which every stitched prefill carries, transformers' sdpa copies each layer's cached keys and
 values once for every query head of a kv head (`repeat_kv`) before it calls torch's kernel. At 8k cached tokens
 that copy is about a quarter of a `reuse` prefill's forward on CPU (497 against 361 ms without it, 2 threads).
-torch's CPU kernel takes the kv heads as they are (`enable_gqa=True`), with a mask too, and gives the same outputs bitwise. kvrag registers that path as an attention
-implementation of its own through transformers' AttentionInterface (`kvrag_sdpa`, masks built as sdpa's are) and
-switches a model loaded with sdpa to it. On other devices, for one query token, and whenever the call carries
+torch's CPU kernel takes the kv heads as they are (`enable_gqa=True`), with a mask too, and gives the same
+outputs bitwise. kvrag registers that path as an attention implementation of its own through transformers'
+AttentionInterface (`kvrag_sdpa`, masks built as sdpa's are) and switches a model loaded with sdpa to it. On other devices, for one query token, and whenever the call carries
 anything but the plain arguments, it is transformers' sdpa unchanged.
 """
 
