@@ -10,8 +10,8 @@ rotary embedding looked up from a table that the model's own rotary module compu
 model's), the new key and value written into the cache's preallocated room, attention over the filled slots,
 and no mask, position or cache bookkeeping. On CPU that attention is `kvrag.ckernel`'s C kernel where it built
 (every key and value read once, in float32 vectors, blocks of slots across the threads), else torch's. Its
-tokens are those of the transformers forward (tested in float32 on every architecture it takes). It never builds a prompt or a cache: the prefill's cache is read and
-extended in place.
+tokens are those of the transformers forward (tested in float32 on every architecture it takes). It never
+builds a prompt or a cache: the prefill's cache is read and extended in place.
 
 Taken: llama, mistral, qwen2 and qwen3 (rotate-half RoPE, RMSNorm, gated SiLU MLP, no sliding window).
 Anything else decodes through transformers (`supports` says why).
@@ -23,8 +23,8 @@ compiles nothing. Its products are written as reductions, which inductor generat
 over the weight rows on every core (closer to the memory bandwidth than a vector-matrix product through
 MKL). Its attention is the C kernel's where it built (`kvrag::decode_attention`, an op the graph calls as it
 is); else the graph's own, split into blocks of BLOCK cache slots (flash-decoding), so every cached key and
-value is read once and the cores share the blocks; the cache keeps the room for whole blocks (`decode_room`). It
-costs seconds of compilation on a model's first decoded token (inductor keeps the result on disk for later
+value is read once and the cores share the blocks; the cache keeps the room for whole blocks (`decode_room`).
+It costs seconds of compilation on a model's first decoded token (inductor keeps the result on disk for later
 processes), so it pays off in a process that answers many questions. Its logits equal the eager step's to
 float32 rounding (the sums run in another order); where the compiler is missing or fails, decoding warns once
 and stays on the eager step.
@@ -235,7 +235,7 @@ class FastDecoder:
         if torch.get_num_threads() != self.threads:  # one part a thread, as many as torch runs now
             self._resplit(max(1, torch.get_num_threads()))
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
-        kernel = ckernel.supports(keys[0], hq // hkv)  # the C kernel's attention, where it built and takes the cache
+        kernel = _kernel_takes(keys, values, hq // hkv)
         scratch = torch.empty(ckernel.scratch_size(hkv, hq // hkv, d, filled + 1)) if kernel else None
         x = self.embed[token]  # [D]
         for i, layer in enumerate(self.layers):
@@ -249,7 +249,7 @@ class FastDecoder:
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             keys[i][:, filled] = k
             values[i][:, filled] = v
-            if kernel and keys[i].is_contiguous() and values[i].is_contiguous():
+            if kernel:
                 out = ckernel.decode_attention(q.float() * self.scale, keys[i], values[i], filled + 1, scratch)
                 out = out.to(x.dtype)
             else:
@@ -280,7 +280,7 @@ class FastDecoder:
         x = self.embed[token]  # [D]
         # attention in the C kernel where it takes the cache (an opaque op inside the layer's graph, over the
         # whole buffer), else the graph's own over whole blocks
-        kernel = ckernel.supports(keys[0], self.heads // self.kv_heads)
+        kernel = _kernel_takes(keys, values, self.heads // self.kv_heads)
         for i, layer in enumerate(self.layers):
             k, v = (keys[i], values[i]) if kernel else (keys[i][:, :span], values[i][:, :span])
             torch._dynamo.maybe_mark_dynamic(k, 1)  # (one block compiles apart: a dimension of 1 is static)
@@ -309,6 +309,11 @@ class FastDecoder:
         logits = head_step(x, self.norm, self.lm_head.weight, self.eps)
         self._compiled_ran = True
         return logits
+
+
+def _kernel_takes(keys: list[torch.Tensor], values: list[torch.Tensor], group: int) -> bool:
+    """Whether the C kernel attends over this cache (its layers' buffers are alike: the first ones say)."""
+    return ckernel.supports(keys[0], group) and ckernel.supports(values[0], group)
 
 
 def _dot(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
