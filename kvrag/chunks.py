@@ -195,7 +195,7 @@ class Chunks:
     def kv(self, indices: Iterable[int] | None = None) -> list[ChunkKV]:
         """The KV of `indices` (default: every chunk), fetched once each: stored, else encoded together.
 
-        The caller holds the model's lock (`kvrag.pipeline.prefill` does, for planning and execution).
+        The caller holds the model's lock (`kvrag.pipeline.prefill` does, and so does each probe measurement).
         """
         wanted = list(range(len(self.given)) if indices is None else indices)
         self._used.update(wanted)
@@ -243,12 +243,12 @@ class Chunks:
             for key, kv in writes:
                 self.source.put(key, kv)
 
-    def prefetch(self) -> None:
-        """Read every chunk's stored KV now, encoding nothing: called before the model's lock is taken, so a
-        slow or hung store delays this request only, never another one waiting for the model."""
+    def prefetch(self, indices: Iterable[int] | None = None) -> None:
+        """Read the stored KV of `indices` (default: every chunk) now, encoding nothing: called before the model's
+        lock is taken, so a slow or hung store delays this request only, never another one waiting for the model."""
         if self.source.store is None:
             return
-        for i in range(len(self.given)):
+        for i in range(len(self.given)) if indices is None else indices:
             if self._kv[i] is None and not self._tried[i]:
                 self._load(i, self.source.key(self.ids[i]))
 

@@ -22,7 +22,6 @@ from kvrag.planner import Decision, make_plan
 from kvrag.probe import Probe
 from kvrag.recompute import Prefill
 from kvrag.request import Request
-from kvrag.strategies import get_strategy
 from kvrag.timing import Phases, phase
 
 if TYPE_CHECKING:
@@ -53,6 +52,12 @@ def plan(kvmodel: KVModel, request: Request, chunks: Chunks, probe: Probe) -> De
     return make_plan(request, chunks.lengths, probe)
 
 
+def reused(decision: Decision) -> list[int]:
+    """The chunks whose stored KV the plan reads, in stitched order (none for a full prefill)."""
+    plan_ = decision.plan
+    return [] if plan_.full_prefill else [c for c in plan_.order if c not in plan_.replace]
+
+
 def job_of(
     decision: Decision,
     chunks: Chunks,
@@ -70,8 +75,8 @@ def job_of(
     ids = [chunks.ids[c] for c in plan_.order]
     if plan_.full_prefill:
         return Job(ids, [], list(suffix_ids), full_prefill=True, room=room, logits_to_keep=logits_to_keep)
-    reused = [c for c in plan_.order if c not in plan_.replace]
-    stored = dict(zip(reused, chunks.stored(reused) if reads_store else chunks.kv(reused)))
+    kept = reused(decision)
+    stored = dict(zip(kept, chunks.stored(kept) if reads_store else chunks.kv(kept)))
     at = {c: j for j, c in enumerate(plan_.order)}
     return Job(
         ids,
@@ -105,24 +110,25 @@ def prefill(
     request.with_default(shipped_default(kvmodel.fingerprint.weights))
     suffix = kvmodel.layout.suffix_ids(request.question)
     check_fits(kvmodel, chunks, suffix, room)
-    if get_strategy(str(request.strategy)).reads_kv and not executor.reads_store:
-        with phase(phases, "store load"):  # outside the lock: a slow store holds up this request only
-            chunks.prefetch()
-    with chunks.deferring(), kvmodel.lock:  # misses encoded under the lock are stored once it is released
-        with phase(phases, "plan"):  # a picker or strategy that measures reads chunk KV here
+    with chunks.deferring():  # misses encoded under the lock are stored once it is released
+        with phase(phases, "plan"):  # outside the lock: a measurement takes it, reading the chunk KV it needs
             measure = probe.of(kvmodel, chunks, suffix, request.question)
             decision = plan(kvmodel, request, chunks, measure)
-        with phase(phases, "store load"):  # the KV the plan reuses and nothing measured yet: store, else encode
-            # the cache keeps the room decoding needs (a compiled step reads whole blocks of slots)
-            job = job_of(
-                decision,
-                chunks,
-                suffix,
-                room=decode_room(kvmodel.model, room),
-                logits_to_keep=logits_to_keep,
-                reads_store=executor.reads_store,
-            )
-        out = executor.prefill(job, phases=phases, pooled=pooled)
+        if not executor.reads_store:
+            with phase(phases, "store load"):  # outside the lock: a slow store holds up this request only
+                chunks.prefetch(reused(decision))
+        with kvmodel.lock:
+            with phase(phases, "store load"):  # the KV the plan reuses and nothing read yet: store, else encode
+                # the cache keeps the room decoding needs (a compiled step reads whole blocks of slots)
+                job = job_of(
+                    decision,
+                    chunks,
+                    suffix,
+                    room=decode_room(kvmodel.model, room),
+                    logits_to_keep=logits_to_keep,
+                    reads_store=executor.reads_store,
+                )
+            out = executor.prefill(job, phases=phases, pooled=pooled)
     return Prefilled(out, decision, measure, chunks, job.context_tokens)
 
 

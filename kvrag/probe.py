@@ -4,12 +4,15 @@ A probe belongs to one request: the prefix, the chunks' KV and the suffix. It an
 how far each context token's reused KV is from fresh KV at a check layer (token_select), how much of the
 question's attention each chunk receives over the reused cache (the attention picker), how likely the
 question is behind each chunk alone (the likelihood picker), and what a chunk's KV is in a full prefill of
-a given order (the insert_full_kv oracle). It never decides anything.
+a given order (the insert_full_kv oracle). It never decides anything. Each measurement takes the model's lock
+itself, so a plan that measures nothing (the retriever's pick) is made without waiting for the model.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+import contextlib
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -24,6 +27,20 @@ from kvrag.rope import Repositioner
 
 if TYPE_CHECKING:
     from kvrag.kvmodel import KVModel
+
+
+Measured = TypeVar("Measured", bound=Callable[..., Any])
+
+
+def _measurement(method: Measured) -> Measured:
+    """A measurement: run under the model's lock (re-entrant: a caller may already hold it), without autograd."""
+
+    @functools.wraps(method)
+    def measured(self: Probe, *args: Any, **kwargs: Any) -> Any:
+        with self.lock, torch.inference_mode():
+            return method(self, *args, **kwargs)
+
+    return measured  # type: ignore[return-value]
 
 
 class _CheckLayerReached(Exception):
@@ -61,6 +78,7 @@ class Probe:
         *,
         question: str = "",
         chunk_prefix: ChunkKV | None = None,
+        lock: contextlib.AbstractContextManager[Any] | None = None,
     ) -> None:
         self.model = model
         self.repositioner = repositioner
@@ -73,6 +91,7 @@ class Probe:
         self.extra_work: list[str] = []
         self.chunk_prefix = chunk_prefix or prefix  # what the chunks were encoded behind (the prefix and a lead)
         self.question = question  # the question's text, for pickers that read words
+        self.lock = lock or contextlib.nullcontext()  # the model's lock, taken by each measurement
 
     @classmethod
     def of(cls, kvmodel: KVModel, chunks: Chunks, suffix_ids: Sequence[int], question: str) -> Probe:
@@ -85,6 +104,7 @@ class Probe:
             suffix_ids,
             question=question,
             chunk_prefix=kvmodel.chunk_prefix,
+            lock=kvmodel.lock,
         )
 
     @property
@@ -96,10 +116,11 @@ class Probe:
 
     @property
     def chunks(self) -> list[ChunkKV]:
-        """The chunks' KV, as a measurement reads it."""
-        return self._chunks.kv() if isinstance(self._chunks, Chunks) else list(self._chunks)
+        """The chunks' KV, as a measurement reads it (a miss is encoded: under the model's lock)."""
+        with self.lock:
+            return self._chunks.kv() if isinstance(self._chunks, Chunks) else list(self._chunks)
 
-    @torch.inference_mode()
+    @_measurement
     def value_deviation(self, order: Sequence[int], *, check_layer: int = 1) -> torch.Tensor:
         """Per context token (stitched order), the squared distance between fresh and reused values at `check_layer`.
 
@@ -131,7 +152,7 @@ class Probe:
         self.extra_work.append(f"check layer {check_layer}: {check_layer} layer(s) over {len(ids)} context tokens")
         return ((fresh - reused) ** 2).sum(dim=(0, 2))  # [T_ctx]
 
-    @torch.inference_mode()
+    @_measurement
     def chunk_attention(self, order: Sequence[int]) -> torch.Tensor:
         """Attention mass the suffix's queries put on each chunk over the reused cache, indexed by chunk.
 
@@ -167,18 +188,28 @@ class Probe:
         )
         return per_chunk
 
-    @torch.inference_mode()
-    def question_likelihood(self) -> torch.Tensor:
+    @_measurement
+    def question_likelihood(self, candidates: Sequence[int] | None = None) -> torch.Tensor:
         """Per chunk, the mean log-probability of the suffix's tokens read behind the prefix and that chunk alone.
 
         Every chunk's stored KV already sits right after the prefix, so the suffix goes in as one batch (one
         row a chunk, left-padded) over those caches: nothing is re-positioned or recomputed. The suffix's
         first token is predicted by the chunk's last, which is not run again, so it is not scored. Cost: the
-        suffix through every layer, once a chunk.
+        suffix through every layer, once a scored chunk.
+
+        Args:
+            candidates: the chunks to score (their KV alone is read); None scores every chunk. A chunk left
+                out scores -inf.
         """
-        chunks = self.chunks
+        n = len(self._chunks)
+        scored = list(range(n)) if candidates is None else sorted(set(candidates))
+        if any(not 0 <= c < n for c in scored):
+            raise ValueError(f"candidates {list(candidates or [])} are not all chunk indices in 0..{n - 1}")
+        out = torch.full((n,), float("-inf"))
         if len(self.suffix_ids) < 2:
-            return torch.zeros(len(chunks))  # nothing to score: every chunk is as likely
+            out[scored] = 0.0  # nothing to score: every candidate is as likely
+            return out
+        chunks = self._chunks.kv(scored) if isinstance(self._chunks, Chunks) else [self._chunks[c] for c in scored]
         suffix = torch.tensor(self.suffix_ids, device=self.prefix.keys.device)
         batch = PaddedBatch.of_chunks(self.model, self.chunk_prefix, chunks, room=len(suffix))
         logits = batch.forward(suffix.expand(len(chunks), -1), 0)  # [C, S, V]
@@ -189,9 +220,10 @@ class Probe:
             f"question likelihood: {len(suffix)} suffix tokens behind each of {len(chunks)} chunks, "
             f"{self.num_layers} layers"
         )
-        return picked.mean(-1).cpu()
+        out[scored] = picked.mean(-1).cpu()
+        return out
 
-    @torch.inference_mode()
+    @_measurement
     def full_prefill_kv(self, order: Sequence[int], chunk: int) -> ChunkKV:
         """`chunk`'s KV sliced from a full prefill of prefix + chunks in `order` up to and including it."""
         upto = list(order)[: list(order).index(chunk) + 1]

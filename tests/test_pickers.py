@@ -7,6 +7,9 @@ from tiny import STRATEGY_QUESTION as Q
 from tiny import byte_tokenizer, tiny_model
 
 from kvrag import InvalidRequestError, KVModel
+from kvrag.chunks import ChunkSource
+from kvrag.pickers import LIKELIHOOD_CANDIDATES
+from kvrag.probe import Probe
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +52,28 @@ def test_the_likelihood_picker_scores_each_chunk_as_a_plain_forward_would(kv, en
         logp = torch.log_softmax(logits[-len(suffix) : -1], -1)
         want = logp.gather(-1, torch.tensor(suffix[1:]).view(-1, 1)).mean()
         assert abs(float(got[c]) - float(want)) < 1e-4
-    run = kv.prefill(Q, enc, strategy="target_recompute", picker="likelihood")
-    assert run.decision.target == int(got.argmax()) and run.decision.picker == "likelihood"
     layers = kv.model.config.num_hidden_layers
-    assert run.probe.extra_token_layers == len(enc) * len(suffix) * layers
+    scores = [0.3, 0.1, 0.5, 0.9, 0.2]  # the retriever's best three: chunks 3, 2 and 0
+    run = kv.prefill(Q, enc, strategy="target_recompute", picker="likelihood", scores=scores)
+    assert LIKELIHOOD_CANDIDATES == 3
+    assert run.decision.target == max((3, 2, 0), key=lambda c: float(got[c])) and run.decision.picker == "likelihood"
+    assert run.probe.extra_token_layers == 3 * len(suffix) * layers  # the candidates' suffixes, not all five
+
+
+def test_question_likelihood_over_candidates_scores_them_alone_and_reads_only_their_kv():
+    kv = KVModel(tiny_model("llama"), byte_tokenizer())
+    chunks = ChunkSource(kv).chunks(CHUNKS)
+    suffix = kv.layout.suffix_ids(Q)
+    with kv.lock:
+        every = Probe.of(kv, ChunkSource(kv).chunks(CHUNKS), suffix, Q).question_likelihood()
+        probe = Probe.of(kv, chunks, suffix, Q)
+        got = probe.question_likelihood([4, 1])
+    assert chunks.encoded == 2  # only the candidates' KV was read
+    assert torch.allclose(got[[1, 4]], every[[1, 4]], atol=1e-5)
+    assert got[[0, 2, 3]].tolist() == [float("-inf")] * 3
+    assert probe.extra_token_layers == 2 * len(suffix) * kv.model.config.num_hidden_layers
+    with pytest.raises(ValueError, match="not all chunk indices in 0..4"):
+        probe.question_likelihood([5])
 
 
 def test_the_lexical_picker_fuses_the_question_words_with_the_scores(kv, enc):

@@ -143,6 +143,46 @@ def test_an_executor_that_reads_the_store_itself_is_handed_stored_entries_unread
         HFExecutor(kv).prefill(job)
 
 
+def test_the_store_is_read_for_the_chunks_a_plan_reuses_and_its_picker_measures_only(kv):
+    store = CountingStore()
+    source = ChunkSource(kv, store)
+    source.chunks(TEXTS).kv()  # every chunk stored
+    scores = [0.1, 0.2, 0.9, 0.3]
+    for options, reads in [
+        (dict(strategy="target_only"), 1),  # the retriever's pick alone
+        (dict(strategy="target_only", picker="likelihood"), 3),  # its three candidates, the pick among them
+        (dict(strategy="reuse"), 4),
+        (dict(strategy="full_prefill"), 0),
+    ]:
+        store.reads = 0
+        request = Request.of(Q, TEXTS, scores=scores, **options, **GEN)
+        chunks = source.chunks(request.chunks)
+        answer = pipeline_answer(kv, request, chunks, HFExecutor(kv))
+        assert store.reads == answer.stats.store_hits == reads, options
+        assert answer.stats.chunks_encoded == 0
+
+
+def test_a_plan_that_measures_nothing_is_made_and_its_kv_read_while_another_request_holds_the_model(kv):
+    import threading
+
+    store = CountingStore()
+    source = ChunkSource(kv, store)
+    source.chunks(TEXTS).kv()
+    store.reads = 0
+    request = Request.of(Q, TEXTS, strategy="target_only", scores=[0.1, 0.2, 0.9, 0.3], **GEN)
+    chunks = source.chunks(request.chunks)
+    done = []
+    thread = threading.Thread(target=lambda: done.append(pipeline_answer(kv, request, chunks, HFExecutor(kv))))
+    with kv.lock:  # another request's forward
+        thread.start()
+        deadline = time.monotonic() + 10
+        while store.reads < 1 and time.monotonic() < deadline:  # the retriever's pick needs no model
+            time.sleep(0.01)
+        assert store.reads == 1 and not done  # planned and read; the forward waits for the model
+    thread.join(10)
+    assert done and done[0].stats.order == [2]
+
+
 def test_the_stats_come_from_the_request_the_plan_and_the_chunks(kv):
     store = MemoryStore()
     source = ChunkSource(kv, store)
