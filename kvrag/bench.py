@@ -113,9 +113,7 @@ class _Context:
     def strategy(self, name: str) -> tuple[float, dict[str, float]]:
         """One answer's time to first token through the engine, and its phases."""
         phases = Phases(self.device)
-        answer = self.rag.answer(
-            self.question, self.texts, strategy=name, target=0, budget=BUDGET, max_new_tokens=1, phases=phases
-        )
+        answer = self.rag.answer(self.question, self.texts, **_options(name), max_new_tokens=1, phases=phases)
         return answer.stats.ttft_s, phases.seconds
 
     def answer(self, name: str, tokens: int) -> tuple[float, float]:
@@ -123,9 +121,9 @@ class _Context:
 
         `name` DEFAULT gives no strategy or budget, so the engine runs its default.
         """
-        options = {} if name == DEFAULT else {"strategy": name, "budget": BUDGET}
+        options = {"target": 0} if name == DEFAULT else _options(name)
         with _past_eos(self.kv):
-            answer = self.rag.answer(self.question, self.texts, target=0, max_new_tokens=tokens, **options)
+            answer = self.rag.answer(self.question, self.texts, max_new_tokens=tokens, **options)
         if answer.stats.new_tokens != tokens:
             raise RuntimeError(f"{name} answered {answer.stats.new_tokens} tokens, not the {tokens} asked for")
         return answer.stats.ttft_s, answer.stats.total_s
@@ -180,6 +178,13 @@ class _Context:
             return time.perf_counter() - t0
 
         return run
+
+
+def _options(name: str) -> dict[str, Any]:
+    """A row's request: a strategy whose target is the first chunk (the oracle), or NAME:PICKER, whose picker
+    chooses it as a user's query would (the chunks come unscored, best first)."""
+    strategy, _, picker = name.partition(":")
+    return {"strategy": strategy, "budget": BUDGET, "target": 0} | ({"picker": picker} if picker else {})
 
 
 @contextlib.contextmanager

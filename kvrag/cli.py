@@ -188,7 +188,11 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument("--out", required=True, type=Path, help="folder for bench.json, bench.md and ttft.png")
     bench.add_argument("--contexts", default=None, help="context sizes in tokens (default 1000,2000,4000,8000)")
     bench.add_argument("--chunk-tokens", type=int, default=None, help="tokens a chunk (default 200)")
-    bench.add_argument("--strategies", default=None, help="comma-separated strategies (default: every study row)")
+    bench.add_argument(
+        "--strategies",
+        default=None,
+        help="comma-separated strategies, NAME:PICKER for a target strategy's picker (default: every study row)",
+    )
     bench.add_argument("--runs", type=int, default=None, help="timed runs of each, the median is kept (default 5)")
     bench.add_argument(
         "--answer-tokens", type=int, default=None, help="tokens of the whole answers timed (default 32; 4 with --quick)"
@@ -624,13 +628,17 @@ def _csv(text: str, kind: type, what: str) -> list:
 def _bench(args: argparse.Namespace) -> None:
     from kvrag.bench_report import run_bench
     from kvrag.kvmodel import KVModel
+    from kvrag.pickers import get_picker
     from kvrag.strategies import BUILTIN_STRATEGIES, get_strategy
 
     quick = args.quick
     contexts = _csv(args.contexts or ("150,300" if quick else "1000,2000,4000,8000"), int, "--contexts")
     strategies = _csv(args.strategies, str, "--strategies") if args.strategies else list(BUILTIN_STRATEGIES)
-    for name in strategies:
-        get_strategy(name)
+    for name in strategies:  # NAME or NAME:PICKER
+        strategy, _, picker = name.partition(":")
+        get_strategy(strategy)
+        if picker:
+            get_picker(picker)
     chunk_tokens = args.chunk_tokens or (50 if quick else 200)
     runs = args.runs or (1 if quick else 5)
     answer_tokens = args.answer_tokens if args.answer_tokens is not None else (4 if quick else 32)

@@ -25,7 +25,7 @@ from kvrag.cli import main
 def test_quick_bench_writes_every_output(tmp_path, capsys):
     model = save_tiny(tmp_path / "model")
     out = tmp_path / "bench"
-    strategies = ["full_prefill", "reuse", "target_recompute"]
+    strategies = ["full_prefill", "reuse", "target_recompute", "target_only:likelihood"]
     code = main(["bench", "--quick", "--model", str(model), "--out", str(out), "--strategies", ",".join(strategies)])
     printed = capsys.readouterr().out
     assert code == 0 and "### Time to first token" in printed
@@ -78,6 +78,9 @@ def test_bench_rejects_a_context_shorter_than_a_chunk(tmp_path, capsys):
     code = main(["bench", "--out", str(tmp_path), "--answer-tokens", "1"])
     err = capsys.readouterr().err
     assert code == 2 and "--answer-tokens >= 2" in err and err.count("\n") == 1
+    code = main(["bench", "--out", str(tmp_path), "--strategies", "reuse,target_only:best"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown picker 'best'" in err and err.count("\n") == 1
 
 
 def test_bench_decode_prints_both_steps_and_the_floor(tmp_path, capsys):
