@@ -4,8 +4,9 @@ A probe belongs to one request: the prefix, the chunks' KV and the suffix. It an
 how far each context token's reused KV is from fresh KV at a check layer (token_select), how much of the
 question's attention each chunk receives over the reused cache (the attention picker), how likely the
 question is behind each chunk alone (the likelihood picker), and what a chunk's KV is in a full prefill of
-a given order (the insert_full_kv oracle). It never decides anything. Each measurement takes the model's lock
-itself, so a plan that measures nothing (the retriever's pick) is made without waiting for the model.
+a given order (the insert_full_kv oracle). It never decides anything. Each measurement reads the chunk KV it
+needs from the store, then takes the model's lock itself, so a plan that measures nothing (the retriever's
+pick) is made without waiting for the model, and no store read ever holds the lock.
 """
 
 from __future__ import annotations
@@ -32,15 +33,31 @@ if TYPE_CHECKING:
 Measured = TypeVar("Measured", bound=Callable[..., Any])
 
 
-def _measurement(method: Measured) -> Measured:
-    """A measurement: run under the model's lock (re-entrant: a caller may already hold it), without autograd."""
+def _measurement(reads: Callable[..., Sequence[int]] | None = None) -> Callable[[Measured], Measured]:
+    """A measurement: the chunk KV it `reads` (given its arguments; None: every chunk) is read from the store
+    first, outside the model's lock, so a slow store holds up this request only; then it runs under the lock
+    (re-entrant: a caller may already hold it), without autograd."""
 
-    @functools.wraps(method)
-    def measured(self: Probe, *args: Any, **kwargs: Any) -> Any:
-        with self.lock, torch.inference_mode():
-            return method(self, *args, **kwargs)
+    def wrap(method: Measured) -> Measured:
+        @functools.wraps(method)
+        def measured(self: Probe, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(self._chunks, Chunks):
+                self._chunks.prefetch(reads(self, *args, **kwargs) if reads is not None else None)
+            with self.lock, torch.inference_mode():
+                return method(self, *args, **kwargs)
 
-    return measured  # type: ignore[return-value]
+        return measured  # type: ignore[return-value]
+
+    return wrap
+
+
+def _candidates(probe: Probe, candidates: Sequence[int] | None = None) -> list[int]:
+    """The chunks question_likelihood scores, checked."""
+    n = len(probe._chunks)
+    scored = list(range(n)) if candidates is None else sorted(set(candidates))
+    if any(not 0 <= c < n for c in scored):
+        raise ValueError(f"candidates {list(candidates or [])} are not all chunk indices in 0..{n - 1}")
+    return scored
 
 
 class _CheckLayerReached(Exception):
@@ -120,7 +137,7 @@ class Probe:
         with self.lock:
             return self._chunks.kv() if isinstance(self._chunks, Chunks) else list(self._chunks)
 
-    @_measurement
+    @_measurement()
     def value_deviation(self, order: Sequence[int], *, check_layer: int = 1) -> torch.Tensor:
         """Per context token (stitched order), the squared distance between fresh and reused values at `check_layer`.
 
@@ -152,7 +169,7 @@ class Probe:
         self.extra_work.append(f"check layer {check_layer}: {check_layer} layer(s) over {len(ids)} context tokens")
         return ((fresh - reused) ** 2).sum(dim=(0, 2))  # [T_ctx]
 
-    @_measurement
+    @_measurement()
     def chunk_attention(self, order: Sequence[int]) -> torch.Tensor:
         """Attention mass the suffix's queries put on each chunk over the reused cache, indexed by chunk.
 
@@ -188,7 +205,7 @@ class Probe:
         )
         return per_chunk
 
-    @_measurement
+    @_measurement(reads=_candidates)
     def question_likelihood(self, candidates: Sequence[int] | None = None) -> torch.Tensor:
         """Per chunk, the mean log-probability of the suffix's tokens read behind the prefix and that chunk alone.
 
@@ -201,11 +218,8 @@ class Probe:
             candidates: the chunks to score (their KV alone is read); None scores every chunk. A chunk left
                 out scores -inf.
         """
-        n = len(self._chunks)
-        scored = list(range(n)) if candidates is None else sorted(set(candidates))
-        if any(not 0 <= c < n for c in scored):
-            raise ValueError(f"candidates {list(candidates or [])} are not all chunk indices in 0..{n - 1}")
-        out = torch.full((n,), float("-inf"))
+        scored = _candidates(self, candidates)
+        out = torch.full((len(self._chunks),), float("-inf"))
         if len(self.suffix_ids) < 2:
             out[scored] = 0.0  # nothing to score: every candidate is as likely
             return out
@@ -223,7 +237,7 @@ class Probe:
         out[scored] = picked.mean(-1).cpu()
         return out
 
-    @_measurement
+    @_measurement()
     def full_prefill_kv(self, order: Sequence[int], chunk: int) -> ChunkKV:
         """`chunk`'s KV sliced from a full prefill of prefix + chunks in `order` up to and including it."""
         upto = list(order)[: list(order).index(chunk) + 1]
