@@ -21,11 +21,13 @@ from kvrag.strategies import get_strategy
 TUNED = "kvrag-tuned.json"  # the chosen default, beside the index manifest
 # The study's recipe: move the picked target next to the question and recompute it.
 RECIPE: dict[str, Any] = {"strategy": "target_recompute", "picker": None, "budget": 0.05}
-# The embedded model's default, from the built-in study on it (120 items, docs/study.md): the retriever's top
-# chunk alone kept 68.8% of full prefill's context-dependent answers against target_recompute's 45.8%
-# (McNemar p = 0.013), at the cost of the question. Its questions each need one chunk: run `kvrag tune` on
-# questions that need several.
-EMBEDDED: dict[str, Any] = {"strategy": "target_only", "picker": None, "budget": 0.05}
+# The embedded model's default, from the built-in studies on it (docs/study.md): one chunk alone, whose stored KV
+# is its full-prefill KV, kept more of full prefill's context-dependent answers than any repair (68.8% against
+# target_recompute's 45.8%, McNemar p = 0.013), at the cost of the question; the chunk is the one of the
+# retriever's best three behind which the model finds the question most likely (right against the gold answer
+# on 17 more items and 2 fewer than the retriever's pick, p = 0.0007, in the fifth run). Its questions each need
+# one chunk: run `kvrag tune` on questions that need several.
+EMBEDDED: dict[str, Any] = {"strategy": "target_only", "picker": "likelihood", "budget": 0.05}
 
 
 def shipped_default(weights: str) -> dict[str, Any]:

@@ -97,13 +97,20 @@ def _question(
         )
         if strategy == default:
             top = answer.sources[0].id.split("#")[0]
-            print_fn(f"    retriever's top chunk: {top} (holds the answer: {top == item['target']})")
+            picked = answer.sources[answer.stats.target].id.split("#")[0] if answer.stats.target is not None else None
+            print_fn(
+                f"    retriever's top chunk: {top} (holds the answer: {top == item['target']})"
+                + (f"; the default's pick: {picked} (holds the answer: {picked == item['target']})" if picked else "")
+            )
             recomputed, context = answer.stats.recomputed_tokens, answer.stats.context_tokens
         ttft[strategy] = answer.stats.ttft_s
         text = " ".join(answer.text.split())
         right = any(a.lower() in text.lower() for a in item["answers"])
-        label = f"{strategy} (default)" if strategy == default else strategy
-        print_fn(f"    {label:<26} ttft {answer.stats.ttft_s:6.3f} s  {'right' if right else 'wrong'}  | {text}")
+        label = strategy
+        if strategy == default:  # with the default's picker where it is not the retriever
+            picker = answer.stats.picker
+            label = f"{strategy}{f':{picker}' if picker not in (None, 'retriever') else ''} (default)"
+        print_fn(f"    {label:<34} ttft {answer.stats.ttft_s:6.3f} s  {'right' if right else 'wrong'}  | {text}")
         records.append(
             {
                 "question": item["question"],
