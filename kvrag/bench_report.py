@@ -209,7 +209,12 @@ def _answered(result: dict[str, Any]) -> list[str]:
 
 
 def _label(result: dict[str, Any], name: str) -> str:
-    return f"{DEFAULT} ({result['default']['strategy']})" if name == DEFAULT else name
+    """A row's name; the default's with what it ran (STRATEGY or STRATEGY:PICKER, as --strategies names it)."""
+    if name != DEFAULT:
+        return name
+    default = result["default"]
+    picker = default.get("picker")
+    return f"{DEFAULT} ({default['strategy']}{f':{picker}' if picker else ''})"
 
 
 def _answer_table(result: dict[str, Any]) -> list[str]:

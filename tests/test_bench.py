@@ -60,7 +60,7 @@ def test_quick_bench_writes_every_output(tmp_path, capsys):
     assert result["machine"]["decoding"] == "eager step" and "decoding with the eager step" in markdown
     for section in (
         "Whole answer: 4 tokens",
-        f"| {DEFAULT} ({result['default']['strategy']}) |",
+        f"| {DEFAULT} ({result['default']['strategy']}) |",  # the tiny model's default: the recipe, no picker
         "Floors",
         "Ratios",
         "Where the time to first token goes",
