@@ -1,4 +1,5 @@
-"""The decode step's attention as a small C kernel (`kernels/decode_attention.c`), built here on first use.
+"""Small C kernels for CPU hot paths, built here on first use: the decode step's attention
+(`kernels/decode_attention.c`) and the rotation that re-positions stored keys (`kernels/rotate_keys.c`).
 
 torch runs one token's grouped-query attention over a long cache at a third to a quarter of what a core can
 read: its products for so few query rows, and its softmax, are not made for that shape. The kernel reads each
@@ -7,6 +8,9 @@ key and value once, in 16-lane float32 vectors, and splits the cache into blocks
 CPU (`-march=native`), into kvrag's cache folder, and loaded with ctypes; it links the OpenMP runtime torch
 already loaded, so its threads are torch's. Where there is no compiler, or the build or the load fails,
 `available()` is False and the decode step keeps torch's attention (the same tokens, slower).
+
+The rotation reads each stored key once and writes it once into its slot of the stitched cache (torch's
+elementwise passes read and write it three times); where the kernel is missing, re-positioning stays on torch.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Callable
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
+SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("decode_attention.c", "rotate_keys.c"))
 BLOCK = 256  # the kernel's block of cache slots
 MAX_GROUP, MAX_HEAD_DIM = 8, 256
 # Compiled with -ffast-math (the vector exp, reassociated sums) but linked without it: linked in, it would add
@@ -48,23 +52,26 @@ def _cpu_id() -> str:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     compiler = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
-    if not compiler or not SOURCE.exists() or platform.system() != "Linux":
+    if not compiler or not all(s.exists() for s in SOURCES) or platform.system() != "Linux":
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(s.read_bytes() for s in SOURCES)
     digest = hashlib.sha256(source + " ".join(COMPILE + LINK).encode() + _cpu_id().encode()).hexdigest()[:16]
     from kvrag.model import default_cache_dir
 
-    target = default_cache_dir() / "kernels" / f"decode_attention-{digest}.so"
+    target = default_cache_dir() / "kernels" / f"kvrag-kernels-{digest}.so"
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # built apart, renamed: concurrent builds
-                built, objects = Path(scratch) / target.name, Path(scratch) / "decode_attention.o"
-                for command in (
-                    [*compiler, *COMPILE, str(SOURCE), "-o", str(objects)],
-                    [*compiler, *LINK, str(objects), "-o", str(built), "-lm"],
-                ):
-                    subprocess.run(command, check=True, capture_output=True, timeout=120)
+                built = Path(scratch) / target.name
+                objects = [str(Path(scratch) / s.with_suffix(".o").name) for s in SOURCES]
+                for source_file, obj in zip(SOURCES, objects):
+                    subprocess.run(
+                        [*compiler, *COMPILE, str(source_file), "-o", obj], check=True, capture_output=True, timeout=120
+                    )
+                subprocess.run(
+                    [*compiler, *LINK, *objects, "-o", str(built), "-lm"], check=True, capture_output=True, timeout=120
+                )
                 os.replace(built, target)
         library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError):  # no compiler that works, a cache folder not writable, noexec
@@ -75,6 +82,9 @@ def _library() -> ctypes.CDLL | None:
         function.argtypes = [pointer, pointer, pointer, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         function.argtypes += [ctypes.c_long, pointer, pointer, ctypes.c_int]
         function.restype = None
+    library.rotate_keys_f32.argtypes = [pointer] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int] * 2
+    library.rotate_keys_f32.argtypes += [ctypes.c_long] * 2 + [ctypes.c_int]
+    library.rotate_keys_f32.restype = None
     return library
 
 
@@ -132,6 +142,45 @@ def decode_attention(
         torch.get_num_threads(),
     )
     return out
+
+
+def rotate_keys(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Write keys [L, H_kv, T, D] rotated by one shift (cos, sin: [D_rot] float32) into `out` of keys' shape, in
+    one pass: float32 keys, contiguous, and `out` a view whose rows ([T, D] a layer's kv head) are evenly spaced
+    (a slice of a cache's slots). False, having written nothing, where the kernel does not take these tensors."""
+    rot = cos.shape[-1] if cos.dim() == 1 else 0
+    if (
+        keys.dim() != 4
+        or not keys.numel()
+        or keys.device.type != "cpu"
+        or not all(t.dtype == torch.float32 for t in (keys, out, cos, sin))
+        or not (keys.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
+        or sin.shape != cos.shape
+        or out.shape != keys.shape
+        or not 0 < rot <= keys.shape[-1]
+        or rot % 2
+    ):
+        return False
+    layers, heads, tokens, d = keys.shape
+    if out.stride(3) != 1 or out.stride(2) != d or out.stride(0) != heads * out.stride(1):
+        return False
+    library = _library()
+    if library is None:
+        return False
+    library.rotate_keys_f32(
+        keys.data_ptr(),
+        out.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        layers * heads,
+        tokens,
+        d,
+        rot,
+        tokens * d,
+        out.stride(1),
+        torch.get_num_threads(),
+    )
+    return True
 
 
 def scratch_size(kv_heads: int, group: int, d: int, n: int) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvrag import ckernel
 from kvrag.errors import UnsupportedModelError
 
 
@@ -101,6 +102,8 @@ class Repositioner:
             keys: [L, H_kv, T, D] post-RoPE keys.
             cos, sin: float32 angles from `angles`, [T, D_rot] or [D_rot] (one shift for every token).
         """
+        if keys.device.type == "cpu" and ckernel.rotate_keys(out, keys, cos, sin):  # one pass, in C
+            return
         rot, half = self.rotary_dim, self.rotary_dim // 2
         step = len(keys)
         if keys.device.type == "cpu" and keys.dim() >= 3 and keys.numel():  # a few layers' keys in a core's L2

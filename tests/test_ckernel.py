@@ -1,4 +1,5 @@
-"""kvrag.ckernel: the decode step's C attention equals torch's, and the step uses it where it takes the cache."""
+"""kvrag.ckernel: the decode step's C attention equals torch's, and the step uses it where it takes the cache; the
+C rotation of stored keys equals torch's, and re-positioning uses it where it takes the tensors."""
 
 import pytest
 import torch
@@ -87,3 +88,58 @@ def test_loading_the_kernel_leaves_the_processs_floating_point_as_it_was():
     assert ckernel.available()
     tiny = torch.tensor([1e-40], dtype=torch.float32)  # a float32 subnormal
     assert (tiny * 1.0).item() > 0 and 5e-324 * 2 > 0
+
+
+def _torch_rotation(rep, keys, cos, sin, monkeypatch):
+    """Re-positioning on torch's elementwise passes alone (what runs where the kernel does not)."""
+    out = torch.full_like(keys, float("nan"))
+    with monkeypatch.context() as patch:
+        patch.setattr(ckernel, "rotate_keys", lambda *a: False)
+        rep.rotate_into(out, keys, cos, sin)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "phi3"])  # phi3: partial rotary, the other dims copied
+def test_the_rotation_kernel_equals_torchs_and_writes_only_its_slots(arch, monkeypatch):
+    from kvrag.rope import Repositioner
+
+    rep = Repositioner(tiny_model(arch))
+    d = 16
+    keys = torch.randn(3, 2, 700, d, generator=torch.Generator().manual_seed(7))
+    cos, sin = rep.angles(torch.tensor([4321]))
+    cache = torch.full((3, 1, 2, 1000, d), float("nan"))  # [L, B, H_kv, capacity, D], as a stitched cache
+    assert ckernel.rotate_keys(cache[:, 0, :, 100:800], keys, cos[0], sin[0])
+    torch.testing.assert_close(cache[:, 0, :, 100:800], _torch_rotation(rep, keys, cos[0], sin[0], monkeypatch), rtol=0, atol=2e-6)
+    assert cache[:, :, :, :100].isnan().all() and cache[:, :, :, 800:].isnan().all()  # nothing outside its slots
+    if rep.rotary_dim < d:
+        assert torch.equal(cache[:, 0, :, 100:800, rep.rotary_dim :], keys[..., rep.rotary_dim :])
+
+
+def test_what_the_rotation_kernel_does_not_take_is_left_to_torch():
+    keys, cos = torch.randn(2, 2, 8, 16), torch.ones(16)
+    out = torch.zeros_like(keys)
+    assert not ckernel.rotate_keys(out, keys.bfloat16(), cos, cos)  # not float32
+    assert not ckernel.rotate_keys(out, keys.transpose(2, 3).contiguous().transpose(2, 3), cos, cos)  # strided
+    assert not ckernel.rotate_keys(out, keys, torch.ones(8, 16), torch.ones(8, 16))  # an angle a token
+    assert not ckernel.rotate_keys(out.transpose(0, 1), keys.transpose(0, 1), cos, cos)  # rows unevenly spaced
+    assert not out.any()  # nothing written
+
+
+def test_without_a_compiler_keys_are_rotated_by_torch(monkeypatch, tmp_path):
+    from kvrag.rope import Repositioner
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ckernel._library.cache_clear()
+    try:
+        rep = Repositioner(tiny_model("llama"))
+        keys = torch.randn(2, 2, 50, 16)
+        cos, sin = rep.angles(torch.tensor([99]))
+        assert not ckernel.rotate_keys(torch.empty_like(keys), keys, cos[0], sin[0])
+        moved = rep.shift(keys, torch.full((50,), 99))  # per-token angles: torch's path in any case
+        out = torch.empty_like(keys)
+        rep.rotate_into(out, keys, cos[0], sin[0])
+        assert torch.equal(out, moved)
+    finally:
+        ckernel._library.cache_clear()

@@ -35,6 +35,7 @@ DEFAULT_CANDIDATES = (
     "target_spread",
     "token_select",
     "target_only",
+    "target_only:likelihood",  # the chunk of the retriever's best three behind which the question is most likely
     "top3_exact",  # full_prefill_top3's answers, at the cost of two chunks and the suffix
 )
 DEFAULT_BUDGETS = (0.05, 0.2)

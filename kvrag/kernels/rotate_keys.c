@@ -1,0 +1,28 @@
+/* Re-positioning on CPU: stored keys rotated by one RoPE shift, written into a cache in one pass; kvrag.ckernel
+ * builds and loads this beside the decode attention.
+ *
+ * k' = k*cos + rotate_half(k)*sin on the first `rot` dims (rotate_half(k) = (-k2, k1)), the other dims copied.
+ * The rows (one kv head of one layer each) go to the threads; each key is read once and written once, where
+ * torch's three elementwise passes read and write every key three times.
+ */
+#include <string.h>
+
+/* keys: rows x tokens x d float32, a row every keys_row floats. out: the same, a row every out_row floats (a view
+ * into a larger cache). cos, sin: rot float32 angles, one shift for every token. */
+void rotate_keys_f32(const float *keys, float *out, const float *cos, const float *sin, long rows, long tokens,
+                     int d, int rot, long keys_row, long out_row, int threads) {
+    int half = rot / 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long r = 0; r < rows; r++) {
+        const float *k = keys + r * keys_row;
+        float *o = out + r * out_row;
+        for (long t = 0; t < tokens; t++, k += d, o += d) {
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                o[i] = k[i] * cos[i] - k[i + half] * sin[i];
+                o[i + half] = k[i + half] * cos[i + half] + k[i] * sin[i + half];
+            }
+            if (rot < d) memcpy(o + rot, k + rot, sizeof(float) * (d - rot));
+        }
+    }
+}
