@@ -5,6 +5,8 @@ Structure only: speed figures live in docs/performance.md, never in assertions.
 
 import json
 
+import pytest
+
 from tiny import save_tiny
 
 from kvrag.bench import (
@@ -98,3 +100,17 @@ def test_bench_decode_prints_both_steps_and_the_floor(tmp_path, capsys):
     assert forward_cost(kv, 10, 100).flops > forward_cost(kv, 10, 0).flops > forward_cost(kv, 1, 0).flops
     assert row["compile_s"] > 0 and not decodes_compiled(kv.model)  # left as it found the model
     assert "fast step: yes" in capsys.readouterr().out
+
+
+def test_the_reposition_benchmark_times_both_arms_and_puts_the_kernel_back():
+    from tiny import byte_tokenizer, tiny_model
+
+    from kvrag import KVModel, ckernel
+    from kvrag.bench_reposition import ARMS, reposition_benchmark
+
+    kernel, lines = ckernel.rotate_keys, []
+    result = reposition_benchmark(KVModel(tiny_model("llama"), byte_tokenizer()), context=300, runs=1, log=lines.append)
+    assert ckernel.rotate_keys is kernel and list(result) == list(ARMS) and len(lines) == 3
+    for row in result.values():
+        assert row["ttft_s"] >= row["forward_s"] > 0 and row["re_positioning_s"] > 0
+        assert row["outside_forward_s"] == pytest.approx(row["outside_share"] * row["ttft_s"])
