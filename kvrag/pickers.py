@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 from kvrag.errors import InvalidRequestError
 from kvrag.index import words
 from kvrag.probe import Probe
+from kvrag.strategies import best_first
 
 Picker = Callable[[int, "Sequence[float] | None", "int | None", Probe], int]
 RRF_K = 60  # reciprocal-rank fusion constant, as in the engine's hybrid retrieval
@@ -33,11 +34,6 @@ def _retriever(n: int, scores: Sequence[float] | None, target: int | None, probe
 
 def _attention(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> int:
     return int(probe.chunk_attention(list(range(n))).argmax())
-
-
-def best_first(n: int, scores: Sequence[float] | None) -> list[int]:
-    """Chunk indices by retrieval score, best first (ties: the earlier chunk); with no scores, a ranked list's order."""
-    return list(range(n)) if scores is None else sorted(range(n), key=lambda i: (-scores[i], i))
 
 
 def _likelihood(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> int:

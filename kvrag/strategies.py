@@ -123,12 +123,14 @@ def target_last(request: PlanRequest) -> list[int]:
     return [i for i in range(len(request.lengths)) if i != target] + [target]
 
 
+def best_first(n: int, scores: Sequence[float] | None) -> list[int]:
+    """Chunk indices by retrieval score, best first (ties: the earlier chunk); with no scores, a ranked list's order."""
+    return list(range(n)) if scores is None else sorted(range(n), key=lambda i: (-scores[i], i))
+
+
 def by_score(request: PlanRequest) -> list[int]:
     """Chunk indices best first: by retrieval score, or the given order when the list is ranked best-first."""
-    n = len(request.lengths)
-    if request.scores is None:
-        return list(range(n))
-    return sorted(range(n), key=lambda i: (-request.scores[i], i))  # type: ignore[index]
+    return best_first(len(request.lengths), request.scores)
 
 
 def _target(request: PlanRequest) -> int:
