@@ -3,7 +3,8 @@ and the floor the machine's memory bandwidth sets.
 
 A decode step must read every weight and every cached key and value once; nothing is faster than those bytes
 over the bandwidth measured here (`kvrag.roofline`: a step's FLOPs are far below what the matmul rate allows). Each size is measured
-side by side in one run: kvrag's eager step, its compiled step (`compile_decoding`; the compile itself is timed
+side by side in one run: kvrag's step in C (`kvrag`, what decodes by default where the C kernels build), its
+torch step eager (`kvrag_torch`) and compiled (`kvrag_compiled`, `compile_decoding`; the compile itself is timed
 apart, in the warm-up), the transformers forward step over the same cache, and the floor.
 """
 
@@ -16,7 +17,7 @@ from typing import Any, Callable, Sequence
 from kvrag import pipeline
 from kvrag.bench import context_texts
 from kvrag.demo import sample_docs
-from kvrag.fastdecode import compile_decoding, decoder_of, decodes_compiled
+from kvrag.fastdecode import compile_decoding, decoder_of, decodes_compiled, decodes_native, native_decoding
 from kvrag.generate import Sampling, decode
 from kvrag.kv import ChunkKV
 from kvrag.kvmodel import KVModel
@@ -56,14 +57,16 @@ def decode_benchmark(
     bandwidth = machine.read_bytes
     fast = decoder_of(kv.model) is not None
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; fast step: {'yes' if fast else 'no'}")
-    compiled_before = decodes_compiled(kv.model)
+    compiled_before, native_before = decodes_compiled(kv.model), decodes_native(kv.model)
     paths: dict[str, Callable[[int], tuple[float, int, int]]] = {
         "transformers_step": lambda n: _decode_time(kv, question, texts, n, False)
     }
     if fast:
-        paths["kvrag"] = lambda n: _eager_or_compiled(kv, False, lambda: _decode_time(kv, question, texts, n, True))
-        paths["kvrag_compiled"] = lambda n: _eager_or_compiled(
-            kv, True, lambda: _decode_time(kv, question, texts, n, True)
+        if native_decoding(kv.model, True):
+            paths["kvrag"] = lambda n: _on_step(kv, True, False, lambda: _decode_time(kv, question, texts, n, True))
+        paths["kvrag_torch"] = lambda n: _on_step(kv, False, False, lambda: _decode_time(kv, question, texts, n, True))
+        paths["kvrag_compiled"] = lambda n: _on_step(
+            kv, False, True, lambda: _decode_time(kv, question, texts, n, True)
         )
     rows = []
     compile_s = None
@@ -84,12 +87,15 @@ def decode_benchmark(
             rows.append(_row(kv, machine, times, cached, tokens, compile_s, log))
     finally:
         compile_decoding(kv.model, compiled_before)
+        native_decoding(kv.model, native_before)
     return rows
 
 
-def _eager_or_compiled(
-    kv: KVModel, compiled: bool, run: Callable[[], tuple[float, int, int]]
+def _on_step(
+    kv: KVModel, native: bool, compiled: bool, run: Callable[[], tuple[float, int, int]]
 ) -> tuple[float, int, int]:
+    """`run` with the model on the C step, or on the torch step eager or compiled."""
+    native_decoding(kv.model, native)
     compile_decoding(kv.model, compiled)
     return run()
 

@@ -127,9 +127,13 @@ def _machine(kv: KVModel) -> dict[str, Any]:
 
 
 def _decoding(kv: KVModel) -> str:
-    """How answers are decoded: kvrag's compiled or eager step, or the transformers forward."""
-    if decoder_of(kv.model) is None:
+    """How answers are decoded: kvrag's step in C, its compiled or eager torch step, or the transformers forward
+    (what the decoder chooses for this model's cache dtype: the C step takes the weights' dtype)."""
+    decoder = decoder_of(kv.model)
+    if decoder is None:
         return "transformers forward"
+    if decoder.native is not None and decoder.use_native and kv.prefix.keys.dtype == decoder.native.dtype:
+        return "C step"
     return "compiled step" if decodes_compiled(kv.model) else "eager step"
 
 

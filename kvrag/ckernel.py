@@ -29,7 +29,9 @@ from typing import Callable
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("decode_attention.c", "rotate_keys.c"))
+SOURCES = tuple(
+    Path(__file__).with_name("kernels") / name for name in ("decode_attention.c", "rotate_keys.c", "decode_step.c")
+)
 BLOCK = 256  # the kernel's block of cache slots
 MAX_GROUP, MAX_HEAD_DIM = 8, 256
 # Compiled with -ffast-math (the vector exp, reassociated sums) but linked without it: linked in, it would add
@@ -85,6 +87,9 @@ def _library() -> ctypes.CDLL | None:
     library.rotate_keys_f32.argtypes = [pointer] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int] * 2
     library.rotate_keys_f32.argtypes += [ctypes.c_long] * 2 + [ctypes.c_int]
     library.rotate_keys_f32.restype = None
+    library.decode_step.argtypes = [pointer, pointer, pointer, ctypes.c_long, ctypes.c_long, pointer, pointer]
+    library.decode_step.argtypes += [ctypes.c_long, pointer, ctypes.c_int]
+    library.decode_step.restype = ctypes.c_int
     return library
 
 
@@ -214,3 +219,142 @@ def _decode_attention_op(
 @_decode_attention_op.register_fake
 def _(q, k, v, keys, values, slot, scale):  # type: ignore[no-untyped-def]
     return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in ("norm_in", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "norm_post", "gate_up", "down")
+    ]
+
+
+class _StepModel(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_long) for name in ("layers", "dim", "ffn", "heads", "kv_heads", "head_dim", "vocab")]
+    _fields_ += [("bf16", ctypes.c_long), ("eps", ctypes.c_double), ("scale", ctypes.c_double)]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("embed", "norm", "lm_head")]
+    _fields_ += [("layer", ctypes.POINTER(_LayerWeights))]
+
+
+class DecodeStep:
+    """A whole decode step in C (`kernels/decode_step.c`) over a `kvrag.fastdecode.FastDecoder`'s weights: one
+    call a token, no Python between the layers. `of` says whether it takes the decoder; `takes` whether it takes
+    a cache."""
+
+    def __init__(self, decoder, library: ctypes.CDLL) -> None:  # type: ignore[no-untyped-def]
+        self._library = library
+        layers = decoder.layers
+        self.dtype = decoder.embed.dtype
+        self.vocab = decoder.lm_head.weight.shape[0]
+        self.heads, self.kv_heads, self.head_dim = decoder.heads, decoder.kv_heads, decoder.head_dim
+        self._weights = [decoder.embed, decoder.norm, decoder.lm_head.weight]  # kept alive while C reads them
+        structs = (_LayerWeights * len(layers))()
+        for struct, layer in zip(structs, layers):
+            for name, tensor in (
+                ("norm_in", layer.norm_in),
+                ("qkv", layer.qkv.weight),
+                ("qkv_bias", layer.qkv.bias),
+                ("q_norm", layer.q_norm),
+                ("k_norm", layer.k_norm),
+                ("o", layer.o.weight),
+                ("norm_post", layer.norm_post),
+                ("gate_up", layer.gate_up.weight),
+                ("down", layer.down.weight),
+            ):
+                setattr(struct, name, tensor.data_ptr() if tensor is not None else None)
+                self._weights.append(tensor)
+        first = layers[0]
+        self._layers = structs
+        self.model = _StepModel(
+            layers=len(layers),
+            dim=decoder.embed.shape[1],
+            ffn=first.down.weight.shape[1],
+            heads=decoder.heads,
+            kv_heads=decoder.kv_heads,
+            head_dim=decoder.head_dim,
+            vocab=self.vocab,
+            bf16=int(self.dtype == torch.bfloat16),
+            eps=decoder.eps,
+            scale=decoder.scale,
+            embed=decoder.embed.data_ptr(),
+            norm=decoder.norm.data_ptr(),
+            lm_head=decoder.lm_head.weight.data_ptr(),
+            layer=structs,
+        )
+        self._cache: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
+
+    @classmethod
+    def of(cls, decoder) -> DecodeStep | None:  # type: ignore[no-untyped-def]
+        """The C step over the decoder's weights, or None where it does not take them (no kernel library, a
+        dtype other than float32 and bfloat16, weights not contiguous in CPU memory, a head shape the attention
+        kernel does not take)."""
+        tensors = [decoder.embed, decoder.norm, decoder.lm_head.weight]
+        for layer in decoder.layers:
+            tensors += [layer.norm_in, layer.qkv.weight, layer.o.weight, layer.norm_post]
+            tensors += [layer.gate_up.weight, layer.down.weight]
+            tensors += [t for t in (layer.qkv.bias, layer.q_norm, layer.k_norm) if t is not None]
+        dtype = decoder.embed.dtype
+        if (
+            dtype not in (torch.float32, torch.bfloat16)
+            or any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+            or decoder.head_dim % 16
+            or decoder.head_dim > MAX_HEAD_DIM
+            or decoder.heads % decoder.kv_heads
+            or not 1 <= decoder.heads // decoder.kv_heads <= MAX_GROUP
+        ):
+            return None
+        library = _library()
+        return cls(decoder, library) if library is not None else None
+
+    def takes(self, cos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
+        """Whether the step reads and writes this cache (per layer [H_kv, capacity, d] in the weights' dtype,
+        contiguous, one capacity) with these rotary rows."""
+        capacity = keys[0].shape[1]
+        return (
+            cos.dtype == self.dtype
+            and cos.is_contiguous()
+            and cos.shape == (self.head_dim,)
+            and len(keys) == len(values) == self.model.layers
+            and all(
+                t.dtype == self.dtype
+                and t.device.type == "cpu"
+                and t.is_contiguous()
+                and t.shape == (self.kv_heads, capacity, self.head_dim)
+                for t in (*keys, *values)
+            )
+        )
+
+    def __call__(
+        self,
+        token: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        filled: int,
+    ) -> torch.Tensor:
+        """Logits [V] float32 for `token`, as `FastDecoder.step` (`takes` must hold)."""
+        capacity = keys[0].shape[1]
+        if not 0 <= filled < capacity or not 0 <= token < self.vocab:
+            raise ValueError(f"decode step: slot {filled} of {capacity}, token {token} of a vocabulary of {self.vocab}")
+        pointers = tuple(t.data_ptr() for t in (*keys, *values))
+        cache = self._cache
+        if cache is None or cache[0] != pointers:  # the pointer arrays, made once a cache
+            count = len(keys)
+            cache = (pointers, (ctypes.c_void_p * count)(*pointers[:count]), (ctypes.c_void_p * count)(*pointers[count:]))
+            self._cache = cache
+        logits = torch.empty(self.vocab, dtype=torch.float32)
+        status = self._library.decode_step(
+            ctypes.byref(self.model),
+            cache[1],
+            cache[2],
+            capacity,
+            token,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            filled,
+            logits.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status:
+            raise MemoryError("decode step: no memory for the step's scratch")
+        return logits

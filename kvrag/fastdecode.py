@@ -16,6 +16,14 @@ builds a prompt or a cache: the prefill's cache is read and extended in place.
 Taken: llama, mistral, qwen2 and qwen3 (rotate-half RoPE, RMSNorm, gated SiLU MLP, no sliding window).
 Anything else decodes through transformers (`supports` says why).
 
+In C (the default where it builds): `kvrag.ckernel.DecodeStep` runs the same step, every layer and the head,
+in one call a token (`kernels/decode_step.c`), over the same weights and cache, float32 or bfloat16. Its
+products read each weight row in order, so the cores stream the weights near the memory bandwidth (twice the
+torch step's rate in bfloat16 here: docs/performance.md, "Decoding"), and nothing runs in Python between the
+layers. Its logits equal the torch step's to float32 rounding in float32; in bfloat16 it rounds where the torch
+step rounds, so they differ by the order of sums (about one bfloat16 step of a logit). `native_decoding(model,
+False)` puts a model back on the torch step.
+
 Compiled (`compile_decoding(model)`, `KVModel(compile_decode=True)`, `--compile-decode`): each layer's step is
 one function that torch.compile (inductor) turns into a few fused C++ kernels, compiled once a model and
 replayed for every layer and token; the number of cached tokens is a dynamic dimension, so a longer cache
@@ -140,6 +148,8 @@ class FastDecoder:
         self.threads = max(1, torch.get_num_threads())
         self.lm_head = Product(model.lm_head.weight, None, self.threads)  # [V, D]
         self.layers = [self._layer(layer, self.threads) for layer in inner.layers]
+        self.native = ckernel.DecodeStep.of(self)  # the whole step in C, where the kernels built and take it
+        self.use_native = True  # `native_decoding(model, False)` turns it off (the torch step decodes)
         self.compiled: tuple[Any, Any] | None = None  # (layer step, head) once `compile` is called
         self._compiled_ran = False  # whether a compiled step has run: a failure after that is no missing compiler
 
@@ -159,6 +169,11 @@ class FastDecoder:
             gate_up=Product(_stacked(mlp.gate_proj, mlp.up_proj), None, parts),
             down=Product(mlp.down_proj.weight, None, parts),
         )
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        """A copied or pickled model carries no decoder (it holds C pointers to the original's weights): its
+        copy makes its own at its first decoded token."""
+        return _no_decoder, ()
 
     def current(self) -> bool:
         """Whether the model still computes with the weights this decoder reads (none replaced, cast or moved)."""
@@ -218,6 +233,8 @@ class FastDecoder:
     ) -> torch.Tensor:
         """Logits [V] for `token` at the position whose rotary rows are cos, sin [d]; its key and value go to slot
         `filled` of every layer's keys/values buffers [H_kv, capacity, d], whose first `filled` slots attend."""
+        if self.native is not None and self.use_native and self.native.takes(cos, keys, values):
+            return self.native(token, cos, sin, keys, values, filled)
         # compiled where the buffers hold whole blocks up to this slot (`decode_room` keeps them), else eager
         if self.compiled is not None and keys[0].shape[1] >= -(-(filled + 1) // BLOCK) * BLOCK:
             try:
@@ -309,6 +326,10 @@ class FastDecoder:
         logits = head_step(x, self.norm, self.lm_head.weight, self.eps)
         self._compiled_ran = True
         return logits
+
+
+def _no_decoder() -> None:
+    return None
 
 
 def _kernel_takes(keys: list[torch.Tensor], values: list[torch.Tensor], group: int) -> bool:
@@ -408,6 +429,21 @@ def decodes_compiled(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "_kvrag_compile_decode", False))
 
 
+def decodes_native(model: torch.nn.Module) -> bool:
+    """Whether `model` decodes through the C step where it takes the model (on unless `native_decoding` turned
+    it off)."""
+    return bool(getattr(model, "_kvrag_native_decode", True))
+
+
+def native_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
+    """Decode `model` through the whole step in C (`kvrag.ckernel.DecodeStep`, the default) or, with
+    `enabled=False`, through the torch step (compiled where `compile_decoding` asked). True where the C step
+    takes the model on this machine."""
+    model._kvrag_native_decode = enabled  # type: ignore[attr-defined]
+    decoder = decoder_of(model)
+    return decoder is not None and decoder.native is not None
+
+
 def decode_room(model: torch.nn.Module, tokens: int) -> int:
     """Free cache slots to keep after a prompt for `tokens` decoded ones: BLOCK - 1 more when `model` decodes
     compiled, whose attention reads whole blocks of slots (the extra slots hold no token and take no
@@ -462,8 +498,10 @@ def decoder_of(model: torch.nn.Module) -> FastDecoder | None:
         with torch.inference_mode(False), torch.no_grad():
             decoder = FastDecoder(model)
         model._kvrag_fast_decoder = decoder  # type: ignore[attr-defined]
-    if decoder is not None and decodes_compiled(model):
-        decoder.compile()
+    if decoder is not None:
+        decoder.use_native = decodes_native(model)
+        if decodes_compiled(model):
+            decoder.compile()
     return decoder
 
 

@@ -85,20 +85,22 @@ def test_bench_rejects_a_context_shorter_than_a_chunk(tmp_path, capsys):
     assert code == 2 and "unknown picker 'best'" in err and err.count("\n") == 1
 
 
-def test_bench_decode_prints_both_steps_and_the_floor(tmp_path, capsys):
+def test_bench_decode_prints_every_step_and_the_floor(tmp_path, capsys):
+    from kvrag import ckernel
     from kvrag.bench_decode import decode_benchmark
-    from kvrag.fastdecode import decodes_compiled
+    from kvrag.fastdecode import decodes_compiled, decodes_native
     from kvrag.roofline import forward_cost
     from kvrag.kvmodel import KVModel
 
     kv = KVModel.from_pretrained(str(save_tiny(tmp_path / "model")))
     rows = decode_benchmark(kv, contexts=(150,), tokens=6, runs=1, log=print)
     (row,) = rows
-    assert row["context_tokens"] >= 150 and set(row["ms_per_token"]) == {"kvrag", "kvrag_compiled", "transformers_step"}
+    steps = {"kvrag_torch", "kvrag_compiled", "transformers_step"} | ({"kvrag"} if ckernel.available() else set())
+    assert row["context_tokens"] >= 150 and set(row["ms_per_token"]) == steps
     assert all(ms > 0 for ms in row["ms_per_token"].values()) and row["floor_ms"] > 0
     assert forward_cost(kv, 1, 100).bytes > forward_cost(kv, 1, 0).bytes > 0  # the cached KV counts beside the weights
     assert forward_cost(kv, 10, 100).flops > forward_cost(kv, 10, 0).flops > forward_cost(kv, 1, 0).flops
-    assert row["compile_s"] > 0 and not decodes_compiled(kv.model)  # left as it found the model
+    assert row["compile_s"] > 0 and not decodes_compiled(kv.model) and decodes_native(kv.model)  # as it found it
     assert "fast step: yes" in capsys.readouterr().out
 
 

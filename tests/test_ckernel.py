@@ -1,12 +1,14 @@
 """kvrag.ckernel: the decode step's C attention equals torch's, and the step uses it where it takes the cache; the
 C rotation of stored keys equals torch's, and re-positioning uses it where it takes the tensors."""
 
+import copy
+
 import pytest
 import torch
 from tiny import tiny_model
 
 from kvrag import ckernel
-from kvrag.fastdecode import Room, decoder_of
+from kvrag.fastdecode import Room, decoder_of, native_decoding
 from kvrag.recompute import full_prefill
 
 needs_kernel = pytest.mark.skipif(not ckernel.available(), reason="no C compiler here: the step keeps torch's")
@@ -61,12 +63,16 @@ def _steps_match_the_forward(model, tokens, prompt=20):
 
 
 @needs_kernel
-def test_the_decode_step_attends_through_the_kernel_and_keeps_its_logits(monkeypatch):
+def test_the_torch_decode_step_attends_through_the_kernel_and_keeps_its_logits(monkeypatch):
     model = tiny_model("llama")
     calls = []
     run = ckernel.decode_attention
     monkeypatch.setattr(ckernel, "decode_attention", lambda *a: calls.append(a[3]) or run(*a))
-    _steps_match_the_forward(model, 40)
+    native_decoding(model, False)  # the whole step in C calls the kernel from C
+    try:
+        _steps_match_the_forward(model, 40)
+    finally:
+        native_decoding(model, True)
     layers = model.config.num_hidden_layers
     assert calls == [n for n in range(21, 41) for _ in range(layers)]  # every layer, over every filled slot
 
@@ -77,7 +83,9 @@ def test_without_a_compiler_there_is_no_kernel_and_the_step_keeps_torchs_attenti
     ckernel._library.cache_clear()
     try:
         assert not ckernel.available() and not ckernel.supports(torch.zeros(2, 64, 64), 2)
-        _steps_match_the_forward(tiny_model("qwen3"), 30)
+        model = copy.deepcopy(tiny_model("qwen3"))  # its own decoder, made without the kernels
+        _steps_match_the_forward(model, 30)
+        assert decoder_of(model).native is None
     finally:
         ckernel._library.cache_clear()  # the next test builds or finds the kernel again
 

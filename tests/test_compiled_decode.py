@@ -11,7 +11,7 @@ from tiny import ARCHS, tiny_config
 from transformers import AutoModelForCausalLM
 
 from kvrag import ckernel
-from kvrag.fastdecode import BLOCK, Room, compile_decoding, decode_room, decoder_of
+from kvrag.fastdecode import BLOCK, Room, compile_decoding, decode_room, decoder_of, native_decoding
 from kvrag.generate import Sampling, decode
 from kvrag.recompute import full_prefill
 
@@ -21,10 +21,13 @@ TAKEN = [name for name, (model_type, _) in ARCHS.items() if model_type in ("llam
 
 
 def _fresh(name):
-    """A tiny model of its own (compiling sets state on the model: the shared tiny models stay eager)."""
+    """A tiny model of its own (compiling sets state on the model: the shared tiny models stay eager), on the
+    torch step (the C step, where it builds, would decode in place of the compiled one)."""
     torch.manual_seed(0)
     config = tiny_config(name)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+    native_decoding(model, False)
+    return model
 
 
 def _ids(n, seed=1):

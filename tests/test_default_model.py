@@ -216,16 +216,24 @@ def test_strategy_table_on_the_real_model(kv, docs):
     assert mean("token_select", "extra") > 0 and mean("insert_full_kv", "extra") > 0
 
 
-def test_compiled_decoding_gives_the_eager_answers(kv, docs):
-    from kvrag.fastdecode import compile_decoding
+def test_the_c_step_and_the_compiled_step_give_the_torch_steps_answers(kv, docs):
+    from kvrag import ckernel
+    from kvrag.fastdecode import compile_decoding, native_decoding
 
     chunks, items = docs
     texts = [c["text"] for c in chunks[:4]]
     questions = [item["question"] for item in items[:3]]
-    eager = [kv.answer(q, texts, strategy="target_recompute", max_new_tokens=24).text for q in questions]
-    assert compile_decoding(kv.model)
+
+    def answers():
+        return [kv.answer(q, texts, strategy="target_recompute", max_new_tokens=24).text for q in questions]
+
+    native = answers()  # the default: the C step where it built
+    assert native_decoding(kv.model, False) == ckernel.available()
     try:
-        compiled = [kv.answer(q, texts, strategy="target_recompute", max_new_tokens=24).text for q in questions]
+        eager = answers()
+        assert compile_decoding(kv.model)
+        compiled = answers()
     finally:
-        compile_decoding(kv.model, enabled=False)  # the module's other tests decode eagerly
-    assert compiled == eager and all(len(a) > 20 for a in eager)
+        compile_decoding(kv.model, enabled=False)  # the module's other tests decode as by default
+        native_decoding(kv.model, True)
+    assert compiled == eager == native and all(len(a) > 20 for a in eager)

@@ -1,11 +1,15 @@
-"""The fast decode step gives the transformers forward's tokens, on every architecture it takes, and leaves the
-cache as that forward would; the others decode through transformers."""
+"""The fast decode step, in C (the default where it builds) and in torch, gives the transformers forward's
+tokens, on every architecture it takes, and leaves the cache as that forward would; the others decode through
+transformers."""
+
+import copy
 
 import pytest
 import torch
 from tiny import ARCHS, tiny_model
 
-from kvrag.fastdecode import FastDecoder, Room, decoder_of, supports
+from kvrag import ckernel
+from kvrag.fastdecode import FastDecoder, Room, decoder_of, native_decoding, supports
 from kvrag.generate import Sampling, _forward, decode
 from kvrag.recompute import full_prefill
 
@@ -17,6 +21,24 @@ def _ids(n, seed=1):
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.fixture(params=["C step", "torch step"])
+def step_in(request):
+    """Puts a model on the C step or the torch step for the test, and the shared models back on the default."""
+    native = request.param == "C step"
+    if native and not ckernel.available():
+        pytest.skip("no C compiler for kvrag.ckernel")
+    models = []
+
+    def on(model):
+        models.append(model)
+        assert native_decoding(model, native) == ckernel.available()
+        return model
+
+    yield on
+    for model in models:
+        native_decoding(model, True)
+
+
 def _decode(model, ids, steps, fast):
     out = full_prefill(model, ids)
     sampling = Sampling(max_new_tokens=steps)
@@ -25,8 +47,8 @@ def _decode(model, ids, steps, fast):
 
 
 @pytest.mark.parametrize("name", TAKEN)
-def test_fast_tokens_and_cache_equal_the_transformers_forward(name):
-    model = tiny_model(name)
+def test_fast_tokens_and_cache_equal_the_transformers_forward(name, step_in):
+    model = step_in(tiny_model(name))
     assert supports(model) is None
     ids = _ids(90)
     slow, slow_cache = _decode(model, ids, 40, fast=False)
@@ -40,8 +62,8 @@ def test_fast_tokens_and_cache_equal_the_transformers_forward(name):
 
 
 @pytest.mark.parametrize("name", TAKEN)
-def test_each_step_logits_match_the_forwards(name):
-    model = tiny_model(name)
+def test_each_step_logits_match_the_forwards(name, step_in):
+    model = step_in(tiny_model(name))
     decoder = decoder_of(model)
     ids = _ids(50, seed=2)
     reference = model(torch.tensor([ids])).logits[0].float()  # [T, V] over the whole sequence at once
@@ -95,21 +117,22 @@ def test_a_stopped_decode_leaves_the_fed_tokens_in_the_cache():
     assert len(first) == 5 and out.cache.layers[0].keys.shape[-2] == 30 + 4
 
 
-def test_the_step_follows_the_thread_count():
-    model = tiny_model("llama")
+def test_the_step_follows_the_thread_count(step_in):
+    model = step_in(tiny_model("llama"))
     decoder = decoder_of(model)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         slow, _ = _decode(model, _ids(30, seed=4), 8, fast=False)
         assert _decode(model, _ids(30, seed=4), 8, fast=True)[0] == slow
-        assert decoder.threads == 1 and decoder.layers[0].gate_up.parts == 1
+        if not decoder.use_native:  # the torch step splits its products one part a thread
+            assert decoder.threads == 1 and decoder.layers[0].gate_up.parts == 1
     finally:
         torch.set_num_threads(threads)
 
 
-def test_weights_replaced_after_the_decoder_was_made_are_the_ones_decoded_with():
-    model = tiny_model("llama", seed=7)
+def test_weights_replaced_after_the_decoder_was_made_are_the_ones_decoded_with(step_in):
+    model = step_in(tiny_model("llama", seed=7))
     ids = _ids(30, seed=5)
     _decode(model, ids, 4, fast=True)  # the decoder is made and kept
     other = tiny_model("llama", seed=8)
@@ -118,8 +141,8 @@ def test_weights_replaced_after_the_decoder_was_made_are_the_ones_decoded_with()
     assert _decode(model, ids, 12, fast=True)[0] == slow
 
 
-def test_a_second_decode_continues_a_plain_cache_the_first_one_extended():
-    model = tiny_model("llama")
+def test_a_second_decode_continues_a_plain_cache_the_first_one_extended(step_in):
+    model = step_in(tiny_model("llama"))
     ids = _ids(30, seed=6)
     out = full_prefill(model, ids)
     first = list(decode(model, out.cache, out.logits[-1], out.next_position, Sampling(max_new_tokens=5), eos_ids=()))
@@ -138,3 +161,75 @@ def test_a_split_product_with_a_bias_equals_linear_bitwise_in_low_precision():
     for dtype in (torch.float32, torch.bfloat16):
         weight, bias, x = torch.randn(96, 40).to(dtype), torch.randn(96).to(dtype), torch.randn(40).to(dtype)
         assert torch.equal(Product(weight, bias, 2)(x), torch.nn.functional.linear(x, weight, bias))
+
+
+@pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.ckernel")
+@pytest.mark.parametrize("name", TAKEN)
+def test_the_c_step_in_bfloat16_is_as_close_to_float32_as_the_torch_step(name):
+    """In bfloat16 the C step rounds where the torch step rounds: its logits are the torch step's up to the order
+    of the sums, and no further from the float32 forward's."""
+    reference_model = tiny_model(name)
+    ids = _ids(60, seed=2)
+    with torch.no_grad():
+        reference = reference_model(torch.tensor([ids])).logits[0].float()
+    logits = {}
+    for native in (True, False):
+        model = copy.deepcopy(reference_model).to(torch.bfloat16)
+        assert native_decoding(model, native)
+        decoder = decoder_of(model)
+        assert (decoder.native is not None) and decoder.native.model.bf16 == 1
+        out = full_prefill(model, ids[:20])
+        room = Room.of(out.cache, 40)
+        cos, sin = decoder.rotary(20, 40)
+        logits[native] = torch.stack(
+            [
+                decoder.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)
+                for step, token in enumerate(ids[20:])
+            ]
+        )
+    c_error = (logits[True] - reference[20:]).abs().mean()
+    torch_error = (logits[False] - reference[20:]).abs().mean()
+    assert 0 < c_error <= 1.05 * torch_error  # bfloat16 costs something; the C step costs no more
+    scale = reference.abs().max()
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=float(scale) * 2**-5)
+
+
+@pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.ckernel")
+def test_the_c_step_runs_where_it_takes_the_cache_and_the_torch_step_elsewhere(monkeypatch):
+    model = tiny_model("qwen2")
+    decoder = decoder_of(model)
+    assert decoder.native is not None and decoder.use_native
+    native = decoder.native
+
+    class Counted:
+        calls = 0
+
+        def takes(self, *args):
+            return native.takes(*args)
+
+        def __call__(self, *args):
+            self.calls += 1
+            return native(*args)
+
+    counted = Counted()
+    monkeypatch.setattr(decoder, "native", counted)
+    slow, _ = _decode(model, _ids(30, seed=9), 6, fast=False)
+    assert _decode(model, _ids(30, seed=9), 6, fast=True)[0] == slow and counted.calls == 5
+    out = full_prefill(model, _ids(30, seed=9))
+    room = Room.of(out.cache, 4)
+    cos, sin = decoder.rotary(30, 4)
+    half = [k.half() for k in room.keys]  # a cache in another dtype than the weights': the torch step's
+    assert not native.takes(cos[0], half, [v.half() for v in room.values])
+    assert not native.takes(cos[0].float().half(), room.keys, room.values)
+    with pytest.raises(ValueError, match="slot 34 of 34"):
+        native(5, cos[0], sin[0], room.keys, room.values, 34)
+
+
+def test_the_c_step_is_not_made_where_the_kernels_did_not_build(monkeypatch):
+    monkeypatch.setattr(ckernel, "_library", lambda: None)
+    model = copy.deepcopy(tiny_model("llama"))
+    decoder = decoder_of(model)
+    assert decoder is not None and decoder.native is None
+    assert not native_decoding(model, True)
+    slow, _ = _decode(model, _ids(30), 6, fast=False)
+    assert _decode(model, _ids(30), 6, fast=True)[0] == slow
