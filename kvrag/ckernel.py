@@ -1,5 +1,10 @@
-"""Small C kernels for CPU hot paths, built here on first use: the decode step's attention
-(`kernels/decode_attention.c`) and the rotation that re-positions stored keys (`kernels/rotate_keys.c`).
+"""Small C kernels for CPU hot paths, built here on first use: a whole decode step (`kernels/decode_step.c`,
+`DecodeStep`), its attention (`kernels/decode_attention.c`, which the torch step calls too) and the rotation
+that re-positions stored keys (`kernels/rotate_keys.c`).
+
+The decode step runs every layer and the head of a llama-family model for one token in one call: its
+vector-matrix products read each weight row in order, which lets the cores stream the weights near the memory
+bandwidth, and nothing runs in Python between the layers (`kvrag.fastdecode` says when it is used).
 
 torch runs one token's grouped-query attention over a long cache at a third to a quarter of what a core can
 read: its products for so few query rows, and its softmax, are not made for that shape. The kernel reads each

@@ -27,7 +27,8 @@ def _compile_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile-decode",
         action="store_true",
-        help="decode through torch.compile'd layer steps: seconds of compiling at the first token, faster after",
+        help="where the C decode step does not take the model: decode through torch.compile'd layer steps (seconds "
+        "of compiling at the first token, faster after)",
     )
 
 
