@@ -37,6 +37,8 @@ import torch
 SOURCES = tuple(
     Path(__file__).with_name("kernels") / name for name in ("decode_attention.c", "rotate_keys.c", "decode_step.c")
 )
+# built apart, at a bfloat16 prefill's first attention: its build takes seconds, and float32 models never need it
+PREFILL_SOURCES = (Path(__file__).with_name("kernels") / "prefill_attention.c",)
 BLOCK = 256  # the kernel's block of cache slots
 MAX_GROUP, MAX_HEAD_DIM = 8, 256
 # Compiled with -ffast-math (the vector exp, reassociated sums) but linked without it: linked in, it would add
@@ -56,32 +58,40 @@ def _cpu_id() -> str:
     return platform.machine() + "\n".join(lines)
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
+def _build(name: str, sources: tuple[Path, ...]) -> ctypes.CDLL | None:
+    """The shared library of `sources`, built once per machine (source, flags and CPU) into kvrag's cache folder
+    and loaded; None where there is no compiler that works."""
     compiler = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
-    if not compiler or not all(s.exists() for s in SOURCES) or platform.system() != "Linux":
+    if not compiler or not all(s.exists() for s in sources) or platform.system() != "Linux":
         return None
-    source = b"".join(s.read_bytes() for s in SOURCES)
+    source = b"".join(s.read_bytes() for s in sources)
     digest = hashlib.sha256(source + " ".join(COMPILE + LINK).encode() + _cpu_id().encode()).hexdigest()[:16]
     from kvrag.model import default_cache_dir
 
-    target = default_cache_dir() / "kernels" / f"kvrag-kernels-{digest}.so"
+    target = default_cache_dir() / "kernels" / f"{name}-{digest}.so"
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # built apart, renamed: concurrent builds
                 built = Path(scratch) / target.name
-                objects = [str(Path(scratch) / s.with_suffix(".o").name) for s in SOURCES]
-                for source_file, obj in zip(SOURCES, objects):
+                objects = [str(Path(scratch) / s.with_suffix(".o").name) for s in sources]
+                for source_file, obj in zip(sources, objects):
                     subprocess.run(
-                        [*compiler, *COMPILE, str(source_file), "-o", obj], check=True, capture_output=True, timeout=120
+                        [*compiler, *COMPILE, str(source_file), "-o", obj], check=True, capture_output=True, timeout=300
                     )
                 subprocess.run(
                     [*compiler, *LINK, *objects, "-o", str(built), "-lm"], check=True, capture_output=True, timeout=120
                 )
                 os.replace(built, target)
-        library = ctypes.CDLL(str(target))
+        return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError):  # no compiler that works, a cache folder not writable, noexec
+        return None
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    library = _build("kvrag-kernels", SOURCES)
+    if library is None:
         return None
     pointer = ctypes.c_void_p
     for name in _FUNCTIONS.values():
@@ -363,3 +373,94 @@ class DecodeStep:
         if status:
             raise MemoryError("decode step: no memory for the step's scratch")
         return logits
+
+
+@functools.cache
+def _prefill_library() -> ctypes.CDLL | None:
+    """The bfloat16 prefill attention, where the CPU has AVX512-BF16 (else None)."""
+    library = _build("kvrag-prefill", PREFILL_SOURCES)
+    if library is None or not library.prefill_attention_available():
+        return None
+    pointer, long, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    library.prefill_attention_bf16.argtypes = [pointer, long, long, pointer, pointer, long, long, pointer, int_, long, int_]
+    library.prefill_attention_bf16.argtypes += [pointer, long, long, int_, int_, int_, ctypes.c_float, int_]
+    library.prefill_attention_bf16.restype = ctypes.c_int
+    return library
+
+
+_MASK_KINDS = {torch.bool: 1, torch.bfloat16: 2, torch.float32: 3}
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool = False,
+) -> torch.Tensor | None:
+    """Attention of query [B, H, n, D] over key, value [B, H_kv, T, D] (bfloat16, CPU) under a mask [B or 1, 1,
+    n, T], boolean (True: attend) or additive (bfloat16 or float32, every value 0 or the lowest), or with none
+    (`causal`: token i of n sees keys up to T - n + i; else every key): [B, n, H, D] bfloat16, as transformers'
+    attention functions return it. None where the kernel does not take these tensors: another dtype or device,
+    an additive mask with other values (found while computing: that work is lost), a head size that is not a
+    multiple of 32 or above 128, more than 8 query heads a kv head, no AVX512-BF16, no compiler."""
+    if (
+        query.dim() != 4
+        or query.device.type != "cpu"
+        or not all(t.dtype == torch.bfloat16 for t in (query, key, value))
+        or key.shape != value.shape
+        or key.stride() != value.stride()
+        or query.shape[0] != key.shape[0]
+        or query.shape[-1] != key.shape[-1]
+        or any(t.stride(-1) != 1 for t in (query, key))
+    ):
+        return None
+    batch, heads, n, d = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    if d % 32 or d > 128 or heads % kv_heads or not 1 <= heads // kv_heads <= 8 or n < 1 or keys < 1:
+        return None
+    kind = 0
+    if mask is not None:
+        kind = _MASK_KINDS.get(mask.dtype, -1)
+        if (
+            kind < 0
+            or mask.dim() != 4
+            or mask.shape[0] not in (1, batch)
+            or mask.shape[1] != 1
+            or mask.shape[2:] != (n, keys)
+            or mask.stride(-1) != 1
+        ):
+            return None
+    library = _prefill_library()
+    if library is None:
+        return None
+    out = torch.empty(batch, n, heads, d, dtype=torch.bfloat16)
+    for b in range(batch):
+        rows = mask[b if mask.shape[0] > 1 else 0, 0] if mask is not None else None
+        status = library.prefill_attention_bf16(
+            query[b].data_ptr(),
+            query.stride(1),
+            query.stride(2),
+            key[b].data_ptr(),
+            value[b].data_ptr(),
+            key.stride(1),
+            key.stride(2),
+            rows.data_ptr() if rows is not None else None,
+            kind,
+            rows.stride(0) if rows is not None else 0,
+            int(causal and rows is None),
+            out[b].data_ptr(),
+            n,
+            keys,
+            heads,
+            kv_heads,
+            d,
+            scale,
+            torch.get_num_threads(),
+        )
+        if status == -2:
+            return None  # an additive mask with a bias in it: the caller's own attention adds it
+        if status:
+            raise RuntimeError(f"prefill_attention: the kernel refused a shape it was checked to take ({status})")
+    return out

@@ -7,8 +7,10 @@ import copy
 import pytest
 import torch
 import transformers.integrations.sdpa_attention as hf_sdpa
-from tiny import ARCHS, VOCAB, byte_tokenizer, tiny_model
+from tiny import ARCHS, VOCAB, byte_tokenizer, tiny_config, tiny_model
+from transformers import AutoModelForCausalLM
 
+from kvrag import ckernel
 from kvrag.attention import GQA_SDPA, use_gqa_sdpa
 from kvrag.compat import with_cache
 from kvrag.kvmodel import KVModel
@@ -74,3 +76,31 @@ def test_one_token_and_unmasked_calls_are_transformers_own(monkeypatch):
         step = model(input_ids=ids[:, 8:], **with_cache(model, out.past_key_values)).logits
         ref = reference(input_ids=ids[:, :8], use_cache=True)
         assert torch.equal(step, reference(input_ids=ids[:, 8:], **with_cache(reference, ref.past_key_values)).logits)
+
+
+@pytest.mark.skipif(ckernel._prefill_library() is None, reason="no AVX512-BF16 CPU or no compiler")
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 2), (2, 2)])
+@pytest.mark.parametrize("masked", [True, False], ids=["kvrag's additive mask", "no mask (causal)"])
+def test_a_bfloat16_prefill_attends_through_the_kernel_as_close_to_float32_as_sdpa(heads, kv_heads, masked, monkeypatch):
+    torch.manual_seed(0)
+    config = tiny_config("llama", hidden_size=64 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()  # float32
+    plain = copy.deepcopy(reference).to(torch.bfloat16)
+    fast = copy.deepcopy(plain)
+    use_gqa_sdpa(fast)
+    calls = []
+    kernel = ckernel.prefill_attention
+    monkeypatch.setattr(ckernel, "prefill_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    ids = torch.randint(0, VOCAB, (2, 70), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(70)
+
+    def mask(dtype):
+        return causal_mask(positions, positions, dtype).expand(2, 1, 70, 70) if masked else None
+
+    with torch.inference_mode():
+        want = reference(input_ids=ids, attention_mask=mask(torch.float32)).logits
+        sdpa = plain(input_ids=ids, attention_mask=mask(torch.bfloat16)).logits.float()
+        got = fast(input_ids=ids, attention_mask=mask(torch.bfloat16)).logits.float()
+    assert len(calls) == config.num_hidden_layers  # every layer's prefill attention ran in the kernel
+    kernel_error, sdpa_error = (got - want).abs().mean(), (sdpa - want).abs().mean()
+    assert 0 < kernel_error <= 1.1 * sdpa_error  # bfloat16 costs something; the kernel costs no more than sdpa

@@ -24,7 +24,16 @@ def _reference(q, keys, values, n):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "kv_heads, group, d, capacity, n",
-    [(3, 3, 64, 4400, 4184), (2, 1, 16, 300, 1), (2, 4, 32, 600, 256), (2, 4, 32, 600, 257), (1, 8, 128, 512, 300)],
+    [
+        (3, 3, 64, 4400, 4184),  # compiled for its shape (a head size of 64 or 128, 1-8 query heads a kv head)
+        (2, 4, 64, 700, 513),
+        (1, 8, 128, 512, 300),
+        (2, 7, 128, 600, 300),
+        (2, 1, 16, 300, 1),  # the general block task, G and the head size known at run time
+        (2, 4, 32, 600, 256),
+        (2, 4, 32, 600, 257),
+        (1, 3, 48, 300, 77),
+    ],
 )
 def test_the_kernel_equals_softmax_attention(dtype, kv_heads, group, d, capacity, n):
     g = torch.Generator().manual_seed(n)
@@ -86,8 +95,12 @@ def test_without_a_compiler_there_is_no_kernel_and_the_step_keeps_torchs_attenti
         model = copy.deepcopy(tiny_model("qwen3"))  # its own decoder, made without the kernels
         _steps_match_the_forward(model, 30)
         assert decoder_of(model).native is None
+        ckernel._prefill_library.cache_clear()
+        q = torch.randn(1, 4, 8, 64).bfloat16()
+        assert ckernel.prefill_attention(q, q[:, :2], q[:, :2], None, 0.125, causal=True) is None  # torch's, then
     finally:
         ckernel._library.cache_clear()  # the next test builds or finds the kernel again
+        ckernel._prefill_library.cache_clear()
 
 
 @needs_kernel
@@ -151,3 +164,70 @@ def test_without_a_compiler_keys_are_rotated_by_torch(monkeypatch, tmp_path):
         assert torch.equal(out, moved)
     finally:
         ckernel._library.cache_clear()
+
+
+needs_bf16_kernel = pytest.mark.skipif(
+    ckernel._prefill_library() is None, reason="no AVX512-BF16 CPU or no compiler: bfloat16 prefills keep torch's"
+)
+
+
+def _attention_reference(q, k, v, allowed):
+    """float32 softmax attention of q [B, H, n, D] over k, v [B, H_kv, T, D] where `allowed` [B|1, 1, n, T]: [B, n, H, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scores = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (torch.softmax(scores, -1) @ v).transpose(1, 2)
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("mask_kind", ["bool", "bfloat16", "float32", "causal", "none"])
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, n, keys, d",
+    [
+        (1, 9, 3, 230, 1100, 64),  # the embedded model's shape: recomputed tokens over a cache
+        (2, 4, 2, 17, 100, 64),  # two prompts, a partial block of tokens and of keys
+        (1, 8, 1, 33, 77, 128),
+        (1, 6, 2, 5, 300, 32),
+        (1, 12, 4, 40, 200, 96),
+        (1, 8, 8, 130, 130, 64),  # a full prefill: n == T
+    ],
+)
+def test_the_bfloat16_prefill_kernel_is_as_close_to_float32_attention_as_torchs(
+    batch, heads, kv_heads, n, keys, d, mask_kind
+):
+    g = torch.Generator().manual_seed(n + keys)
+    q = torch.randn(batch, n, heads, d, generator=g).bfloat16().transpose(1, 2)  # strided, as a model passes it
+    k, v = (torch.randn(batch, kv_heads, keys, d, generator=g).bfloat16() for _ in range(2))
+    allowed = torch.ones(batch, 1, n, keys, dtype=torch.bool)
+    allowed[..., keys - n :] = torch.ones(n, n, dtype=torch.bool).tril()  # causal among the new tokens
+    if mask_kind not in ("causal", "none"):
+        allowed[0, 0, n - 1, : keys // 3] = False  # a hole, as a stitched prompt may have
+    if mask_kind == "none":
+        allowed[:] = True
+    mask = {
+        "bool": allowed,
+        "bfloat16": torch.zeros(allowed.shape, dtype=torch.bfloat16).masked_fill(~allowed, -3.3895e38),
+        "float32": torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf")),
+    }.get(mask_kind)
+    got = ckernel.prefill_attention(q, k, v, mask, d**-0.5, causal=mask_kind == "causal")
+    assert got is not None and got.shape == (batch, n, heads, d) and got.dtype == torch.bfloat16
+    want = _attention_reference(q, k, v, allowed)
+    torch_bf16 = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, scale=d**-0.5, enable_gqa=True
+    ).transpose(1, 2)
+    error, torch_error = ((x.float() - want).abs().max() for x in (got, torch_bf16))
+    assert error <= 1.5 * torch_error + 1e-3  # bfloat16 rounding of the output and the probabilities, no more
+
+
+@needs_bf16_kernel
+def test_the_bfloat16_prefill_kernel_refuses_what_it_does_not_compute():
+    q = torch.randn(1, 4, 8, 64).bfloat16()
+    k = v = torch.randn(1, 2, 20, 64).bfloat16()
+    bias = torch.zeros(1, 1, 8, 20, dtype=torch.bfloat16)
+    bias[0, 0, 5, 7] = -2.0  # a bias, not a mask: the caller's attention adds it
+    assert ckernel.prefill_attention(q, k, v, bias, 0.125) is None
+    assert ckernel.prefill_attention(q.half(), k.half(), v.half(), None, 0.125) is None
+    assert ckernel.prefill_attention(q[..., :16], k[..., :16], v[..., :16], None, 0.25) is None  # head size 16
+    assert ckernel.prefill_attention(torch.randn(1, 18, 8, 64).bfloat16(), k, v, None, 0.125) is None  # 9 a kv head
+    assert ckernel.prefill_attention(q, k, v, bias.bool(), 0.125) is not None

@@ -28,9 +28,87 @@ static inline v16 load_bf16(const uint16_t *p) {
 
 static inline float lanes_sum(v16 v) { float s = 0; for (int i = 0; i < 16; i++) s += v[i]; return s; }
 
+/* One block of slots t0..t1 of kv head h: its G query heads' scores, exponentials and weighted values, written
+ * to p ([G][D + 2]: the block's largest score, its mass, then the weighted values). Inlined where G and the
+ * number of 16-lane chunks of a head are constants, so that the query rows and the accumulators stay in
+ * registers (with G and chunks only known at run time they live on the stack, and every key and value costs a
+ * round trip through memory for each of them). */
+#define BLOCK_TASK(NAME, T, LOAD)                                                                               \
+    static inline __attribute__((always_inline)) void NAME(const float *q, const T *keys, const T *values,      \
+                                                           long stride, long h, long t0, long t1, float *p,     \
+                                                           const int G, const int chunks) {                     \
+        const int D = chunks * 16;                                                                              \
+        float scores[MAX_GROUP][BLOCK], top[MAX_GROUP], mass[MAX_GROUP];                                        \
+        v16 qv[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];                                              \
+        for (int g = 0; g < G; g++) {                                                                           \
+            top[g] = -3.0e38f;                                                                                  \
+            for (int c = 0; c < chunks; c++) {                                                                  \
+                qv[g][c] = load_f32(q + (h * G + g) * D + c * 16);                                              \
+                acc[g][c] = (v16){0};                                                                           \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (long t = t0; t < t1; t++) {                                                                        \
+            const T *k = keys + (h * stride + t) * D;                                                           \
+            v16 dot[MAX_GROUP];                                                                                 \
+            for (int g = 0; g < G; g++) dot[g] = (v16){0};                                                      \
+            for (int c = 0; c < chunks; c++) {                                                                  \
+                v16 kc = LOAD(k + c * 16);                                                                      \
+                for (int g = 0; g < G; g++) dot[g] += qv[g][c] * kc;                                            \
+            }                                                                                                   \
+            for (int g = 0; g < G; g++) {                                                                       \
+                float s = lanes_sum(dot[g]);                                                                    \
+                scores[g][t - t0] = s;                                                                          \
+                top[g] = s > top[g] ? s : top[g];                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+        int len = (int)(t1 - t0);                                                                               \
+        for (int g = 0; g < G; g++) {                                                                           \
+            float m = top[g], sum = 0, *s = scores[g];                                                          \
+            _Pragma("omp simd reduction(+ : sum)")                                                              \
+            for (int t = 0; t < len; t++) {                                                                     \
+                s[t] = expf(s[t] - m);                                                                          \
+                sum += s[t];                                                                                    \
+            }                                                                                                   \
+            mass[g] = sum;                                                                                      \
+        }                                                                                                       \
+        for (long t = t0; t < t1; t++) {                                                                        \
+            const T *v = values + (h * stride + t) * D;                                                         \
+            for (int c = 0; c < chunks; c++) {                                                                  \
+                v16 vc = LOAD(v + c * 16);                                                                      \
+                for (int g = 0; g < G; g++) acc[g][c] += scores[g][t - t0] * vc;                                \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int g = 0; g < G; g++) {                                                                           \
+            float *pg = p + g * (D + 2);                                                                        \
+            pg[0] = top[g];                                                                                     \
+            pg[1] = mass[g];                                                                                    \
+            memcpy(pg + 2, acc[g], sizeof(float) * D);                                                          \
+        }                                                                                                       \
+    }
+
+/* The shapes of the models kvrag meets most (head sizes 64 and 128; 1 to 8 query heads a kv head) get a block
+ * task of their own, compiled with G and chunks as constants; any other shape runs the general one. */
+#define SHAPES(TASK, ARGS, G, chunks)                                                                           \
+    switch ((G) * 100 + (chunks)) {                                                                             \
+    case 104: TASK(ARGS, 1, 4); break;                                                                          \
+    case 204: TASK(ARGS, 2, 4); break;                                                                          \
+    case 304: TASK(ARGS, 3, 4); break;                                                                          \
+    case 404: TASK(ARGS, 4, 4); break;                                                                          \
+    case 504: TASK(ARGS, 5, 4); break;                                                                          \
+    case 604: TASK(ARGS, 6, 4); break;                                                                          \
+    case 704: TASK(ARGS, 7, 4); break;                                                                          \
+    case 804: TASK(ARGS, 8, 4); break;                                                                          \
+    case 108: TASK(ARGS, 1, 8); break;                                                                          \
+    case 208: TASK(ARGS, 2, 8); break;                                                                          \
+    case 408: TASK(ARGS, 4, 8); break;                                                                          \
+    case 708: TASK(ARGS, 7, 8); break;                                                                          \
+    case 808: TASK(ARGS, 8, 8); break;                                                                          \
+    default: TASK(ARGS, G, chunks); break;                                                                      \
+    }
+
 /* q: [hkv * G, D] float32, already scaled. keys, values: [hkv, stride, D]. out: [hkv * G, D] float32.
  * part: scratch of hkv * ceil(n / BLOCK) * G * (D + 2) floats. D a multiple of 16, at most 16 * MAX_CHUNKS. */
-#define DECODE_ATTENTION(NAME, T, LOAD)                                                                         \
+#define DECODE_ATTENTION(NAME, TASK, T)                                                                         \
     void NAME(const float *q, const T *keys, const T *values, long stride, int hkv, int G, int D, long n,        \
               float *out, float *part, int threads) {                                                           \
         long blocks = (n + BLOCK - 1) / BLOCK;                                                                  \
@@ -39,52 +117,8 @@ static inline float lanes_sum(v16 v) { float s = 0; for (int i = 0; i < 16; i++)
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                                       \
         for (long task = 0; task < tasks; task++) {                                                            \
             long h = task / blocks, t0 = (task % blocks) * BLOCK, t1 = t0 + BLOCK < n ? t0 + BLOCK : n;         \
-            float scores[MAX_GROUP][BLOCK], top[MAX_GROUP], mass[MAX_GROUP];                                    \
-            v16 qv[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];                                          \
-            for (int g = 0; g < G; g++) {                                                                       \
-                top[g] = -3.0e38f;                                                                              \
-                for (int c = 0; c < chunks; c++) {                                                              \
-                    qv[g][c] = load_f32(q + (h * G + g) * D + c * 16);                                          \
-                    acc[g][c] = (v16){0};                                                                       \
-                }                                                                                               \
-            }                                                                                                   \
-            for (long t = t0; t < t1; t++) {                                                                    \
-                const T *k = keys + (h * stride + t) * D;                                                       \
-                v16 dot[MAX_GROUP];                                                                             \
-                for (int g = 0; g < G; g++) dot[g] = (v16){0};                                                  \
-                for (int c = 0; c < chunks; c++) {                                                              \
-                    v16 kc = LOAD(k + c * 16);                                                                  \
-                    for (int g = 0; g < G; g++) dot[g] += qv[g][c] * kc;                                        \
-                }                                                                                               \
-                for (int g = 0; g < G; g++) {                                                                   \
-                    float s = lanes_sum(dot[g]);                                                                \
-                    scores[g][t - t0] = s;                                                                      \
-                    top[g] = s > top[g] ? s : top[g];                                                           \
-                }                                                                                               \
-            }                                                                                                   \
-            int len = (int)(t1 - t0);                                                                           \
-            for (int g = 0; g < G; g++) {                                                                       \
-                float m = top[g], sum = 0, *s = scores[g];                                                      \
-                _Pragma("omp simd reduction(+ : sum)")                                                          \
-                for (int t = 0; t < len; t++) {                                                                 \
-                    s[t] = expf(s[t] - m);                                                                      \
-                    sum += s[t];                                                                                \
-                }                                                                                               \
-                mass[g] = sum;                                                                                  \
-            }                                                                                                   \
-            for (long t = t0; t < t1; t++) {                                                                    \
-                const T *v = values + (h * stride + t) * D;                                                     \
-                for (int c = 0; c < chunks; c++) {                                                              \
-                    v16 vc = LOAD(v + c * 16);                                                                  \
-                    for (int g = 0; g < G; g++) acc[g][c] += scores[g][t - t0] * vc;                            \
-                }                                                                                               \
-            }                                                                                                   \
-            for (int g = 0; g < G; g++) {                                                                       \
-                float *p = part + (task * G + g) * (D + 2);                                                     \
-                p[0] = top[g];                                                                                  \
-                p[1] = mass[g];                                                                                 \
-                memcpy(p + 2, acc[g], sizeof(float) * D);                                                       \
-            }                                                                                                   \
+            float *p = part + task * G * (D + 2);                                                               \
+            SHAPES(TASK, ARGS_OF_TASK, G, chunks)                                                               \
         }                                                                                                       \
         for (long h = 0; h < hkv; h++)                                                                          \
             for (int g = 0; g < G; g++) {                                                                       \
@@ -104,5 +138,9 @@ static inline float lanes_sum(v16 v) { float s = 0; for (int i = 0; i < 16; i++)
             }                                                                                                   \
     }
 
-DECODE_ATTENTION(decode_attention_f32, float, load_f32)
-DECODE_ATTENTION(decode_attention_bf16, uint16_t, load_bf16)
+#define ARGS_OF_TASK q, keys, values, stride, h, t0, t1, p
+
+BLOCK_TASK(block_f32, float, load_f32)
+BLOCK_TASK(block_bf16, uint16_t, load_bf16)
+DECODE_ATTENTION(decode_attention_f32, block_f32, float)
+DECODE_ATTENTION(decode_attention_bf16, block_bf16, uint16_t)

@@ -1,0 +1,267 @@
+/* Many query tokens' grouped-query attention over a cache, in bfloat16, on CPUs with AVX512-BF16:
+ * kvrag.ckernel builds and loads this, kvrag.attention calls it for a prefill's attention.
+ *
+ * torch's CPU flash attention runs bfloat16 no faster than float32 here (about 130 GFLOP/s on 2 cores either
+ * way), while the CPU's bfloat16 dot-product instruction (vdpbf16ps: 16 lanes, each the sum of two products)
+ * reaches about 230 GFLOP/s on one core. This kernel is flash attention built on that instruction:
+ *
+ * - A task is one kv head and 16 query tokens: the R = 16 G rows of its G query heads (row g 16 + i: head g,
+ *   token i). It walks the keys in blocks of 64 with an online softmax, so nothing of size n x T is made.
+ * - Scores are computed transposed, S^T = K Q^T: a key's two adjacent bfloat16 elements are one 32-bit word
+ *   broadcast to every lane, and the queries are laid out once a task as words (pairs of adjacent elements)
+ *   with the 16 tokens across the lanes. Each lane then holds one query row, so the softmax's running
+ *   maxima and sums are vertical: no lane sums anywhere.
+ * - Probabilities go to bfloat16 pairs of adjacent keys, values to words of two adjacent keys' elements, and
+ *   O^T += V^T P^T runs on the same instruction.
+ * - Sums are in float32 (scores, softmax, the weighted values); the probabilities are rounded to bfloat16
+ *   before the weighted sum, as torch's bfloat16 flash attention rounds them.
+ * - A mask, boolean (true: attend) or additive with only 0 and the lowest value (as kvrag's and transformers'
+ *   masks are), is read a row at a time and turned into one 16-bit lane mask a key (or, with `causal` and no
+ *   mask, token i of n sees keys up to T - n + i); a block of 64 keys that no token of the task may see is
+ *   skipped (half the work of a causal prefill). Any other additive value is refused (-2).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+
+#define KB 64       /* keys a block */
+#define QT 16       /* query tokens a task */
+#define MAXG 8      /* query heads a kv head */
+#define MAXD 128    /* head size */
+#define NEG (-1.0e30f) /* a score no token may see (finite: the file is compiled with -ffast-math) */
+
+/* exp(x) for x <= 0, float32, within a few ulp: 2^n p(r) with r = x - n ln 2 (below -100 it is about 0) */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.98756915e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.39819994e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33345205e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16657962e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666657e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static const int mask_bytes[] = {1, 1, 2, 4}; /* a mask element: none, bool, bfloat16, float32 */
+
+/* Which of a mask row's first `len` (<= 64) keys a token may see, a bit a key. A boolean mask: true. An additive
+ * one (bfloat16 or float32): 0 is seen, -1e30 or lower (the dtype's lowest, -inf) is not; any other value is a
+ * bias this kernel does not add, and sets *odd (the caller then computes the attention another way). */
+static inline uint64_t row_bits(const uint8_t *row, int kind, int len, int *odd) {
+    __mmask64 live = len == KB ? ~0ull : ((1ull << len) - 1);
+    if (kind == 1) return _mm512_mask_test_epi8_mask(live, _mm512_maskz_loadu_epi8(live, row), _mm512_set1_epi8((char)0xff));
+    uint64_t bits = 0;
+    for (int c = 0; c < len; c += 16) {
+        __mmask16 part = (__mmask16)(live >> c);
+        __m512 x = kind == 2 ? _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(part, (const uint16_t *)row + c))
+                             : _mm512_maskz_loadu_ps(part, (const float *)row + c);
+        __mmask16 seen = _mm512_mask_cmp_ps_mask(part, x, _mm512_setzero_ps(), _CMP_EQ_OQ);
+        __mmask16 hidden = _mm512_mask_cmp_ps_mask(part, x, _mm512_set1_ps(-1.0e30f), _CMP_LE_OQ);
+        if ((__mmask16)(seen | hidden) != part) __atomic_store_n(odd, 1, __ATOMIC_RELAXED);
+        bits |= (uint64_t)seen << c;
+    }
+    return bits;
+}
+
+/* two float32 vectors (keys 2m and 2m + 1, rows across the lanes) as bfloat16 pairs: lane i = (a[i], b[i]) */
+static inline __m512i pairs(__m512 a, __m512 b) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                           22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+/* One task: kv head h, query tokens i0 .. i0 + QT - 1 (those past n are computed and not written).
+ * q [H, n, D] (strides sq_h, sq_n), keys/values [Hkv, T, D] (strides sk_h, sk_t), mask [n, T] bytes (row stride
+ * sm) or NULL, out [n, H, D] contiguous. */
+static inline __attribute__((always_inline)) void task(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys,
+                                                       const uint16_t *values, long sk_h, long sk_t,
+                                                       const uint8_t *mask, int kind, long sm, int causal,
+                                                       int *odd, uint16_t *out,
+                                                       long n, long T, int H, long h, long i0, float scale,
+                                                       const int G, const int D) {
+    const int RK = G == 1 ? 16 : G == 2 ? 12 : G == 3 ? 8 : G == 4 ? 6 : G <= 6 ? 4 : 3; /* keys a score tile */
+    const int DT = RK;                                                                   /* dims an output tile */
+    const int W = D / 2;                                                                 /* words a head */
+    __m512i qt[MAXD / 2][MAXG];          /* queries as words: [k][g], lane i = (q[2k], q[2k + 1]) of token i */
+    __m512 o[MAXD][MAXG];                /* O^T: [dim][g], lane i = token i */
+    __m512 s[KB][MAXG];                  /* scores of a block, S^T: [key][g] */
+    __m512i pw[KB / 2][MAXG];            /* probabilities as pairs of adjacent keys */
+    uint32_t vw[KB / 2][MAXD];           /* values as words of adjacent keys: [key pair][dim] */
+    uint16_t valid[KB];                  /* a key's lane mask: the tokens that may see it */
+    __m512 m[MAXG], l[MAXG];
+    const uint16_t zero_row[MAXD] = {0};
+    for (int g = 0; g < G; g++) {
+        m[g] = _mm512_set1_ps(NEG);
+        l[g] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d++) o[d][g] = _mm512_setzero_ps();
+        const uint16_t *qh = q + (h * G + g) * sq_h;
+        for (int k = 0; k < W; k++) {
+            uint32_t lane[QT];
+            for (int i = 0; i < QT; i++) {
+                uint32_t word = 0;
+                if (i0 + i < n) memcpy(&word, qh + (i0 + i) * sq_n + 2 * k, 4);
+                lane[i] = word;
+            }
+            qt[k][g] = _mm512_loadu_si512(lane);
+        }
+    }
+    const uint16_t *kh = keys + h * sk_h, *vh = values + h * sk_h;
+    for (long j0 = 0; j0 < T; j0 += KB) {
+        int len = T - j0 < KB ? (int)(T - j0) : KB;
+        /* which tokens see which key of the block */
+        uint16_t any = 0;
+        if (mask) {
+            uint64_t rows[QT];
+            for (int i = 0; i < QT; i++)
+                rows[i] = i0 + i < n ? row_bits(mask + ((i0 + i) * sm + j0) * mask_bytes[kind], kind, len, odd) : 0;
+            for (int j = 0; j < KB; j++) {
+                uint16_t bits = 0;
+                for (int i = 0; i < QT; i++) bits |= (uint16_t)(((rows[i] >> j) & 1) << i);
+                valid[j] = bits;
+                any |= bits;
+            }
+        } else if (causal) { /* token i sees keys up to T - n + i */
+            for (int j = 0; j < KB; j++) {
+                uint16_t bits = 0;
+                for (int i = 0; i < QT; i++)
+                    bits |= (uint16_t)((j < len && i0 + i < n && j0 + j <= T - n + i0 + i) << i);
+                valid[j] = bits;
+                any |= bits;
+            }
+        } else {
+            for (int j = 0; j < KB; j++) valid[j] = j < len ? 0xffff : 0;
+            any = 0xffff;
+        }
+        if (!any) continue; /* no token of the task sees this block */
+        /* S^T = K Q^T, RK keys a tile */
+        for (int j = 0; j < KB; j += RK) {
+            __m512 acc[16][MAXG];
+            const uint16_t *krow[16];
+            for (int r = 0; r < RK; r++) {
+                krow[r] = j + r < len ? kh + (j0 + j + r) * sk_t : zero_row;
+                for (int g = 0; g < G; g++) acc[r][g] = _mm512_setzero_ps();
+            }
+            for (int k = 0; k < W; k++) {
+                __m512i b[MAXG];
+                for (int g = 0; g < G; g++) b[g] = qt[k][g];
+                for (int r = 0; r < RK; r++) {
+                    uint32_t word;
+                    memcpy(&word, krow[r] + 2 * k, 4);
+                    __m512bh a = (__m512bh)_mm512_set1_epi32((int)word);
+                    for (int g = 0; g < G; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], a, (__m512bh)b[g]);
+                }
+            }
+            for (int r = 0; r < RK && j + r < KB; r++)
+                for (int g = 0; g < G; g++)
+                    s[j + r][g] = _mm512_mask_mul_ps(_mm512_set1_ps(NEG), valid[j + r], acc[r][g],
+                                                     _mm512_set1_ps(scale));
+        }
+        /* online softmax, a row a lane */
+        for (int g = 0; g < G; g++) {
+            /* a row that has seen no key yet stays at NEG (alpha 1 over nothing); at its first key, alpha is 0 */
+            __m512 top = m[g];
+            for (int j = 0; j < KB; j++) top = _mm512_max_ps(top, s[j][g]);
+            __m512 alpha = exp512(_mm512_sub_ps(m[g], top)), shift = top;
+            m[g] = top;
+            __m512 sum = _mm512_setzero_ps();
+            for (int j = 0; j < KB; j += 2) {
+                __m512 p0 = exp512(_mm512_sub_ps(s[j][g], shift));
+                __m512 p1 = exp512(_mm512_sub_ps(s[j + 1][g], shift));
+                p0 = _mm512_maskz_mov_ps(valid[j], p0);
+                p1 = _mm512_maskz_mov_ps(valid[j + 1], p1);
+                __m512i w = pairs(p0, p1);
+                pw[j / 2][g] = w;
+                /* the mass of what the weighted sum uses: the rounded probabilities */
+                __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+                __m512 r1 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
+                sum = _mm512_add_ps(sum, _mm512_add_ps(r0, r1));
+            }
+            l[g] = _mm512_fmadd_ps(l[g], alpha, sum);
+            for (int d = 0; d < D; d++) o[d][g] = _mm512_mul_ps(o[d][g], alpha);
+        }
+        /* values as words of two adjacent keys */
+        for (int jp = 0; jp < KB / 2; jp++) {
+            const uint16_t *v0 = 2 * jp < len ? vh + (j0 + 2 * jp) * sk_t : zero_row;
+            const uint16_t *v1 = 2 * jp + 1 < len ? vh + (j0 + 2 * jp + 1) * sk_t : zero_row;
+            for (int d = 0; d < D; d++) vw[jp][d] = (uint32_t)v0[d] | ((uint32_t)v1[d] << 16);
+        }
+        /* O^T += V^T P^T, DT dims a tile */
+        for (int d0 = 0; d0 < D; d0 += DT) {
+            int dn = D - d0 < DT ? D - d0 : DT;
+            __m512 acc[16][MAXG];
+            for (int t = 0; t < dn; t++)
+                for (int g = 0; g < G; g++) acc[t][g] = o[d0 + t][g];
+            for (int jp = 0; jp < KB / 2; jp++) {
+                __m512i b[MAXG];
+                for (int g = 0; g < G; g++) b[g] = pw[jp][g];
+                for (int t = 0; t < dn; t++) {
+                    __m512bh a = (__m512bh)_mm512_set1_epi32((int)vw[jp][d0 + t]);
+                    for (int g = 0; g < G; g++) acc[t][g] = _mm512_dpbf16_ps(acc[t][g], a, (__m512bh)b[g]);
+                }
+            }
+            for (int t = 0; t < dn; t++)
+                for (int g = 0; g < G; g++) o[d0 + t][g] = acc[t][g];
+        }
+    }
+    /* out[token, head, dim] = O^T / l, rounded to bfloat16 */
+    for (int g = 0; g < G; g++) {
+        float tile[MAXD][QT];
+        __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l[g]);
+        for (int d = 0; d < D; d++) _mm512_storeu_ps(tile[d], _mm512_mul_ps(o[d][g], inv));
+        for (int i = 0; i < QT && i0 + i < n; i++) {
+            uint16_t *row = out + ((i0 + i) * H + h * G + g) * D;
+            for (int d = 0; d < D; d += 16) {
+                float lane[16];
+                for (int e = 0; e < 16; e++) lane[e] = tile[d + e][i];
+                _mm256_storeu_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(lane)));
+            }
+        }
+    }
+}
+
+int prefill_attention_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys, const uint16_t *values,
+                           long sk_h, long sk_t, const uint8_t *mask, int kind, long sm, int causal, uint16_t *out,
+                           long n, long T, int H, int Hkv, int D, float scale, int threads) {
+    int G = H / Hkv, odd = 0;
+    if (G < 1 || G > MAXG || G * Hkv != H || D % 32 || D > MAXD || kind < 0 || kind > 3 || (kind && !mask)) return -1;
+    long blocks = (n + QT - 1) / QT, tasks = Hkv * blocks;
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
+    for (long t = 0; t < tasks; t++) {
+        long h = t % Hkv, i0 = (t / Hkv) * QT;
+#define ARGS q, sq_h, sq_n, keys, values, sk_h, sk_t, kind ? mask : NULL, kind, sm, causal, &odd, out, n, T, H, h, i0, scale
+        switch (G) { /* G a constant in each: the tiles' accumulators stay in registers */
+        case 1: task(ARGS, 1, D); break;
+        case 2: task(ARGS, 2, D); break;
+        case 3: task(ARGS, 3, D); break;
+        case 4: task(ARGS, 4, D); break;
+        case 5: task(ARGS, 5, D); break;
+        case 6: task(ARGS, 6, D); break;
+        case 7: task(ARGS, 7, D); break;
+        default: task(ARGS, 8, D); break;
+        }
+#undef ARGS
+    }
+    return odd ? -2 : 0; /* -2: a mask value neither 0 nor the lowest; out is not the attention */
+}
+
+int prefill_attention_available(void) { return 1; }
+
+#else
+
+int prefill_attention_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys, const uint16_t *values,
+                           long sk_h, long sk_t, const uint8_t *mask, int kind, long sm, int causal, uint16_t *out,
+                           long n, long T, int H, int Hkv, int D, float scale, int threads) {
+    return -1;
+}
+
+int prefill_attention_available(void) { return 0; }
+
+#endif
