@@ -114,6 +114,10 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
         }
     }
     const uint16_t *kh = keys + h * sk_h, *vh = values + h * sk_h;
+    /* word i of the result: (a[i], b[i]) for i < 16 (low_half) or for 16 <= i < 32 (high_half) */
+    const __m512i low_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                              6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high_half = _mm512_add_epi16(low_half, _mm512_set1_epi16(16));
     for (long j0 = 0; j0 < T; j0 += KB) {
         int len = T - j0 < KB ? (int)(T - j0) : KB;
         /* which tokens see which key of the block */
@@ -122,12 +126,18 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
             uint64_t rows[QT];
             for (int i = 0; i < QT; i++)
                 rows[i] = i0 + i < n ? row_bits(mask + ((i0 + i) * sm + j0) * mask_bytes[kind], kind, len, odd) : 0;
-            for (int j = 0; j < KB; j++) {
-                uint16_t bits = 0;
-                for (int i = 0; i < QT; i++) bits |= (uint16_t)(((rows[i] >> j) & 1) << i);
-                valid[j] = bits;
-                any |= bits;
-            }
+            uint64_t live = len == KB ? ~0ull : ((1ull << len) - 1), all = live;
+            for (int i = 0; i < QT; i++) all &= i0 + i < n ? rows[i] : live;
+            if (all == live) { /* every token sees every key of the block (most of a cache): no transposing */
+                for (int j = 0; j < KB; j++) valid[j] = j < len ? 0xffff : 0;
+                any = 0xffff;
+            } else
+                for (int j = 0; j < KB; j++) {
+                    uint16_t bits = 0;
+                    for (int i = 0; i < QT; i++) bits |= (uint16_t)(((rows[i] >> j) & 1) << i);
+                    valid[j] = bits;
+                    any |= bits;
+                }
         } else if (causal) { /* token i sees keys up to T - n + i */
             for (int j = 0; j < KB; j++) {
                 uint16_t bits = 0;
@@ -191,7 +201,11 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
         for (int jp = 0; jp < KB / 2; jp++) {
             const uint16_t *v0 = 2 * jp < len ? vh + (j0 + 2 * jp) * sk_t : zero_row;
             const uint16_t *v1 = 2 * jp + 1 < len ? vh + (j0 + 2 * jp + 1) * sk_t : zero_row;
-            for (int d = 0; d < D; d++) vw[jp][d] = (uint32_t)v0[d] | ((uint32_t)v1[d] << 16);
+            for (int d = 0; d < D; d += 32) { /* word d = (v0[d], v1[d]): two rows' elements interleaved */
+                __m512i a = _mm512_loadu_si512(v0 + d), b = _mm512_loadu_si512(v1 + d);
+                _mm512_storeu_si512(vw[jp] + d, _mm512_permutex2var_epi16(a, low_half, b));
+                _mm512_storeu_si512(vw[jp] + d + 16, _mm512_permutex2var_epi16(a, high_half, b));
+            }
         }
         /* O^T += V^T P^T, DT dims a tile */
         for (int d0 = 0; d0 < D; d0 += DT) {
