@@ -295,7 +295,7 @@ class DecodeStep:
             lm_head=decoder.lm_head.weight.data_ptr(),
             layer=structs,
         )
-        self._cache: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
+        self._cache: tuple[tuple, tuple[ctypes.Array, ctypes.Array] | None] | None = None  # (cache seen, arrays)
 
     @classmethod
     def of(cls, decoder) -> DecodeStep | None:  # type: ignore[no-untyped-def]
@@ -322,21 +322,34 @@ class DecodeStep:
 
     def takes(self, cos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
         """Whether the step reads and writes this cache (per layer [H_kv, capacity, d] in the weights' dtype,
-        contiguous, one capacity) with these rotary rows."""
+        contiguous, one capacity) with these rotary rows. The cache's tensors are checked once: a decode asks at
+        every token of the same buffers."""
+        if not (cos.dtype == self.dtype and cos.is_contiguous() and cos.shape == (self.head_dim,)):
+            return False
+        return self._arrays(keys, values) is not None
+
+    def _arrays(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array] | None:
+        """The layers' key and value pointers as C arrays, made once a cache; None where the step does not take
+        its tensors."""
+        seen = (tuple(t.data_ptr() for t in (*keys, *values)), keys[0].shape, values[-1].shape)
+        cache = self._cache
+        if cache is not None and cache[0] == seen:
+            return cache[1]
         capacity = keys[0].shape[1]
-        return (
-            cos.dtype == self.dtype
-            and cos.is_contiguous()
-            and cos.shape == (self.head_dim,)
-            and len(keys) == len(values) == self.model.layers
-            and all(
-                t.dtype == self.dtype
-                and t.device.type == "cpu"
-                and t.is_contiguous()
-                and t.shape == (self.kv_heads, capacity, self.head_dim)
-                for t in (*keys, *values)
-            )
+        ok = len(keys) == len(values) == self.model.layers and all(
+            t.dtype == self.dtype
+            and t.device.type == "cpu"
+            and t.is_contiguous()
+            and t.shape == (self.kv_heads, capacity, self.head_dim)
+            for t in (*keys, *values)
         )
+        count = len(keys)
+        pointers = seen[0]
+        arrays = (
+            ((ctypes.c_void_p * count)(*pointers[:count]), (ctypes.c_void_p * count)(*pointers[count:])) if ok else None
+        )
+        self._cache = (seen, arrays)
+        return arrays
 
     def __call__(
         self,
@@ -351,17 +364,14 @@ class DecodeStep:
         capacity = keys[0].shape[1]
         if not 0 <= filled < capacity or not 0 <= token < self.vocab:
             raise ValueError(f"decode step: slot {filled} of {capacity}, token {token} of a vocabulary of {self.vocab}")
-        pointers = tuple(t.data_ptr() for t in (*keys, *values))
-        cache = self._cache
-        if cache is None or cache[0] != pointers:  # the pointer arrays, made once a cache
-            count = len(keys)
-            cache = (pointers, (ctypes.c_void_p * count)(*pointers[:count]), (ctypes.c_void_p * count)(*pointers[count:]))
-            self._cache = cache
+        arrays = self._arrays(keys, values)
+        if arrays is None:
+            raise ValueError("decode step: a cache this step does not take (check `takes` first)")
         logits = torch.empty(self.vocab, dtype=torch.float32)
         status = self._library.decode_step(
             ctypes.byref(self.model),
-            cache[1],
-            cache[2],
+            arrays[0],
+            arrays[1],
             capacity,
             token,
             cos.data_ptr(),
