@@ -231,3 +231,17 @@ def test_the_bfloat16_prefill_kernel_refuses_what_it_does_not_compute():
     assert ckernel.prefill_attention(q[..., :16], k[..., :16], v[..., :16], None, 0.25) is None  # head size 16
     assert ckernel.prefill_attention(torch.randn(1, 18, 8, 64).bfloat16(), k, v, None, 0.125) is None  # 9 a kv head
     assert ckernel.prefill_attention(q, k, v, bias.bool(), 0.125) is not None
+
+
+@needs_bf16_kernel
+def test_a_token_that_sees_no_key_gets_zeros_and_the_others_are_untouched():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 20, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 2, 90, 64, generator=g).bfloat16() for _ in range(2))
+    allowed = torch.ones(1, 1, 20, 90, dtype=torch.bool)
+    allowed[0, 0, 7] = False  # a padded row: it sees nothing
+    got = ckernel.prefill_attention(q, k, v, allowed, 0.125)
+    assert torch.equal(got[0, 7], torch.zeros(4, 64, dtype=torch.bfloat16))
+    others = [i for i in range(20) if i != 7]
+    want = _attention_reference(q, k, v, torch.ones_like(allowed))[:, others]
+    assert (got[:, others].float() - want).abs().max() < 2e-2

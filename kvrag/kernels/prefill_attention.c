@@ -228,7 +228,10 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
     /* out[token, head, dim] = O^T / l, rounded to bfloat16 */
     for (int g = 0; g < G; g++) {
         float tile[MAXD][QT];
-        __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l[g]);
+        /* a token that sees no key (a padded row) gets zeros, not 0/0: a NaN in its output would become a NaN key
+         * and value in the next layer, and a zero probability times NaN is NaN for every row that reads it */
+        __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l[g], _mm512_setzero_ps(), _CMP_GT_OQ),
+                                         _mm512_set1_ps(1.0f), l[g]);
         for (int d = 0; d < D; d++) _mm512_storeu_ps(tile[d], _mm512_mul_ps(o[d][g], inv));
         for (int i = 0; i < QT && i0 + i < n; i++) {
             uint16_t *row = out + ((i0 + i) * H + h * G + g) * D;
