@@ -25,11 +25,12 @@ def _reference(q, keys, values, n):
 @pytest.mark.parametrize(
     "kv_heads, group, d, capacity, n",
     [
-        (3, 3, 64, 4400, 4184),  # compiled for its shape (a head size of 64 or 128, 1-8 query heads a kv head)
+        (3, 3, 64, 4400, 4184),  # compiled for its shape (a head size of 64 or 128, 1-4 query heads a kv head)
         (2, 4, 64, 700, 513),
-        (1, 8, 128, 512, 300),
+        (1, 2, 128, 512, 300),
+        (1, 8, 128, 512, 300),  # the general block task, G and the head size known at run time
         (2, 7, 128, 600, 300),
-        (2, 1, 16, 300, 1),  # the general block task, G and the head size known at run time
+        (2, 1, 16, 300, 1),
         (2, 4, 32, 600, 256),
         (2, 4, 32, 600, 257),
         (1, 3, 48, 300, 77),
