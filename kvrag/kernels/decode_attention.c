@@ -4,13 +4,17 @@
  * split into blocks of BLOCK (flash-decoding): a block's scores, exponentials and weighted values are computed
  * on their own, each key and value read once, and the blocks go to the threads; their partial results are then
  * merged by their maxima. Sums run in float32 over float32 or bfloat16 keys and values, in 16-lane vectors
- * (GCC/Clang vector extensions), the exponentials through the C library's vector exp (omp simd).
+ * (GCC/Clang vector extensions), the exponentials through the C library's vector exp (omp simd). From memory
+ * (a cache larger than the last-level cache) the kernel is bound by what a core's loads keep in flight, so in
+ * bfloat16 each load also asks for the line AHEAD bytes further on (10% faster at 4k slots, measured; in float32,
+ * whose loads are twice as many a slot, it made no difference).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #define BLOCK 256
+#define AHEAD 4096 /* bytes ahead in a stream of keys or values that a load asks the memory for */
 #define MAX_GROUP 8   /* query heads a kv head */
 #define MAX_CHUNKS 16 /* head_dim / 16 */
 
@@ -53,6 +57,7 @@ static inline float lanes_sum(v16 v) { float s = 0; for (int i = 0; i < 16; i++)
             for (int g = 0; g < G; g++) dot[g] = (v16){0};                                                      \
             for (int c = 0; c < chunks; c++) {                                                                  \
                 v16 kc = LOAD(k + c * 16);                                                                      \
+                if (sizeof(T) == 2) __builtin_prefetch(k + c * 16 + AHEAD / 2);                                  \
                 for (int g = 0; g < G; g++) dot[g] += qv[g][c] * kc;                                            \
             }                                                                                                   \
             for (int g = 0; g < G; g++) {                                                                       \
@@ -75,6 +80,7 @@ static inline float lanes_sum(v16 v) { float s = 0; for (int i = 0; i < 16; i++)
             const T *v = values + (h * stride + t) * D;                                                         \
             for (int c = 0; c < chunks; c++) {                                                                  \
                 v16 vc = LOAD(v + c * 16);                                                                      \
+                if (sizeof(T) == 2) __builtin_prefetch(v + c * 16 + AHEAD / 2);                                  \
                 for (int g = 0; g < G; g++) acc[g][c] += scores[g][t - t0] * vc;                                \
             }                                                                                                   \
         }                                                                                                       \

@@ -34,19 +34,17 @@
 #define MAXD 128    /* head size */
 #define NEG (-1.0e30f) /* a score no token may see (finite: the file is compiled with -ffast-math) */
 
-/* exp(x) for x <= 0, float32, within a few ulp: 2^n p(r) with r = x - n ln 2 (below -100 it is about 0) */
+/* exp(x) for x <= 0, float32, to about 4e-5 relative (below -100 it is about 0): 2^n p(r) with r = x - n ln 2
+ * and p the degree-4 Taylor polynomial. The probabilities are rounded to bfloat16 (2^-9 relative) next, so a
+ * closer exp would buy nothing, and each degree costs a multiply-add on the pipes the dot products need. */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.98756915e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.39819994e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33345205e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16657962e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666657e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), x);
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 24), _mm512_set1_ps(1.0f / 6));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -78,13 +76,31 @@ static inline __m512i pairs(__m512 a, __m512 b) {
     return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
+/* O^T [d0, d0 + dn) += V^T P^T over one block of keys: o [dim][g], pw [key pair][g], vw [key pair][D] (words) */
+static inline __attribute__((always_inline)) void pv_tile(__m512 o[][MAXG], __m512i pw[][MAXG], const uint32_t *vw,
+                                                          int D, int d0, const int dn, const int G) {
+    __m512 acc[16][MAXG];
+    for (int t = 0; t < dn; t++)
+        for (int g = 0; g < G; g++) acc[t][g] = o[d0 + t][g];
+    for (int jp = 0; jp < KB / 2; jp++) {
+        __m512i b[MAXG];
+        for (int g = 0; g < G; g++) b[g] = pw[jp][g];
+        for (int t = 0; t < dn; t++) {
+            __m512bh a = (__m512bh)_mm512_set1_epi32((int)vw[jp * D + d0 + t]);
+            for (int g = 0; g < G; g++) acc[t][g] = _mm512_dpbf16_ps(acc[t][g], a, (__m512bh)b[g]);
+        }
+    }
+    for (int t = 0; t < dn; t++)
+        for (int g = 0; g < G; g++) o[d0 + t][g] = acc[t][g];
+}
+
 /* One task: kv head h, query tokens i0 .. i0 + QT - 1 (those past n are computed and not written).
- * q [H, n, D] (strides sq_h, sq_n), keys/values [Hkv, T, D] (strides sk_h, sk_t), mask [n, T] bytes (row stride
- * sm) or NULL, out [n, H, D] contiguous. */
+ * q [H, n, D] (strides sq_h, sq_n), keys [Hkv, T, D] (strides sk_h, sk_t), packed: the values as words of two
+ * adjacent keys [Hkv, ceil(T / KB) KB / 2, D], seen: a mask's bits [n, ceil(T / KB)] (bit j: key j of the block) or NULL,
+ * out [n, H, D] contiguous. */
 static inline __attribute__((always_inline)) void task(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys,
-                                                       const uint16_t *values, long sk_h, long sk_t,
-                                                       const uint8_t *mask, int kind, long sm, int causal,
-                                                       int *odd, uint16_t *out,
+                                                       long sk_h, long sk_t, const uint32_t *packed,
+                                                       const uint64_t *seen, int causal, uint16_t *out,
                                                        long n, long T, int H, long h, long i0, float scale,
                                                        const int G, const int D) {
     const int RK = G == 1 ? 16 : G == 2 ? 12 : G == 3 ? 8 : G == 4 ? 6 : G <= 6 ? 4 : 3; /* keys a score tile */
@@ -94,7 +110,6 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
     __m512 o[MAXD][MAXG];                /* O^T: [dim][g], lane i = token i */
     __m512 s[KB][MAXG];                  /* scores of a block, S^T: [key][g] */
     __m512i pw[KB / 2][MAXG];            /* probabilities as pairs of adjacent keys */
-    uint32_t vw[KB / 2][MAXD];           /* values as words of adjacent keys: [key pair][dim] */
     uint16_t valid[KB];                  /* a key's lane mask: the tokens that may see it */
     __m512 m[MAXG], l[MAXG];
     const uint16_t zero_row[MAXD] = {0};
@@ -113,19 +128,15 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
             qt[k][g] = _mm512_loadu_si512(lane);
         }
     }
-    const uint16_t *kh = keys + h * sk_h, *vh = values + h * sk_h;
-    /* word i of the result: (a[i], b[i]) for i < 16 (low_half) or for 16 <= i < 32 (high_half) */
-    const __m512i low_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                              6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i high_half = _mm512_add_epi16(low_half, _mm512_set1_epi16(16));
+    const uint16_t *kh = keys + h * sk_h;
+    const long blocks = (T + KB - 1) / KB;
     for (long j0 = 0; j0 < T; j0 += KB) {
         int len = T - j0 < KB ? (int)(T - j0) : KB;
         /* which tokens see which key of the block */
         uint16_t any = 0;
-        if (mask) {
+        if (seen) {
             uint64_t rows[QT];
-            for (int i = 0; i < QT; i++)
-                rows[i] = i0 + i < n ? row_bits(mask + ((i0 + i) * sm + j0) * mask_bytes[kind], kind, len, odd) : 0;
+            for (int i = 0; i < QT; i++) rows[i] = i0 + i < n ? seen[(i0 + i) * blocks + j0 / KB] : 0;
             uint64_t live = len == KB ? ~0ull : ((1ull << len) - 1), all = live;
             for (int i = 0; i < QT; i++) all &= i0 + i < n ? rows[i] : live;
             if (all == live) { /* every token sees every key of the block (most of a cache): no transposing */
@@ -197,33 +208,12 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
             l[g] = _mm512_fmadd_ps(l[g], alpha, sum);
             for (int d = 0; d < D; d++) o[d][g] = _mm512_mul_ps(o[d][g], alpha);
         }
-        /* values as words of two adjacent keys */
-        for (int jp = 0; jp < KB / 2; jp++) {
-            const uint16_t *v0 = 2 * jp < len ? vh + (j0 + 2 * jp) * sk_t : zero_row;
-            const uint16_t *v1 = 2 * jp + 1 < len ? vh + (j0 + 2 * jp + 1) * sk_t : zero_row;
-            for (int d = 0; d < D; d += 32) { /* word d = (v0[d], v1[d]): two rows' elements interleaved */
-                __m512i a = _mm512_loadu_si512(v0 + d), b = _mm512_loadu_si512(v1 + d);
-                _mm512_storeu_si512(vw[jp] + d, _mm512_permutex2var_epi16(a, low_half, b));
-                _mm512_storeu_si512(vw[jp] + d + 16, _mm512_permutex2var_epi16(a, high_half, b));
-            }
-        }
-        /* O^T += V^T P^T, DT dims a tile */
-        for (int d0 = 0; d0 < D; d0 += DT) {
-            int dn = D - d0 < DT ? D - d0 : DT;
-            __m512 acc[16][MAXG];
-            for (int t = 0; t < dn; t++)
-                for (int g = 0; g < G; g++) acc[t][g] = o[d0 + t][g];
-            for (int jp = 0; jp < KB / 2; jp++) {
-                __m512i b[MAXG];
-                for (int g = 0; g < G; g++) b[g] = pw[jp][g];
-                for (int t = 0; t < dn; t++) {
-                    __m512bh a = (__m512bh)_mm512_set1_epi32((int)vw[jp][d0 + t]);
-                    for (int g = 0; g < G; g++) acc[t][g] = _mm512_dpbf16_ps(acc[t][g], a, (__m512bh)b[g]);
-                }
-            }
-            for (int t = 0; t < dn; t++)
-                for (int g = 0; g < G; g++) o[d0 + t][g] = acc[t][g];
-        }
+        /* O^T += V^T P^T, DT dims a tile: whole tiles (a constant count, so their accumulators stay in
+         * registers), then what is left of the head */
+        int d0 = 0;
+        const uint32_t *vw = packed + (h * blocks * (KB / 2) + j0 / 2) * D;
+        for (; d0 + DT <= D; d0 += DT) pv_tile(o, pw, vw, D, d0, DT, G);
+        if (d0 < D) pv_tile(o, pw, vw, D, d0, D - d0, G);
     }
     /* out[token, head, dim] = O^T / l, rounded to bfloat16 */
     for (int g = 0; g < G; g++) {
@@ -244,29 +234,73 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
     }
 }
 
+/* The values as words of two adjacent keys, once a call (every task of a kv head reads them):
+ * packed[(h * P + p) * D + d] = (v[h, 2p, d], v[h, 2p + 1, d]), P = KB / 2 a block of keys, and zero for the keys
+ * past T: a block's weighted sum reads all of it, and a zero probability times a NaN would still be a NaN. */
+static void pack_values(const uint16_t *values, long sk_h, long sk_t, long T, int Hkv, int D, uint32_t *packed,
+                        int threads) {
+    const long P = (T + KB - 1) / KB * (KB / 2);
+    /* word i of the result: (a[i], b[i]) for i < 16 (low_half) or for 16 <= i < 32 (high_half) */
+    const __m512i low_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                              6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high_half = _mm512_add_epi16(low_half, _mm512_set1_epi16(16));
+    const uint16_t zero_row[MAXD] = {0};
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long r = 0; r < Hkv * P; r++) {
+        long h = r / P, p = r % P;
+        const uint16_t *v0 = 2 * p < T ? values + h * sk_h + 2 * p * sk_t : zero_row;
+        const uint16_t *v1 = 2 * p + 1 < T ? values + h * sk_h + (2 * p + 1) * sk_t : zero_row;
+        for (int d = 0; d < D; d += 32) {
+            __m512i a = _mm512_loadu_si512(v0 + d), b = _mm512_loadu_si512(v1 + d);
+            _mm512_storeu_si512(packed + r * D + d, _mm512_permutex2var_epi16(a, low_half, b));
+            _mm512_storeu_si512(packed + r * D + d + 16, _mm512_permutex2var_epi16(a, high_half, b));
+        }
+    }
+}
+
 int prefill_attention_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys, const uint16_t *values,
                            long sk_h, long sk_t, const uint8_t *mask, int kind, long sm, int causal, uint16_t *out,
                            long n, long T, int H, int Hkv, int D, float scale, int threads) {
     int G = H / Hkv, odd = 0;
     if (G < 1 || G > MAXG || G * Hkv != H || D % 32 || D > MAXD || kind < 0 || kind > 3 || (kind && !mask)) return -1;
-    long blocks = (n + QT - 1) / QT, tasks = Hkv * blocks;
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
-    for (long t = 0; t < tasks; t++) {
-        long h = t % Hkv, i0 = (t / Hkv) * QT;
-#define ARGS q, sq_h, sq_n, keys, values, sk_h, sk_t, kind ? mask : NULL, kind, sm, causal, &odd, out, n, T, H, h, i0, scale
-        switch (G) { /* G a constant in each: the tiles' accumulators stay in registers */
-        case 1: task(ARGS, 1, D); break;
-        case 2: task(ARGS, 2, D); break;
-        case 3: task(ARGS, 3, D); break;
-        case 4: task(ARGS, 4, D); break;
-        case 5: task(ARGS, 5, D); break;
-        case 6: task(ARGS, 6, D); break;
-        case 7: task(ARGS, 7, D); break;
-        default: task(ARGS, 8, D); break;
-        }
-#undef ARGS
+    const long nb = (T + KB - 1) / KB;
+    uint64_t *seen = kind ? malloc(sizeof(uint64_t) * n * nb) : NULL;
+    uint32_t *packed = malloc(sizeof(uint32_t) * Hkv * nb * (KB / 2) * D);
+    if (!packed || (kind && !seen)) {
+        free(seen);
+        free(packed);
+        return -3;
     }
-    return odd ? -2 : 0; /* -2: a mask value neither 0 nor the lowest; out is not the attention */
+    if (kind) { /* the mask read once, a bit a key; every kv head's tasks share it */
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")
+        for (long r = 0; r < n * nb; r++) {
+            long i = r / nb, j0 = (r % nb) * KB;
+            seen[r] = row_bits(mask + (i * sm + j0) * mask_bytes[kind], kind, T - j0 < KB ? (int)(T - j0) : KB, &odd);
+        }
+    }
+    if (!odd) {
+        pack_values(values, sk_h, sk_t, T, Hkv, D, packed, threads);
+        long blocks = (n + QT - 1) / QT, tasks = Hkv * blocks;
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
+        for (long t = 0; t < tasks; t++) {
+            long h = t % Hkv, i0 = (t / Hkv) * QT;
+#define ARGS q, sq_h, sq_n, keys, sk_h, sk_t, packed, seen, causal, out, n, T, H, h, i0, scale
+            switch (G) { /* G a constant in each: the tiles' accumulators stay in registers */
+            case 1: task(ARGS, 1, D); break;
+            case 2: task(ARGS, 2, D); break;
+            case 3: task(ARGS, 3, D); break;
+            case 4: task(ARGS, 4, D); break;
+            case 5: task(ARGS, 5, D); break;
+            case 6: task(ARGS, 6, D); break;
+            case 7: task(ARGS, 7, D); break;
+            default: task(ARGS, 8, D); break;
+            }
+#undef ARGS
+        }
+    }
+    free(seen);
+    free(packed);
+    return odd ? -2 : 0; /* -2: a mask value neither 0 nor the lowest (found before any attention was computed) */
 }
 
 int prefill_attention_available(void) { return 1; }
