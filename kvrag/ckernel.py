@@ -46,6 +46,7 @@ MAX_GROUP, MAX_HEAD_DIM = 8, 256
 COMPILE = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c")
 LINK = ("-shared", "-fopenmp")
 _FUNCTIONS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
+_ROTATIONS = {torch.float32: "rotate_keys_f32", torch.bfloat16: "rotate_keys_bf16"}
 
 
 def _cpu_id() -> str:
@@ -99,9 +100,11 @@ def _library() -> ctypes.CDLL | None:
         function.argtypes = [pointer, pointer, pointer, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         function.argtypes += [ctypes.c_long, pointer, pointer, ctypes.c_int]
         function.restype = None
-    library.rotate_keys_f32.argtypes = [pointer] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int] * 2
-    library.rotate_keys_f32.argtypes += [ctypes.c_long] * 2 + [ctypes.c_int]
-    library.rotate_keys_f32.restype = None
+    for name in _ROTATIONS.values():
+        function = getattr(library, name)
+        function.argtypes = [pointer] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int] * 2 + [ctypes.c_long] * 2
+        function.argtypes += [ctypes.c_int]
+        function.restype = None
     library.decode_step.argtypes = [pointer, pointer, pointer, ctypes.c_long, ctypes.c_long, pointer, pointer]
     library.decode_step.argtypes += [ctypes.c_long, pointer, ctypes.c_int]
     library.decode_step.restype = ctypes.c_int
@@ -166,14 +169,17 @@ def decode_attention(
 
 def rotate_keys(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Write keys [L, H_kv, T, D] rotated by one shift (cos, sin: [D_rot] float32) into `out` of keys' shape, in
-    one pass: float32 keys, contiguous, and `out` a view whose rows ([T, D] a layer's kv head) are evenly spaced
-    (a slice of a cache's slots). False, having written nothing, where the kernel does not take these tensors."""
+    one pass: float32 or bfloat16 keys (bfloat16 rotated in float32 and rounded once), contiguous, and `out` of
+    their dtype, a view whose rows ([T, D] a layer's kv head) are evenly spaced (a slice of a cache's slots).
+    False, having written nothing, where the kernel does not take these tensors."""
     rot = cos.shape[-1] if cos.dim() == 1 else 0
     if (
         keys.dim() != 4
         or not keys.numel()
         or keys.device.type != "cpu"
-        or not all(t.dtype == torch.float32 for t in (keys, out, cos, sin))
+        or keys.dtype not in _ROTATIONS
+        or out.dtype != keys.dtype
+        or not all(t.dtype == torch.float32 for t in (cos, sin))
         or not (keys.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
         or sin.shape != cos.shape
         or out.shape != keys.shape
@@ -187,7 +193,7 @@ def rotate_keys(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: t
     library = _library()
     if library is None:
         return False
-    library.rotate_keys_f32(
+    getattr(library, _ROTATIONS[keys.dtype])(
         keys.data_ptr(),
         out.data_ptr(),
         cos.data_ptr(),
@@ -413,8 +419,8 @@ def prefill_attention(
     n, T], boolean (True: attend) or additive (bfloat16 or float32, every value 0 or the lowest), or with none
     (`causal`: token i of n sees keys up to T - n + i; else every key): [B, n, H, D] bfloat16, as transformers'
     attention functions return it. None where the kernel does not take these tensors: another dtype or device,
-    an additive mask with other values (found while computing: that work is lost), a head size that is not a
-    multiple of 32 or above 128, more than 8 query heads a kv head, no AVX512-BF16, no compiler."""
+    an additive mask with other values (found in a pass over the mask, before any attention), a head size that
+    is not a multiple of 32 or above 128, more than 8 query heads a kv head, no AVX512-BF16, no compiler."""
     if (
         query.dim() != 4
         or query.device.type != "cpu"
@@ -471,6 +477,8 @@ def prefill_attention(
         )
         if status == -2:
             return None  # an additive mask with a bias in it: the caller's own attention adds it
+        if status == -3:
+            raise MemoryError(f"prefill_attention: no memory to pack the values of {keys} keys x {kv_heads} kv heads")
         if status:
             raise RuntimeError(f"prefill_attention: the kernel refused a shape it was checked to take ({status})")
     return out

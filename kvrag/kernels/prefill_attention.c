@@ -11,14 +11,15 @@
  *   broadcast to every lane, and the queries are laid out once a task as words (pairs of adjacent elements)
  *   with the 16 tokens across the lanes. Each lane then holds one query row, so the softmax's running
  *   maxima and sums are vertical: no lane sums anywhere.
- * - Probabilities go to bfloat16 pairs of adjacent keys, values to words of two adjacent keys' elements, and
- *   O^T += V^T P^T runs on the same instruction.
+ * - Probabilities go to bfloat16 pairs of adjacent keys, values to words of two adjacent keys' elements (once a
+ *   call, shared by every task of a kv head), and O^T += V^T P^T runs on the same instruction.
  * - Sums are in float32 (scores, softmax, the weighted values); the probabilities are rounded to bfloat16
  *   before the weighted sum, as torch's bfloat16 flash attention rounds them.
  * - A mask, boolean (true: attend) or additive with only 0 and the lowest value (as kvrag's and transformers'
- *   masks are), is read a row at a time and turned into one 16-bit lane mask a key (or, with `causal` and no
- *   mask, token i of n sees keys up to T - n + i); a block of 64 keys that no token of the task may see is
- *   skipped (half the work of a causal prefill). Any other additive value is refused (-2).
+ *   masks are), is read once a call into a bit a key, and a task turns its tokens' bits into one 16-bit lane
+ *   mask a key (or, with `causal` and no mask, token i of n sees keys up to T - n + i); a block of 64 keys that
+ *   no token of the task may see is skipped (half the work of a causal prefill). Any other additive value is
+ *   refused (-2) before any attention is computed.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -96,8 +97,8 @@ static inline __attribute__((always_inline)) void pv_tile(__m512 o[][MAXG], __m5
 
 /* One task: kv head h, query tokens i0 .. i0 + QT - 1 (those past n are computed and not written).
  * q [H, n, D] (strides sq_h, sq_n), keys [Hkv, T, D] (strides sk_h, sk_t), packed: the values as words of two
- * adjacent keys [Hkv, ceil(T / KB) KB / 2, D], seen: a mask's bits [n, ceil(T / KB)] (bit j: key j of the block) or NULL,
- * out [n, H, D] contiguous. */
+ * adjacent keys [Hkv, ceil(T / KB) KB / 2, D], seen: a mask's bits [n, ceil(T / KB)] (bit j: key j of the
+ * block) or NULL, out [n, H, D] contiguous. */
 static inline __attribute__((always_inline)) void task(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys,
                                                        long sk_h, long sk_t, const uint32_t *packed,
                                                        const uint64_t *seen, int causal, uint16_t *out,
