@@ -9,26 +9,6 @@
 #include <stdint.h>
 #include <string.h>
 
-/* keys: rows x tokens x d float32, a row every keys_row floats. out: the same, a row every out_row floats (a view
- * into a larger cache). cos, sin: rot float32 angles, one shift for every token. */
-void rotate_keys_f32(const float *keys, float *out, const float *cos, const float *sin, long rows, long tokens,
-                     int d, int rot, long keys_row, long out_row, int threads) {
-    int half = rot / 2;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long r = 0; r < rows; r++) {
-        const float *k = keys + r * keys_row;
-        float *o = out + r * out_row;
-        for (long t = 0; t < tokens; t++, k += d, o += d) {
-#pragma omp simd
-            for (int i = 0; i < half; i++) {
-                o[i] = k[i] * cos[i] - k[i + half] * sin[i];
-                o[i + half] = k[i + half] * cos[i + half] + k[i] * sin[i + half];
-            }
-            if (rot < d) memcpy(o + rot, k + rot, sizeof(float) * (d - rot));
-        }
-    }
-}
-
 static inline float widen(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
 static inline uint16_t narrow(float f) { /* round to nearest even, as torch's cast; integer tests survive -ffast-math */
@@ -38,22 +18,29 @@ static inline uint16_t narrow(float f) { /* round to nearest even, as torch's ca
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
-/* The same over bfloat16 keys and out. */
-void rotate_keys_bf16(const uint16_t *keys, uint16_t *out, const float *cos, const float *sin, long rows,
-                      long tokens, int d, int rot, long keys_row, long out_row, int threads) {
-    int half = rot / 2;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long r = 0; r < rows; r++) {
-        const uint16_t *k = keys + r * keys_row;
-        uint16_t *o = out + r * out_row;
-        for (long t = 0; t < tokens; t++, k += d, o += d) {
-#pragma omp simd
-            for (int i = 0; i < half; i++) {
-                float k1 = widen(k[i]), k2 = widen(k[i + half]);
-                o[i] = narrow(k1 * cos[i] - k2 * sin[i]);
-                o[i + half] = narrow(k2 * cos[i + half] + k1 * sin[i + half]);
-            }
-            if (rot < d) memcpy(o + rot, k + rot, sizeof(uint16_t) * (d - rot));
-        }
+static inline float same(float f) { return f; }
+
+/* keys: rows x tokens x d (float32 or bfloat16), a row every keys_row elements. out: the same, a row every out_row
+ * elements (a view into a larger cache). cos, sin: rot float32 angles, one shift for every token. */
+#define ROTATE_KEYS(NAME, T, LOAD, STORE)                                                                       \
+    void NAME(const T *keys, T *out, const float *cos, const float *sin, long rows, long tokens, int d, int rot, \
+              long keys_row, long out_row, int threads) {                                                       \
+        int half = rot / 2;                                                                                     \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                       \
+        for (long r = 0; r < rows; r++) {                                                                       \
+            const T *k = keys + r * keys_row;                                                                   \
+            T *o = out + r * out_row;                                                                           \
+            for (long t = 0; t < tokens; t++, k += d, o += d) {                                                 \
+                _Pragma("omp simd")                                                                             \
+                for (int i = 0; i < half; i++) {                                                                \
+                    float k1 = LOAD(k[i]), k2 = LOAD(k[i + half]);                                              \
+                    o[i] = STORE(k1 * cos[i] - k2 * sin[i]);                                                    \
+                    o[i + half] = STORE(k2 * cos[i + half] + k1 * sin[i + half]);                               \
+                }                                                                                               \
+                if (rot < d) memcpy(o + rot, k + rot, sizeof(T) * (d - rot));                                   \
+            }                                                                                                   \
+        }                                                                                                       \
     }
-}
+
+ROTATE_KEYS(rotate_keys_f32, float, same, same)
+ROTATE_KEYS(rotate_keys_bf16, uint16_t, widen, narrow)
