@@ -174,6 +174,85 @@ def test_without_a_compiler_keys_are_rotated_by_torch(monkeypatch, tmp_path):
         ckernel._library.cache_clear()
 
 
+needs_paged_kernel = pytest.mark.skipif(
+    ckernel._paged_library() is None, reason="no C compiler with _Float16 here: the connector keeps vLLM's write"
+)
+
+
+def _paged_reference(keys, values, blocks, block_size, slots, transposed, cache_dtype):
+    """The caches the paged write must leave: [L, blocks, H, block_size, D] keys and values, NaN where unwritten."""
+    layers, heads, tokens, d = keys.shape
+    k = torch.full((layers, blocks, heads, block_size, d), float("nan"), dtype=cache_dtype)
+    v = torch.full_like(k, float("nan"))
+    for t, slot in enumerate(slots.tolist()):
+        block, at = divmod(slot, block_size)
+        v[:, block, :, at] = values[:, :, t].to(cache_dtype)
+        if transposed:  # a head's block as D rows of block_size slots
+            k[:, block].view(layers, heads, d, block_size)[..., at] = keys[:, :, t].to(cache_dtype)
+        else:
+            k[:, block, :, at] = keys[:, :, t].to(cache_dtype)
+    return k, v
+
+
+@needs_paged_kernel
+@pytest.mark.parametrize("source", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_the_paged_write_puts_every_token_in_its_slot_converted_and_nothing_elsewhere(source, cache_dtype, transposed):
+    gen = torch.Generator().manual_seed(3)
+    layers, heads, d, block_size, blocks = 3, 2, 64, 32, 6
+    entry_keys = torch.randn(layers, heads, 90, d, generator=gen).to(source)
+    entry_values = torch.randn(layers, heads, 90, d, generator=gen).to(source)
+    keys, values = entry_keys[:, :, 10:80], entry_values[:, :, 10:80]  # a piece's tokens: a slice along T
+    slots = torch.tensor([2 * block_size + 20 + t for t in range(40)] + [5 * block_size + t for t in range(30)])
+    key_cache = torch.full((layers, blocks, heads, block_size, d), float("nan"), dtype=cache_dtype)
+    value_cache = torch.full_like(key_cache, float("nan"))
+    assert ckernel.paged_write(
+        keys, values, list(key_cache), list(value_cache), slots, keys_transposed=transposed, threads=2
+    )
+    k, v = _paged_reference(keys, values, blocks, block_size, slots, transposed, cache_dtype)
+    assert torch.equal(key_cache.isnan(), k.isnan()) and torch.equal(value_cache.isnan(), v.isnan())
+    assert torch.equal(key_cache.nan_to_num(), k.nan_to_num()) and torch.equal(value_cache.nan_to_num(), v.nan_to_num())
+
+
+@needs_paged_kernel
+@pytest.mark.parametrize("arch", ["llama", "phi3"])  # phi3: partial rotary, the other dims copied
+def test_the_paged_write_rotates_keys_as_the_rotation_kernel_does(arch, monkeypatch):
+    from kvrag.rope import Repositioner
+
+    rep = Repositioner(tiny_model(arch))
+    d, block_size = 16, 8
+    keys = torch.randn(2, 2, 40, d, generator=torch.Generator().manual_seed(5)).half()
+    values = torch.randn(2, 2, 40, d).half()
+    cos, sin = rep.angles(torch.tensor([777]))
+    slots = torch.arange(3, 43)
+    key_cache = torch.full((2, 6, 2, block_size, d), float("nan"))
+    value_cache = torch.full_like(key_cache, float("nan"))
+    assert ckernel.paged_write(
+        keys, values, list(key_cache), list(value_cache), slots, keys_transposed=True, cos=cos[0], sin=sin[0]
+    )
+    moved = _torch_rotation(rep, keys.float(), cos[0], sin[0], monkeypatch)
+    k, v = _paged_reference(moved, values, 6, block_size, slots, True, torch.float32)
+    torch.testing.assert_close(key_cache, k, rtol=0, atol=2e-6, equal_nan=True)
+    assert torch.equal(value_cache.nan_to_num(), v.nan_to_num())
+
+
+def test_what_the_paged_write_does_not_take_it_leaves_unwritten():
+    keys = torch.randn(2, 2, 8, 16)
+    cache = [torch.zeros(4, 2, 8, 16) for _ in range(2)]
+    slots = torch.arange(8)
+    assert not ckernel.paged_write(keys, keys, cache, cache[:1], slots, keys_transposed=True)  # a layer's values
+    assert not ckernel.paged_write(keys, keys.half(), cache, cache, slots, keys_transposed=True)  # mixed dtypes
+    assert not ckernel.paged_write(keys, keys, cache, cache, slots.int(), keys_transposed=True)  # int32 slots
+    strided = keys.transpose(2, 3)
+    assert not ckernel.paged_write(strided, strided, cache, cache, slots, keys_transposed=True)
+    assert not ckernel.paged_write(keys, keys, [c.double() for c in cache], cache, slots, keys_transposed=True)
+    assert not ckernel.paged_write(keys, keys, cache, cache, slots, keys_transposed=True, cos=torch.ones(16))
+    assert not any(c.any() for c in cache)
+    with pytest.raises(IndexError, match="slots outside"):
+        ckernel.paged_write(keys, keys, cache, cache, slots + 30, keys_transposed=True)
+
+
 needs_bf16_kernel = pytest.mark.skipif(
     ckernel._prefill_library() is None, reason="no AVX512-BF16 CPU or no compiler: bfloat16 prefills keep torch's"
 )

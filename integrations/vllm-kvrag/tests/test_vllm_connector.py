@@ -208,6 +208,55 @@ def test_the_connectors_memory_tier_and_its_bad_settings(tmp_path):
             open_store({"store": "disk", "path": str(tmp_path), "memory_bytes": bad})
 
 
+def test_requests_vllm_preempts_are_loaded_again_and_answer_as_they_would_unpreempted(kv, executor, store, folder):
+    """An engine whose paged KV holds two of three planned requests: it admits two, runs out of blocks while they
+    decode, preempts one (its blocks freed) and resumes it later, when the connector loads its stored KV again.
+    Every answer is the one the roomy session engine gives the same plans."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_kvrag.executor import connector_config
+
+    asks = [
+        (Q, dict(strategy="target_recompute", scores=[0.9, 0.2, 0.4])),
+        ("When does the archive open?", dict(strategy="reuse", scores=[0.1, 0.2, 0.9])),
+        ("When does the river Tam flood?", dict(strategy="target_recompute", scores=[0.2, 0.9, 0.1])),
+    ]
+    prefills = []
+    for question, options in asks:  # kvrag plans (and stores what the plans read); vLLM's requests are made below
+        request = Request.of(question, TEXTS, max_new_tokens=1, **options).with_default(None)
+        run = pipeline.prefill(kv, request, ChunkSource(kv, store).chunks(request.chunks), executor)
+        prefills.append(run.prefill)
+    assert all(p.plan is not None and len(p.prompt_ids) < 320 for p in prefills)
+    prompts = [{"prompt_token_ids": p.prompt_ids, "cache_salt": p.plan.salt} for p in prefills]
+    params = [
+        SamplingParams(
+            max_tokens=160, temperature=0, ignore_eos=True, extra_args={"kv_transfer_params": p.plan.to_params()}
+        )
+        for p in prefills
+    ]
+    executor.llm.reset_prefix_cache()
+    roomy = [out.outputs[0].token_ids for out in executor.llm.generate(prompts, params, use_tqdm=False)]
+
+    block = 32
+    block_bytes = kv.model.config.num_hidden_layers * 2 * kv.model.config.num_key_value_heads * block * 64 * 4
+    tight = LLM(
+        model=folder,
+        dtype="float32",
+        max_model_len=512,
+        block_size=block,
+        enforce_eager=True,
+        kv_cache_memory_bytes=22 * block_bytes,  # two prompts of 10 blocks, not their 5 blocks of answer each
+        disable_log_stats=False,  # the outputs then carry their number of preemptions
+        kv_transfer_config=connector_config({"store": "disk", "path": str(store.root), "storage_dtype": "float32"}),
+    )
+    try:
+        outs = tight.generate(prompts, params, use_tqdm=False)
+    finally:
+        tight.llm_engine.engine_core.shutdown()
+    assert sum(out.metrics.num_preemptions for out in outs) >= 1
+    assert [out.outputs[0].token_ids for out in outs] == roomy
+
+
 def test_a_request_resumed_after_preemption_is_loaded_again_into_its_new_blocks():
     """vLLM frees a preempted request's KV and matches it again when it resumes; it then comes back among the
     cached requests, with all its blocks: the connector loads it there as it loads a new one."""
@@ -320,3 +369,49 @@ def test_the_connector_opens_redis_over_tls_with_its_password_from_a_file_never_
     assert (config["password_file"], config["ssl_ca_certs"]) == (str(password), str(ca))
     reopened = open_store(config).client.connection_pool.connection_kwargs
     assert (reopened["password"], reopened["ssl_ca_certs"]) == ("s3cret-pass", str(ca))
+
+
+def test_the_bench_tables_show_the_medians_and_the_paired_ratio_not_the_runs():
+    from vllm_kvrag.bench import FLOOR, PAIRED, _ttft_line, markdown
+
+    row = {
+        "context_tokens": 4129,
+        "vllm full_prefill": 12.5,
+        FLOOR: 0.7,
+        "connector target_recompute": 0.8,
+        PAIRED: 1.14,
+        "runs": {FLOOR: [0.7, 0.71], "connector target_recompute": [0.8, 0.79]},
+    }
+    table = markdown({"threads": 2, "storage_dtype": "float16", "ttft": [row], "throughput": []})
+    header, _, line = table.splitlines()[2:5]
+    assert header == f"| context tokens | vllm full_prefill | {FLOOR} | connector target_recompute | {PAIRED} |"
+    assert line == "| 4,129 | 12.500 | 0.700 | 0.800 | 1.140 |"
+    assert _ttft_line(row) == (
+        f"4129 context tokens: vllm full_prefill 12.500 s, {FLOOR} 0.700 s, connector target_recompute 0.800 s, "
+        f"{PAIRED} 1.140"
+    )
+
+
+
+def test_the_connector_writes_straight_into_the_blocks_only_where_that_is_what_vllms_op_writes():
+    """The layout check: kvrag's paged write against vLLM's CPU write op on a scratch cache. On this backend keys are
+    kept transposed (D rows of block_size slots a head), and the direct path is taken; a quantized cache, or a
+    scale, keeps vLLM's op."""
+    from types import SimpleNamespace
+
+    from kvrag import ckernel
+    from vllm_kvrag.connector import KVRAGConnector
+
+    def layer(kv_dtype="auto", scale=1.0):
+        impl = SimpleNamespace(kv_cache_dtype=kv_dtype)
+        return SimpleNamespace(isa="vec", _k_scale_float=scale, _v_scale_float=1.0, impl=impl)
+
+    connector = object.__new__(KVRAGConnector)
+    connector._layouts, connector._block_size = {}, 32
+    if ckernel._paged_library() is None:
+        assert connector._layout(layer(), torch.zeros(4, 3, 32, 128)) is None
+        return
+    for dtype in (torch.float32, torch.bfloat16):
+        assert connector._layout(layer(), torch.zeros(4, 3, 32, 128, dtype=dtype)) is True
+    assert connector._layout(layer(kv_dtype="fp8"), torch.zeros(4, 3, 32, 128)) is None
+    assert connector._layout(layer(scale=0.5), torch.zeros(4, 3, 32, 128)) is None

@@ -10,7 +10,9 @@ Time to first token, at each context size (one request at a time, median of `run
   when `memory_bytes` is given, again with them in the worker's memory tier (read and verified once before);
 - kvrag's transformers engine: full prefill and `target_recompute`.
 Every connector run starts with vLLM's prefix cache reset: a later run of the same plan would otherwise hit
-the blocks the first one left cached, which is no reuse of stored KV at all.
+the blocks the first one left cached, which is no reuse of stored KV at all. The floor and the connector's
+plans run in rounds, one run of each a round after a first round that warms up: each round also gives a
+paired ratio of `target_recompute` to its floor, and the row keeps every run (`runs`) beside the medians.
 
 Throughput, for each concurrency N: N requests in flight at once from N threads (each its own question and
 its own chunks, drawn from a shared pool, so no two prompts are the same), `answer_tokens` tokens each, on
@@ -37,6 +39,8 @@ import torch
 
 CONNECTOR = ("reuse", "target_recompute")
 BLOCK = 32  # vLLM's block size here
+FLOOR = "floor: target + suffix over an exact cache hit of the head"
+PAIRED = "connector target_recompute / floor, median of the rounds' ratios"
 _floor_ids = itertools.count()
 
 
@@ -154,14 +158,32 @@ def _ttft_row(
     # vLLM's prefix cache holds whole blocks: the head is cut to whole blocks (at most BLOCK - 1 of its last
     # tokens dropped), so the floor computes exactly the target and the suffix, over a head at most that shorter
     aligned = head - head % BLOCK
-    times = []
-    for _ in range(runs + 1):
+
+    def floor() -> float:
         llm.reset_prefix_cache()
-        _engine_ttft(ex, ids[:aligned])
-        times.append(_engine_ttft(ex, ids[:aligned] + ids[head:]))
-    row["floor: target + suffix over an exact cache hit of the head"] = statistics.median(times[1:])
-    for strategy in CONNECTOR:  # with a memory tier, the warm run fills it and every timed run reads from it
-        row[f"connector {strategy}" + (", memory tier" if memory else "")] = cold(lambda s=strategy: ttft(s))
+        _engine_ttft(ex, ids[:aligned])  # the head cached, untimed
+        return _engine_ttft(ex, ids[:aligned] + ids[head:])
+
+    def connector(strategy: str) -> float:
+        llm.reset_prefix_cache()
+        return ttft(strategy)
+
+    # The floor and the connector's plans in rounds, one run of each a round (the first round warms up, and with
+    # a memory tier fills it): a slow spell of the machine touches all of them alike, and each round gives one
+    # paired ratio of target_recompute to its floor.
+    suffix = ", memory tier" if memory else ""
+    names = {"floor": FLOOR, **{s: f"connector {s}{suffix}" for s in CONNECTOR}}
+    timed: dict[str, list[float]] = {name: [] for name in names.values()}
+    for round_ in range(runs + 1):
+        got = {FLOOR: floor(), **{names[s]: connector(s) for s in CONNECTOR}}
+        if round_:
+            for name, seconds in got.items():
+                timed[name].append(seconds)
+    for name, seconds in timed.items():
+        row[name] = statistics.median(seconds)
+    pairs = [c / f for c, f in zip(timed[names["target_recompute"]], timed[FLOOR])]
+    row[PAIRED] = statistics.median(pairs)
+    row["runs"] = timed
     row["kvrag transformers full_prefill"] = statistics.median(ttft("full_prefill", kv.executor) for _ in range(runs))
     row["kvrag transformers target_recompute"] = cold(lambda: ttft("target_recompute", kv.executor))
     return row
@@ -226,7 +248,7 @@ def _throughput_row(
 
 def _ttft_line(row: dict[str, Any]) -> str:
     return f"{row['context_tokens']} context tokens: " + ", ".join(
-        f"{k} {v:.3f} s" for k, v in row.items() if k != "context_tokens"
+        f"{k} {v:.3f}" + ("" if k == PAIRED else " s") for k, v in row.items() if isinstance(v, float)
     )
 
 
@@ -243,7 +265,7 @@ def markdown(result: dict[str, Any]) -> str:
     """The result as two tables: seconds to the first token, and throughput."""
     lines = [f"threads {result['threads']}, float32, entries stored as {result['storage_dtype']}", ""]
     if result["ttft"]:
-        names = [k for k in result["ttft"][0] if k != "context_tokens"]
+        names = [k for k, v in result["ttft"][0].items() if isinstance(v, float)]
         lines += ["| context tokens | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for row in result["ttft"]:
             lines.append(f"| {row['context_tokens']:,} | " + " | ".join(f"{row[k]:.3f}" for k in names) + " |")

@@ -19,10 +19,13 @@ engine writes it) and `secret_file` (a file holding the tenant secret its entrie
 `memory_bytes` (default 0: none) keeps entries, once read and verified, decoded (in their storage dtype) in
 the worker's memory, at most that many bytes, least recently used out first.
 
-A load reads its pieces a group of about _GROUP_TOKENS tokens at a time: reader threads read each entry,
-verify it, check its token ids against the prompt's, and rotate its keys into the group's buffer (in the
-model's dtype); the group is then written with one call of vLLM's write op a layer, while the readers
-fill the next group's buffer.
+Where kvrag's paged-write kernel builds (`kvrag.ckernel.paged_write`) and writes what vLLM's own write op writes
+(checked once a cache layout, on a scratch cache, before the first load), reader threads read each entry, verify
+it, check its token ids against the prompt's, and write it straight into the request's blocks: keys rotated from
+the position they were encoded at to their place and converted on the way, one pass over each entry. Elsewhere a
+load reads its pieces a group of about _GROUP_TOKENS tokens at a time into a buffer (keys rotated, in the model's
+dtype), and writes each group with one call of vLLM's write op a layer, while the readers fill the next group's
+buffer.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvrag import ckernel
 from kvrag.errors import KVRAGError
 from kvrag.kv import ChunkKV
 from kvrag.model import check_architecture
@@ -179,6 +183,7 @@ class KVRAGConnector(KVConnectorBase_V1):
             self._reader = ThreadPoolExecutor(_READERS, thread_name_prefix="kvrag-read", initializer=_use_worker_cpus)
             self._shifts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            self._layouts: dict[tuple[Any, ...], bool | None] = {}  # a cache layout -> keys transposed, or None
 
     # -- scheduler side ---------------------------------------------------------------------------------
 
@@ -229,7 +234,9 @@ class KVRAGConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVRAGConnectorMetadata)
         layers = _paged_layers(forward_context)
         for load in meta.loads:
-            filled = self._fill(load, layers)
+            filled = self._fill_direct(load, layers)
+            if filled is None:
+                filled = self._fill(load, layers)
             # vLLM recomputes from the first failed block on: the pieces before it stay loaded.
             self._errors |= {load.block_ids[t // self._block_size] for t in range(filled, load.end)}
 
@@ -326,6 +333,26 @@ class KVRAGConnector(KVConnectorBase_V1):
         """Write a piece's keys (rotated to their place) and values for tokens [lo, hi) into the [L, H_kv, t, D]
         views given; None, or for an entry that is missing, damaged, unreadable or of other tokens than the
         prompt's `ids` there, the reason ("" when there is nothing more to say). Runs in a reader thread."""
+        found = self._entry(piece, lo, hi, ids)
+        if isinstance(found, str):
+            return found
+        layers = keys_out.shape[0]  # the layers this worker holds are the first `layers` of the entry's or fewer
+        keys, values = found[0][:layers], found[1][:layers]  # keys post-RoPE at the entry's start
+        if keys.shape != keys_out.shape or values.shape != values_out.shape:
+            return f" (its KV is {tuple(found[0].shape)}, this worker's cache takes {tuple(keys_out.shape)})"
+        if piece.position != piece.start:
+            assert self._repositioner is not None
+            cos, sin = self._angles(piece.position - piece.start)
+            self._repositioner.rotate_into(keys_out, keys, cos, sin)  # one shift for all its tokens: [D_rot] angles
+        else:
+            keys_out.copy_(keys)
+        values_out.copy_(values)
+        return None
+
+    def _entry(self, piece: Piece, lo: int, hi: int, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | str:
+        """A piece's stored keys and values for tokens [lo, hi), [L, H_kv, t, D] views of its entry as stored; or for
+        an entry that is missing, damaged, unreadable or of other tokens than the prompt's `ids` there, the reason
+        ("" when there is nothing more to say). Runs in a reader thread."""
         try:
             kv: ChunkKV | None = self._store.get(piece.key)
         except (KVRAGError, OSError) as err:  # a store that fails is a miss here too, never a dead worker
@@ -335,18 +362,115 @@ class KVRAGConnector(KVConnectorBase_V1):
         a, b = lo - piece.position, hi - piece.position
         if kv.token_ids[a:b].tolist() != ids:  # a forged or misplaced entry: never another chunk's KV
             return " (it holds other tokens than the prompt's)"
-        layers = keys_out.shape[0]  # the layers this worker holds are the first `layers` of the entry's or fewer
-        keys, values = kv.keys[:layers, :, a:b], kv.values[:layers, :, a:b]  # keys post-RoPE at kv.start
-        if keys.shape != keys_out.shape or values.shape != values_out.shape:
-            return f" (its KV is {tuple(kv.keys.shape)}, this worker's cache takes {tuple(keys_out.shape)})"
+        return kv.keys[:, :, a:b], kv.values[:, :, a:b]
+
+    # -- straight into the blocks ---------------------------------------------------------------------------
+
+    def _fill_direct(self, load: _Load, layers: list[tuple[int, Any, torch.Tensor]]) -> int | None:
+        """`_fill`, each entry written straight into the request's blocks by kvrag's paged-write kernel, in the
+        reader threads, every piece at once; None (nothing written) where that kernel does not write what vLLM's
+        write op writes for these caches, so the caller fills through the op."""
+        if not layers:
+            return None
+        layers = sorted(layers, key=lambda x: x[0])
+        first = layers[0][0]
+        transposed = self._layout(*layers[0][1:])
+        if transposed is None or [i for i, _, _ in layers] != list(range(first, first + len(layers))):
+            return None
+        if any(self._layout(layer, cache) is not transposed for _, layer, cache in layers):
+            return None
+        views = [_cache_views(cache) for _, _, cache in layers]
+        caches = ([k for k, _ in views], [v for _, v in views])
+        self._store.bind(encoder=load.plan.encoder, dtype=None, device="cpu")
+        bs = self._block_size
+        blocks = torch.tensor(load.block_ids, dtype=torch.int64)
+        spans = [
+            (p, lo, hi, load.token_ids[lo - load.begin : hi - load.begin])
+            for p in load.plan.pieces
+            if (lo := max(load.begin, p.position)) < (hi := min(load.end, p.position + p.length))
+        ]
+        writes = []
+        for piece, lo, hi, ids in spans:
+            tokens = torch.arange(lo, hi)
+            slots = blocks[tokens // bs] * bs + tokens % bs
+            writes.append(self._reader.submit(self._placed, piece, lo, hi, ids, slots, caches, first, transposed))
+        try:
+            for (piece, lo, _, _), write in zip(spans, writes):
+                why = write.result()
+                if why is not None:
+                    warnings.warn(
+                        f"kvrag: the stored entry {piece.key[:12]} is missing or damaged{why}; vLLM computes its "
+                        "tokens",
+                        KVRAGLoadWarning,
+                        stacklevel=2,
+                    )
+                    return lo
+            return load.end
+        finally:  # a failed piece: the writes after it are not needed (vLLM computes those blocks), none left running
+            for write in writes:
+                write.cancel()
+            wait(writes)
+
+    @torch.inference_mode()
+    def _placed(
+        self,
+        piece: Piece,
+        lo: int,
+        hi: int,
+        ids: list[int],
+        slots: torch.Tensor,
+        caches: tuple[list[torch.Tensor], list[torch.Tensor]],
+        first: int,
+        transposed: bool,
+    ) -> str | None:
+        """Write a piece's tokens [lo, hi) into its slots of this worker's layers (the entry's layers from `first`
+        on); None, or why it could not (`_entry`'s reasons). Runs in a reader thread, on one core."""
+        found = self._entry(piece, lo, hi, ids)
+        if isinstance(found, str):
+            return found
+        n = len(caches[0])
+        keys, values = found[0][first : first + n], found[1][first : first + n]
+        if len(keys) != n or keys.shape[1] != caches[0][0].shape[1] or keys.shape[3] != caches[0][0].shape[3]:
+            return f" (its KV is {tuple(found[0].shape)}, this worker's cache takes layers {first}.. of {n})"
+        cos = sin = None
         if piece.position != piece.start:
-            assert self._repositioner is not None
             cos, sin = self._angles(piece.position - piece.start)
-            self._repositioner.rotate_into(keys_out, keys, cos, sin)  # one shift for all its tokens: [D_rot] angles
-        else:
-            keys_out.copy_(keys)
-        values_out.copy_(values)
+        if not ckernel.paged_write(
+            keys, values, *caches, slots, keys_transposed=transposed, cos=cos, sin=sin, threads=1
+        ):
+            # checked above and on the layout: a kvrag bug, said as such, and vLLM computes the tokens meanwhile
+            return f" (kvrag's paged write refused its {keys.dtype} KV of shape {tuple(keys.shape)}: a bug in kvrag)"
         return None
+
+    def _layout(self, layer: Any, cache: torch.Tensor) -> bool | None:
+        """Whether kvrag's paged write, keys transposed (True) or not (False), writes what vLLM's write op writes into
+        caches like this one; None where neither does, or the kernel is missing. Checked once a layout, on a scratch
+        cache of three blocks, with 40 tokens across a block's end."""
+        scale = (getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0))
+        kv_dtype = getattr(getattr(layer, "impl", None), "kv_cache_dtype", "auto")
+        key = (getattr(layer, "isa", None), kv_dtype, scale, cache.dtype, tuple(cache.shape[1:]), cache.stride()[1:])
+        if key in self._layouts:
+            return self._layouts[key]
+        found: bool | None = None
+        if key[0] is not None and cache.dim() == 4 and kv_dtype == "auto" and scale == (1.0, 1.0):
+            bs = self._block_size
+            scratch = torch.zeros((3, *cache.shape[1:]), dtype=cache.dtype)
+            keys_, values_ = _cache_views(scratch)
+            heads, d = keys_.shape[1], keys_.shape[3]
+            gen = torch.Generator().manual_seed(0)
+            keys = torch.randn(1, heads, 40, d, generator=gen).to(cache.dtype)  # the layout, not the conversions
+            values = torch.randn(1, heads, 40, d, generator=gen).to(cache.dtype)
+            slots = torch.arange(bs - 10, bs + 30)
+            _write(layer, scratch, keys[0].transpose(0, 1), values[0].transpose(0, 1), slots)
+            for transposed in (True, False):
+                mine = torch.zeros_like(scratch)
+                k, v = _cache_views(mine)
+                written = ckernel.paged_write(keys, values, [k], [v], slots, keys_transposed=transposed, threads=1)
+                if written and torch.equal(mine, scratch):
+                    found = transposed
+                    break
+        self._layouts[key] = found
+        return found
 
     def _angles(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of one shift, [D_rot] float32 (kept: the same shifts recur from request to request)."""
@@ -400,6 +524,14 @@ def _paged_layers(forward_context: ForwardContext) -> list[tuple[int, Any, torch
     return layers
 
 
+def _cache_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CPU-backend layer's paged cache [blocks, H_kv, block_size, 2 D] as its keys' and values' [blocks, H_kv,
+    block_size, D] views (a head's block holds its keys, then its values)."""
+    blocks, heads, block_size, _ = cache.shape
+    key_cache, value_cache = cache.view(blocks, heads, block_size * 2, -1).chunk(2, dim=2)
+    return key_cache, value_cache
+
+
 def _write(layer: Any, cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
     """Write [T, H_kv, D] keys and values into a layer's paged cache at `slots`, with vLLM's own write op."""
     isa = getattr(layer, "isa", None)
@@ -410,8 +542,7 @@ def _write(layer: Any, cache: torch.Tensor, keys: torch.Tensor, values: torch.Te
         )
     from vllm import _custom_ops as ops
 
-    blocks, heads, block_size, _ = cache.shape
-    key_cache, value_cache = cache.view(blocks, heads, block_size * 2, -1).chunk(2, dim=2)
+    key_cache, value_cache = _cache_views(cache)
     ops.cpu_attn_reshape_and_cache(
         keys.to(cache.dtype),
         values.to(cache.dtype),
