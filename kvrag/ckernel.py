@@ -16,6 +16,10 @@ already loaded, so its threads are torch's. Where there is no compiler, or the b
 
 The rotation reads each stored key once and writes it once into its slot of the stitched cache (torch's
 elementwise passes read and write it three times); where the kernel is missing, re-positioning stays on torch.
+
+The paged write (`kernels/paged_write.c`, `paged_write`, built apart: it needs the compiler's _Float16) puts a
+stored piece's keys and values into a serving engine's paged blocks in one pass, converted to the cache's dtype
+and the keys rotated on the way; vLLM's connector uses it where it writes what vLLM's own op writes.
 """
 
 from __future__ import annotations

@@ -445,7 +445,7 @@ class KVRAGConnector(KVConnectorBase_V1):
     def _layout(self, layer: Any, cache: torch.Tensor) -> bool | None:
         """Whether kvrag's paged write, keys transposed (True) or not (False), writes what vLLM's write op writes into
         caches like this one; None where neither does, or the kernel is missing. Checked once a layout, on a scratch
-        cache of three blocks, with 40 tokens across a block's end."""
+        cache, with 40 tokens across a block's end."""
         scale = (getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0))
         kv_dtype = getattr(getattr(layer, "impl", None), "kv_cache_dtype", "auto")
         key = (getattr(layer, "isa", None), kv_dtype, scale, cache.dtype, tuple(cache.shape[1:]), cache.stride()[1:])
@@ -454,13 +454,13 @@ class KVRAGConnector(KVConnectorBase_V1):
         found: bool | None = None
         if key[0] is not None and cache.dim() == 4 and kv_dtype == "auto" and scale == (1.0, 1.0):
             bs = self._block_size
-            scratch = torch.zeros((3, *cache.shape[1:]), dtype=cache.dtype)
+            slots = torch.arange(40) + max(0, bs - 10)  # across a block's end
+            scratch = torch.zeros((int(slots[-1]) // bs + 1, *cache.shape[1:]), dtype=cache.dtype)
             keys_, values_ = _cache_views(scratch)
             heads, d = keys_.shape[1], keys_.shape[3]
             gen = torch.Generator().manual_seed(0)
             keys = torch.randn(1, heads, 40, d, generator=gen).to(cache.dtype)  # the layout, not the conversions
             values = torch.randn(1, heads, 40, d, generator=gen).to(cache.dtype)
-            slots = torch.arange(bs - 10, bs + 30)
             _write(layer, scratch, keys[0].transpose(0, 1), values[0].transpose(0, 1), slots)
             for transposed in (True, False):
                 mine = torch.zeros_like(scratch)
