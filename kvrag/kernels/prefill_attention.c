@@ -191,7 +191,9 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
             /* a row that has seen no key yet stays at NEG (alpha 1 over nothing); at its first key, alpha is 0 */
             __m512 top = m[g];
             for (int j = 0; j < KB; j++) top = _mm512_max_ps(top, s[j][g]);
-            __m512 alpha = exp512(_mm512_sub_ps(m[g], top)), shift = top;
+            /* past the first blocks a row's max rarely grows (most rows' largest score is an early key) */
+            const __mmask16 grew = _mm512_cmp_ps_mask(top, m[g], _CMP_GT_OQ);
+            __m512 alpha = grew ? exp512(_mm512_sub_ps(m[g], top)) : _mm512_set1_ps(1.0f), shift = top;
             m[g] = top;
             __m512 sum = _mm512_setzero_ps();
             for (int j = 0; j < KB; j += 2) {
@@ -206,8 +208,11 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
                 __m512 r1 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
                 sum = _mm512_add_ps(sum, _mm512_add_ps(r0, r1));
             }
-            l[g] = _mm512_fmadd_ps(l[g], alpha, sum);
-            for (int d = 0; d < D; d++) o[d][g] = _mm512_mul_ps(o[d][g], alpha);
+            if (grew) {
+                l[g] = _mm512_fmadd_ps(l[g], alpha, sum);
+                for (int d = 0; d < D; d++) o[d][g] = _mm512_mul_ps(o[d][g], alpha);
+            } else /* alpha is 1 in every lane: the rescale would change nothing */
+                l[g] = _mm512_add_ps(l[g], sum);
         }
         /* O^T += V^T P^T, DT dims a tile: whole tiles (a constant count, so their accumulators stay in
          * registers), then what is left of the head */
