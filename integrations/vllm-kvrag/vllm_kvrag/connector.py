@@ -249,13 +249,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         the group before it is written here (file reads, hashing and torch's ops release the GIL)."""
         # Entries are read as stored (a memory tier then holds float16, not float32) and converted into the
         # buffers in the model's dtype, as kvrag's own path reads them; the rotation itself runs in float32.
-        self._store.bind(encoder=load.plan.encoder, dtype=None, device="cpu")
-        spans = [
-            (p, lo, hi, load.token_ids[lo - load.begin : hi - load.begin])
-            for p in load.plan.pieces
-            if (lo := max(load.begin, p.position)) < (hi := min(load.end, p.position + p.length))
-        ]
-        groups = _groups(spans)
+        groups = _groups(self._spans(load))
         reads = self._read(groups[0], layers, 0) if groups else []
         try:
             for g, group in enumerate(groups):
@@ -265,18 +259,23 @@ class KVRAGConnector(KVConnectorBase_V1):
                 self._write_group(load, group[:ok], layers, g % 2)
                 if ok < len(group):
                     piece, lo = group[ok][0], group[ok][1]
-                    warnings.warn(
-                        f"kvrag: the stored entry {piece.key[:12]} is missing or damaged{reasons[ok]}; vLLM computes "
-                        "its tokens",
-                        KVRAGLoadWarning,
-                        stacklevel=2,
-                    )
+                    _missed(piece, reasons[ok])
                     return lo
             return load.end
         finally:  # a failed piece: the reads after it are not needed, and none may still write into a buffer
             for read in reads:
                 read.cancel()
             wait(reads)
+
+    def _spans(self, load: _Load) -> list[_Span]:
+        """The load's pieces, each with the tokens [lo, hi) of it to load and the prompt's ids there; the store bound
+        to read their entries as stored (a memory tier then holds float16, not float32)."""
+        self._store.bind(encoder=load.plan.encoder, dtype=None, device="cpu")
+        return [
+            (p, lo, hi, load.token_ids[lo - load.begin : hi - load.begin])
+            for p in load.plan.pieces
+            if (lo := max(load.begin, p.position)) < (hi := min(load.end, p.position + p.length))
+        ]
 
     def _read(self, group: list[_Span], layers: list[tuple[int, Any, torch.Tensor]], slot: int) -> list[Future]:
         """Start reading a group's pieces into buffer `slot` (each piece its own run of tokens of it)."""
@@ -381,14 +380,9 @@ class KVRAGConnector(KVConnectorBase_V1):
             return None
         views = [_cache_views(cache) for _, _, cache in layers]
         caches = ([k for k, _ in views], [v for _, v in views])
-        self._store.bind(encoder=load.plan.encoder, dtype=None, device="cpu")
+        spans = self._spans(load)
         bs = self._block_size
         blocks = torch.tensor(load.block_ids, dtype=torch.int64)
-        spans = [
-            (p, lo, hi, load.token_ids[lo - load.begin : hi - load.begin])
-            for p in load.plan.pieces
-            if (lo := max(load.begin, p.position)) < (hi := min(load.end, p.position + p.length))
-        ]
         writes = []
         for piece, lo, hi, ids in spans:
             tokens = torch.arange(lo, hi)
@@ -398,12 +392,7 @@ class KVRAGConnector(KVConnectorBase_V1):
             for (piece, lo, _, _), write in zip(spans, writes):
                 why = write.result()
                 if why is not None:
-                    warnings.warn(
-                        f"kvrag: the stored entry {piece.key[:12]} is missing or damaged{why}; vLLM computes its "
-                        "tokens",
-                        KVRAGLoadWarning,
-                        stacklevel=2,
-                    )
+                    _missed(piece, why)
                     return lo
             return load.end
         finally:  # a failed piece: the writes after it are not needed (vLLM computes those blocks), none left running
@@ -495,6 +484,14 @@ class KVRAGConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+
+def _missed(piece: Piece, why: str) -> None:
+    warnings.warn(
+        f"kvrag: the stored entry {piece.key[:12]} is missing or damaged{why}; vLLM computes its tokens",
+        KVRAGLoadWarning,
+        stacklevel=3,
+    )
 
 
 def _use_worker_cpus() -> None:
