@@ -445,8 +445,7 @@ class KVRAGConnector(KVConnectorBase_V1):
             bs = self._block_size
             slots = torch.arange(40) + max(0, bs - 10)  # across a block's end
             scratch = torch.zeros((int(slots[-1]) // bs + 1, *cache.shape[1:]), dtype=cache.dtype)
-            keys_, values_ = _cache_views(scratch)
-            heads, d = keys_.shape[1], keys_.shape[3]
+            heads, d = cache.shape[1], cache.shape[3] // 2  # a head's block row holds a key's and a value's D
             gen = torch.Generator().manual_seed(0)
             keys = torch.randn(1, heads, 40, d, generator=gen).to(cache.dtype)  # the layout, not the conversions
             values = torch.randn(1, heads, 40, d, generator=gen).to(cache.dtype)
