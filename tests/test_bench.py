@@ -119,3 +119,24 @@ def test_the_reposition_benchmark_times_both_arms_and_puts_the_kernel_back():
     for row in result.values():
         assert row["ttft_s"] >= row["forward_s"] > 0 and row["re_positioning_s"] > 0
         assert row["outside_forward_s"] == pytest.approx(row["outside_share"] * row["ttft_s"])
+
+
+def test_the_forward_benchmark_splits_the_forward_and_puts_the_functions_back():
+    import torch
+    from tiny import byte_tokenizer, tiny_model
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from kvrag import KVModel
+    from kvrag.attention import GQA_SDPA
+    from kvrag.bench_forward import forward_benchmark
+
+    kv = KVModel(tiny_model("llama"), byte_tokenizer())
+    attention, linear, lines = ALL_ATTENTION_FUNCTIONS[GQA_SDPA], torch.nn.Linear.forward, []
+    result = forward_benchmark(kv, context=300, strategies=("target_recompute", "full_prefill"), runs=1, log=lines.append)
+    assert ALL_ATTENTION_FUNCTIONS[GQA_SDPA] is attention and torch.nn.Linear.forward is linear and len(lines) == 3
+    for row in result.values():
+        assert row["forward_s"] >= row["attention_s"] + row["linear_s"] and row["rest_s"] >= 0
+        assert row["attention_s"] > 0 and row["linear_s"] > 0 and row["attention_gflop_s"] > 0
+    recompute, full = result["target_recompute"], result["full_prefill"]
+    # full prefill computes every token's layers; target_recompute only the target's and the suffix's
+    assert full["linear_flops"] > recompute["linear_flops"] > 0 and full["attention_flops"] > recompute["attention_flops"]

@@ -1,0 +1,141 @@
+"""Where a strategy's time to first token goes inside the model's forward: attention, the linear layers and the
+rest (norms, rotary embedding, activations, residual sums, the cache's bookkeeping and the Python between
+them), each part's FLOPs over its time beside the matmul rate calibrated in the same run (`kvrag.roofline`).
+
+    python -m kvrag.bench_forward [--context 4000] [--strategies target_recompute,reuse] [--dtype bfloat16]
+                                  [--runs 7] [--threads 2]
+
+Every call of the model's attention function and of every `nn.Linear` is timed (a clock read before and after
+each, about 0.1 us) while the strategy answers through the engine over chunks of the bundled Python docs held
+in a memory store; a run's parts are summed, and the median of the runs is printed. The FLOPs are counted from
+each call's shapes as `kvrag.roofline` counts them: 2 a weight a token for a linear layer, and for attention QK
+and PV over every key a new token sees (the cache, and the new tokens before it). Run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from kvrag.attention import GQA_SDPA
+from kvrag.bench import _Context, context_texts
+from kvrag.demo import sample_docs
+from kvrag.embed import Embedder
+from kvrag.engine import KVRAG
+from kvrag.kvmodel import KVModel
+from kvrag.roofline import Machine
+from kvrag.store import MemoryStore
+
+PARTS = ("attention", "linear")
+
+
+class _Timed:
+    """Seconds and FLOPs of the attention and linear calls made while it is installed."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+        self.flops = dict.fromkeys(PARTS, 0.0)
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+        self.flops = dict.fromkeys(PARTS, 0.0)
+
+    def attention(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(module: Any, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = function(module, query, key, *args, **kwargs)
+            self.seconds["attention"] += time.perf_counter() - t0
+            batch, heads, new, dim = query.shape
+            cached = key.shape[2] - new
+            self.flops["attention"] += 4 * batch * heads * dim * (new * cached + new * (new + 1) // 2)
+            return out
+
+        return timed
+
+    def linear(self, forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def timed(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            t0 = time.perf_counter()
+            out = forward(module, x)
+            self.seconds["linear"] += time.perf_counter() - t0
+            self.flops["linear"] += 2 * module.in_features * module.out_features * (x.numel() // x.shape[-1])
+            return out
+
+        return timed
+
+
+def forward_benchmark(
+    kv: KVModel,
+    *,
+    context: int = 4000,
+    strategies: tuple[str, ...] = ("target_recompute",),
+    runs: int = 7,
+    log: Callable[[str], None] = print,
+) -> dict[str, dict[str, float]]:
+    """Per strategy, the median ttft, forward, attention, linear layers and rest of the forward (s), and the
+    attention's and linear layers' GFLOP/s; the strategies run interleaved, the first round dropped."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if kv.model.config._attn_implementation != GQA_SDPA:
+        raise ValueError(f"the model attends through {kv.model.config._attn_implementation!r}, not {GQA_SDPA!r}")
+    machine = Machine.calibrate(kv.prefix.keys.dtype, kv.prefix.keys.device)
+    rag = KVRAG(kv, embedder=Embedder(), store=MemoryStore(8 << 30))
+    _, questions = sample_docs()
+    ctx = _Context(kv, rag, context_texts(kv, context, 200), questions[0]["question"])
+    timed = _Timed()
+    attention = ALL_ATTENTION_FUNCTIONS[GQA_SDPA]
+    forward = torch.nn.Linear.forward
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in strategies}
+    AttentionInterface.register(GQA_SDPA, timed.attention(attention))
+    torch.nn.Linear.forward = timed.linear(forward)  # type: ignore[method-assign]
+    try:
+        for _ in range(runs + 1):  # the first round warms up and is dropped
+            for name in strategies:
+                timed.reset()
+                ttft, phases = ctx.strategy(name)
+                rounds[name].append(
+                    {"ttft_s": ttft, "forward_s": phases.get("forward", 0.0)}
+                    | {f"{part}_s": timed.seconds[part] for part in PARTS}
+                    | {f"{part}_flops": timed.flops[part] for part in PARTS}
+                )
+    finally:
+        AttentionInterface.register(GQA_SDPA, attention)
+        torch.nn.Linear.forward = forward  # type: ignore[method-assign]
+    log(
+        f"{ctx.context_tokens} context tokens, {kv.prefix.keys.dtype}, {torch.get_num_threads()} threads, median of "
+        f"{runs} runs; calibrated matmul {machine.matmul_flops / 1e9:.0f} GFLOP/s"
+    )
+    result = {}
+    for name, measured in rounds.items():
+        row = {key: statistics.median(r[key] for r in measured[1:]) for key in measured[0]}
+        row["rest_s"] = statistics.median(r["forward_s"] - r["attention_s"] - r["linear_s"] for r in measured[1:])
+        for part in PARTS:
+            row[f"{part}_gflop_s"] = row[f"{part}_flops"] / row[f"{part}_s"] / 1e9 if row[f"{part}_s"] else 0.0
+        result[name] = row
+        log(
+            f"{name:>17}: ttft {row['ttft_s'] * 1e3:.0f} ms, forward {row['forward_s'] * 1e3:.0f}: attention "
+            f"{row['attention_s'] * 1e3:.0f} ({row['attention_gflop_s']:.0f} GFLOP/s), linear layers "
+            f"{row['linear_s'] * 1e3:.0f} ({row['linear_gflop_s']:.0f} GFLOP/s), the rest {row['rest_s'] * 1e3:.0f}"
+        )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvrag.bench_forward", description=__doc__.split("\n")[0])
+    parser.add_argument("--context", type=int, default=4000, help="context tokens (default 4000)")
+    parser.add_argument("--strategies", default="target_recompute", help="comma-separated (default target_recompute)")
+    parser.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default)")
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kv = KVModel.from_pretrained(None, dtype=args.dtype)
+    forward_benchmark(kv, context=args.context, strategies=tuple(args.strategies.split(",")), runs=args.runs)
+
+
+if __name__ == "__main__":
+    main()
