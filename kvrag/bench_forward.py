@@ -37,12 +37,11 @@ class _Timed:
     """Seconds and FLOPs of the attention and linear calls made while it is installed."""
 
     def __init__(self) -> None:
-        self.seconds = dict.fromkeys(PARTS, 0.0)
-        self.flops = dict.fromkeys(PARTS, 0.0)
+        self.reset()
 
     def reset(self) -> None:
-        self.seconds = dict.fromkeys(PARTS, 0.0)
-        self.flops = dict.fromkeys(PARTS, 0.0)
+        self.seconds: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+        self.flops: dict[str, float] = dict.fromkeys(PARTS, 0.0)
 
     def attention(self, function: Callable[..., Any]) -> Callable[..., Any]:
         def timed(module: Any, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
