@@ -194,6 +194,8 @@ def test_ctrl_c_ends_an_ingest_within_a_second_keeping_what_committed(tmp_path):
         [sys.executable, "-c", RUN_CLI.format(tests=str(TESTS)), "ingest", str(big), "--index", str(index)],
         stderr=subprocess.PIPE,
         text=True,
+        # as from a terminal: a suite started in the background inherits SIGINT ignored, and so would the child
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.time() + 60
