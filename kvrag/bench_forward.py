@@ -5,8 +5,8 @@ them), each part's FLOPs over its time beside the matmul rate calibrated in the 
     python -m kvrag.bench_forward [--context 4000] [--strategies target_recompute,reuse] [--dtype bfloat16]
                                   [--runs 7] [--threads 2]
 
-Every call of the model's attention function and of every `nn.Linear` is timed (a clock read before and after
-each, about 0.1 us) while the strategy answers through the engine over chunks of the bundled Python docs held
+Every call of the model's attention function and of every `nn.Linear` (`PrefillLinear` too) is timed (a clock
+read before and after each, about 0.1 us) while the strategy answers through the engine over chunks of the bundled Python docs held
 in a memory store; a run's parts are summed, and the median of the runs is printed. The FLOPs are counted from
 each call's shapes as `kvrag.roofline` counts them: 2 a weight a token for a linear layer, and for attention QK
 and PV over every key a new token sees (the cache, and the new tokens before it). Run it alone.
@@ -27,6 +27,7 @@ from kvrag.demo import sample_docs
 from kvrag.embed import Embedder
 from kvrag.engine import KVRAG
 from kvrag.kvmodel import KVModel
+from kvrag.linear import PrefillLinear
 from kvrag.roofline import Machine
 from kvrag.store import MemoryStore
 
@@ -87,10 +88,11 @@ def forward_benchmark(
     ctx = _Context(kv, rag, context_texts(kv, context, 200), questions[0]["question"])
     timed = _Timed()
     attention = ALL_ATTENTION_FUNCTIONS[GQA_SDPA]
-    forward = torch.nn.Linear.forward
+    forward, prefill_forward = torch.nn.Linear.forward, PrefillLinear.forward
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in strategies}
     AttentionInterface.register(GQA_SDPA, timed.attention(attention))
     torch.nn.Linear.forward = timed.linear(forward)  # type: ignore[method-assign]
+    PrefillLinear.forward = timed.linear(prefill_forward)  # type: ignore[method-assign]
     try:
         for _ in range(runs + 1):  # the first round warms up and is dropped
             for name in strategies:
@@ -104,6 +106,7 @@ def forward_benchmark(
     finally:
         AttentionInterface.register(GQA_SDPA, attention)
         torch.nn.Linear.forward = forward  # type: ignore[method-assign]
+        PrefillLinear.forward = prefill_forward  # type: ignore[method-assign]
     log(
         f"{ctx.context_tokens} context tokens, {kv.prefix.keys.dtype}, {torch.get_num_threads()} threads, median of "
         f"{runs} runs; calibrated matmul {machine.matmul_flops / 1e9:.0f} GFLOP/s"

@@ -17,6 +17,10 @@ already loaded, so its threads are torch's. Where there is no compiler, or the b
 The rotation reads each stored key once and writes it once into its slot of the stitched cache (torch's
 elementwise passes read and write it three times); where the kernel is missing, re-positioning stays on torch.
 
+A bfloat16 prefill's attention (`kernels/prefill_attention.c`, `prefill_attention`) and its linear layers
+(`kernels/prefill_linear.c`, `prefill_linear`, which `kvrag.linear` calls) are built apart, on CPUs with
+AVX512-BF16, at the first bfloat16 model or prefill that needs them.
+
 The paged write (`kernels/paged_write.c`, `paged_write`, built apart: it needs the compiler's _Float16) puts a
 stored piece's keys and values into a serving engine's paged blocks in one pass, converted to the cache's dtype
 and the keys rotated on the way; vLLM's connector uses it where it writes what vLLM's own op writes.
@@ -33,6 +37,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -41,8 +46,9 @@ import torch
 SOURCES = tuple(
     Path(__file__).with_name("kernels") / name for name in ("decode_attention.c", "rotate_keys.c", "decode_step.c")
 )
-# built apart, at a bfloat16 prefill's first attention: its build takes seconds, and float32 models never need it
-PREFILL_SOURCES = (Path(__file__).with_name("kernels") / "prefill_attention.c",)
+# built apart, at a bfloat16 prefill's first attention or linear layer: its build takes seconds, and float32 models
+# never need it
+PREFILL_SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("prefill_attention.c", "prefill_linear.c"))
 BLOCK = 256  # the kernel's block of cache slots
 MAX_GROUP, MAX_HEAD_DIM = 8, 256
 # Compiled with -ffast-math (the vector exp, reassociated sums) but linked without it: linked in, it would add
@@ -405,7 +411,75 @@ def _prefill_library() -> ctypes.CDLL | None:
     library.prefill_attention_bf16.argtypes = [pointer, long, long, pointer, pointer, long, long, pointer, int_, long, int_]
     library.prefill_attention_bf16.argtypes += [pointer, long, long, int_, int_, int_, ctypes.c_float, int_]
     library.prefill_attention_bf16.restype = ctypes.c_int
+    library.prefill_linear_bf16.argtypes = [pointer, long, long, long, pointer, long, pointer, pointer, long, pointer]
+    library.prefill_linear_bf16.argtypes += [int_]
+    library.prefill_linear_bf16.restype = ctypes.c_int
+    library.prefill_linear_scratch.argtypes = [long, long]
+    library.prefill_linear_scratch.restype = long
     return library
+
+
+def prefill_linear_available() -> bool:
+    """Whether `prefill_linear` runs here (a CPU with AVX512-BF16 and a compiler that built it)."""
+    return _prefill_library() is not None
+
+
+class _Scratch(threading.local):
+    """A thread's buffer for the inputs `prefill_linear` lays out, grown as needed and kept between calls."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.int32)
+
+
+_scratch = _Scratch()
+
+
+def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` for bfloat16 x [..., K] of two or more tokens and weight [N, K] on CPU, on the
+    CPU's bfloat16 dot products (`kernels/prefill_linear.c`): float32 sums, rounded once. A token's outputs are
+    bitwise the same whatever the other tokens. None where it does not take the call (another dtype or device,
+    one token, an odd K, a weight whose rows are not contiguous, no AVX512-BF16 or no compiler)."""
+    if (
+        x.device.type != "cpu"
+        or x.dtype != torch.bfloat16
+        or weight.dtype != torch.bfloat16
+        or weight.device.type != "cpu"
+        or weight.dim() != 2
+        or x.dim() < 2
+        or x.shape[-1] != weight.shape[1]
+        or weight.shape[1] % 2
+        or weight.stride() != (weight.shape[1], 1)
+        or (bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != torch.bfloat16 or bias.device != x.device))
+    ):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    M, (N, K) = rows.shape[0], weight.shape
+    if M < 2 or rows.stride(-1) != 1:
+        return None
+    library = _prefill_library()
+    if library is None:
+        return None
+    size = library.prefill_linear_scratch(M, K)
+    if _scratch.buffer.numel() < size:
+        _scratch.buffer = torch.empty(size, dtype=torch.int32)
+    bias32 = bias.float().contiguous() if bias is not None else None
+    out = torch.empty((*x.shape[:-1], N), dtype=torch.bfloat16)
+    status = library.prefill_linear_bf16(
+        rows.data_ptr(),
+        M,
+        K,
+        rows.stride(0),
+        weight.data_ptr(),
+        N,
+        bias32.data_ptr() if bias32 is not None else None,
+        out.data_ptr(),
+        N,
+        _scratch.buffer.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status:
+        raise RuntimeError(f"prefill_linear: the kernel refused a shape it was checked to take ({status})")
+    return out
 
 
 _MASK_KINDS = {torch.bool: 1, torch.bfloat16: 2, torch.float32: 3}

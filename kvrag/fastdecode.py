@@ -49,8 +49,10 @@ import torch
 import torch.nn.functional as F
 
 from kvrag import ckernel
+from kvrag.linear import PrefillLinear
 
 TAKEN = ("llama", "mistral", "qwen2", "qwen3")
+PLAIN_LINEARS = (torch.nn.Linear, PrefillLinear)  # the same product (`kvrag.linear`)
 BLOCK = 256  # cache slots an attention block of the compiled step reads (docs/performance.md, "Decoding")
 
 
@@ -112,7 +114,7 @@ def supports(model: torch.nn.Module) -> str | None:
         linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         # plain float linears only: a quantized, adapted (LoRA), offloaded or hooked module computes something else
-        if any(type(m) is not torch.nn.Linear or m._forward_hooks or m._forward_pre_hooks for m in linears):
+        if any(type(m) not in PLAIN_LINEARS or m._forward_hooks or m._forward_pre_hooks for m in linears):
             return "projections that are not plain nn.Linear (quantized, adapted or hooked)"
         if any(not m.weight.is_floating_point() or m.weight.is_meta for m in linears):
             return "weights that are not floating-point tensors in memory"

@@ -24,6 +24,7 @@ from kvrag.encode import DEFAULT_BATCH_TOKENS, encode_chunks, encode_prefix
 from kvrag.errors import ContextOverflowError, EmptyInputError, InvalidRequestError, UnsupportedModelError
 from kvrag.executor import HFExecutor
 from kvrag.fastdecode import compile_decoding
+from kvrag.linear import use_prefill_linears
 from kvrag.generate import Sampling
 from kvrag.kv import ChunkKey, ChunkKV, chunk_key, encoder_id
 from kvrag.layout import PromptLayout
@@ -103,6 +104,7 @@ class KVModel:
                 f"load the model with attn_implementation= one of {', '.join(MASK_ATTENTION)}"
             )
         use_gqa_sdpa(model)  # sdpa without copying kv heads on CPU (`kvrag.attention`), bitwise the same
+        use_prefill_linears(model)  # bfloat16 prefills' linear layers on the CPU's dot products (`kvrag.linear`)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.layout = layout or PromptLayout(tokenizer)

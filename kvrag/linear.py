@@ -1,0 +1,45 @@
+"""A bfloat16 prefill's linear layers on CPU through kvrag's kernel (`kvrag.ckernel.prefill_linear`).
+
+torch's bfloat16 matmul runs a prefill's products, a few hundred tokens by a layer's weight, well below what the
+CPU's bfloat16 dot-product instruction gives (docs/performance.md, "Where the forward goes"). A model kvrag
+loads on CPU with bfloat16 weights has its plain `nn.Linear` modules made `PrefillLinear`: the same module (its
+weight and bias, its state dict, `isinstance(m, nn.Linear)`), whose forward sends a product of two or more
+tokens to the kernel and everything else (one token, float32, another device, autograd) to `F.linear`.
+
+The kernel sums every output in the same order whatever the number of tokens, so a token's outputs are bitwise
+the same alone or among others: a chunk's KV encoded at ingest and the same tokens in a full prefill go
+through the same sums. Against torch's own bfloat16 product the outputs differ by bfloat16 rounding (the sums
+run in another order), as any two matmul libraries differ.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvrag import ckernel
+
+
+class PrefillLinear(torch.nn.Linear):
+    """`nn.Linear` whose bfloat16 products of two or more tokens on CPU run on kvrag's kernel."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's own argument name)
+        out = None
+        if not (torch.is_grad_enabled() and (input.requires_grad or self.weight.requires_grad)):
+            out = ckernel.prefill_linear(input, self.weight, self.bias)
+        return out if out is not None else F.linear(input, self.weight, self.bias)
+
+
+def use_prefill_linears(model: torch.nn.Module) -> int:
+    """Make the model's plain bfloat16 `nn.Linear` modules on CPU `PrefillLinear` (subclasses, hooked, quantized
+    or adapted ones are left as they are); how many were. Nothing where the kernel is not built here."""
+    plain = [
+        m
+        for m in model.modules()
+        if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16
+    ]
+    if not plain or not ckernel.prefill_linear_available():
+        return 0
+    for m in plain:
+        m.__class__ = PrefillLinear
+    return len(plain)
