@@ -3,13 +3,15 @@ rest (norms, rotary embedding, activations, residual sums, the cache's bookkeepi
 them), each part's FLOPs over its time beside the matmul rate calibrated in the same run (`kvrag.roofline`).
 
     python -m kvrag.bench_forward [--context 4000] [--strategies target_recompute,reuse] [--dtype bfloat16]
-                                  [--runs 7] [--threads 2]
+                                  [--runs 7] [--threads 2] [--linears kernel,torch]
 
 Every call of the model's attention function and of every `nn.Linear` (`PrefillLinear` too) is timed (a clock
-read before and after each, about 0.1 us) while the strategy answers through the engine over chunks of the bundled Python docs held
-in a memory store; a run's parts are summed, and the median of the runs is printed. The FLOPs are counted from
-each call's shapes as `kvrag.roofline` counts them: 2 a weight a token for a linear layer, and for attention QK
-and PV over every key a new token sees (the cache, and the new tokens before it). Run it alone.
+read before and after each, about 0.1 us) while the strategy answers through the engine over chunks of the
+bundled Python docs held in a memory store; a run's parts are summed, and the median of the runs is printed.
+The FLOPs are counted from each call's shapes as `kvrag.roofline` counts them: 2 a weight a token for a linear
+layer, and for attention QK and PV over every key a new token sees (the cache, and the new tokens before it).
+`--linears kernel,torch` runs each strategy with kvrag's bfloat16 linear kernel and with torch's `nn.Linear`
+in turn and prints the paired differences. Run it alone.
 """
 
 from __future__ import annotations
@@ -73,10 +75,18 @@ def forward_benchmark(
     context: int = 4000,
     strategies: tuple[str, ...] = ("target_recompute",),
     runs: int = 7,
+    linears: tuple[str, ...] = ("kernel",),
     log: Callable[[str], None] = print,
 ) -> dict[str, dict[str, float]]:
     """Per strategy, the median ttft, forward, attention, linear layers and rest of the forward (s), and the
-    attention's and linear layers' GFLOP/s; the strategies run interleaved, the first round dropped."""
+    attention's and linear layers' GFLOP/s; the strategies run interleaved, the first round dropped.
+
+    `linears`: "kernel" (the model as kvrag loads it: bfloat16 linear layers on CPU through `kvrag.linear`),
+    "torch" (every `PrefillLinear` made a plain `nn.Linear` again), or both, each strategy then run both ways in
+    turn, keyed "<strategy> (<way> linears)", with the paired difference of the two logged."""
+    unknown = set(linears) - {"kernel", "torch"}
+    if unknown or not linears:
+        raise ValueError(f"linears: 'kernel', 'torch' or both, not {sorted(unknown) or 'none'}")
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -89,21 +99,29 @@ def forward_benchmark(
     timed = _Timed()
     attention = ALL_ATTENTION_FUNCTIONS[GQA_SDPA]
     forward, prefill_forward = torch.nn.Linear.forward, PrefillLinear.forward
-    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in strategies}
+    swapped = [m for m in kv.model.modules() if type(m) is PrefillLinear]
+    runs_of = {
+        (name, way): name if len(linears) == 1 else f"{name} ({way} linears)" for name in strategies for way in linears
+    }
+    rounds: dict[str, list[dict[str, float]]] = {key: [] for key in runs_of.values()}
     AttentionInterface.register(GQA_SDPA, timed.attention(attention))
     torch.nn.Linear.forward = timed.linear(forward)  # type: ignore[method-assign]
     PrefillLinear.forward = timed.linear(prefill_forward)  # type: ignore[method-assign]
     try:
         for _ in range(runs + 1):  # the first round warms up and is dropped
-            for name in strategies:
+            for (name, way), key in runs_of.items():
+                for m in swapped:
+                    m.__class__ = PrefillLinear if way == "kernel" else torch.nn.Linear
                 timed.reset()
                 ttft, phases = ctx.strategy(name)
-                rounds[name].append(
+                rounds[key].append(
                     {"ttft_s": ttft, "forward_s": phases.get("forward", 0.0)}
                     | {f"{part}_s": timed.seconds[part] for part in PARTS}
                     | {f"{part}_flops": timed.flops[part] for part in PARTS}
                 )
     finally:
+        for m in swapped:
+            m.__class__ = PrefillLinear
         AttentionInterface.register(GQA_SDPA, attention)
         torch.nn.Linear.forward = forward  # type: ignore[method-assign]
         PrefillLinear.forward = prefill_forward  # type: ignore[method-assign]
@@ -123,6 +141,16 @@ def forward_benchmark(
             f"{row['attention_s'] * 1e3:.0f} ({row['attention_gflop_s']:.0f} GFLOP/s), linear layers "
             f"{row['linear_s'] * 1e3:.0f} ({row['linear_gflop_s']:.0f} GFLOP/s), the rest {row['rest_s'] * 1e3:.0f}"
         )
+    if len(linears) == 2:
+        for name in strategies:
+            kernel, plain = rounds[runs_of[name, "kernel"]][1:], rounds[runs_of[name, "torch"]][1:]
+            for part in ("linear_s", "ttft_s"):
+                diffs = [k[part] - t[part] for k, t in zip(kernel, plain)]
+                log(
+                    f"{name:>17}: {part.removesuffix('_s').replace('linear', 'linear layers')}, kernel less torch, "
+                    f"paired median {statistics.median(diffs) * 1e3:+.1f} ms (kernel faster in "
+                    f"{sum(d < 0 for d in diffs)} of {len(diffs)} rounds)"
+                )
     return result
 
 
@@ -133,10 +161,21 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default)")
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--linears",
+        default="kernel",
+        help="kernel (default: as kvrag loads the model), torch (plain nn.Linear), or kernel,torch: both in turn",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kv = KVModel.from_pretrained(None, dtype=args.dtype)
-    forward_benchmark(kv, context=args.context, strategies=tuple(args.strategies.split(",")), runs=args.runs)
+    forward_benchmark(
+        kv,
+        context=args.context,
+        strategies=tuple(args.strategies.split(",")),
+        runs=args.runs,
+        linears=tuple(args.linears.split(",")),
+    )
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ SOURCES = tuple(
 )
 # built apart, at a bfloat16 prefill's first attention or linear layer: its build takes seconds, and float32 models
 # never need it
-PREFILL_SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("prefill_attention.c", "prefill_linear.c"))
+PREFILL_SOURCES = tuple(
+    Path(__file__).with_name("kernels") / name for name in ("prefill_attention.c", "prefill_linear.c")
+)
 BLOCK = 256  # the kernel's block of cache slots
 MAX_GROUP, MAX_HEAD_DIM = 8, 256
 # Compiled with -ffast-math (the vector exp, reassociated sums) but linked without it: linked in, it would add
@@ -449,7 +451,10 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         or x.shape[-1] != weight.shape[1]
         or weight.shape[1] % 2
         or weight.stride() != (weight.shape[1], 1)
-        or (bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != torch.bfloat16 or bias.device != x.device))
+        or (
+            bias is not None
+            and (bias.shape != (weight.shape[0],) or bias.dtype != torch.bfloat16 or bias.device != x.device)
+        )
     ):
         return None
     rows = x.reshape(-1, x.shape[-1])

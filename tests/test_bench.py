@@ -140,3 +140,30 @@ def test_the_forward_benchmark_splits_the_forward_and_puts_the_functions_back():
     recompute, full = result["target_recompute"], result["full_prefill"]
     # full prefill computes every token's layers; target_recompute only the target's and the suffix's
     assert full["linear_flops"] > recompute["linear_flops"] > 0 and full["attention_flops"] > recompute["attention_flops"]
+
+
+def test_the_forward_benchmark_runs_the_linear_layers_both_ways_and_leaves_the_kernel_in_place():
+    import copy
+
+    import torch
+    from tiny import byte_tokenizer, tiny_model
+
+    from kvrag import KVModel, ckernel
+    from kvrag.bench_forward import forward_benchmark
+    from kvrag.linear import PrefillLinear
+
+    if not ckernel.prefill_linear_available():
+        pytest.skip("no AVX512-BF16 CPU or no compiler")
+    kv = KVModel(copy.deepcopy(tiny_model("llama")).to(torch.bfloat16), byte_tokenizer())
+    swapped = [m for m in kv.model.modules() if type(m) is PrefillLinear]
+    assert swapped
+    lines: list[str] = []
+    result = forward_benchmark(
+        kv, context=300, strategies=("target_recompute",), runs=2, linears=("kernel", "torch"), log=lines.append
+    )
+    kernel, plain = result["target_recompute (kernel linears)"], result["target_recompute (torch linears)"]
+    assert kernel["linear_flops"] == plain["linear_flops"] > 0 and kernel["linear_s"] > 0 and plain["linear_s"] > 0
+    assert all(type(m) is PrefillLinear for m in swapped)
+    assert sum("paired median" in line for line in lines) == 2
+    with pytest.raises(ValueError, match="linears"):
+        forward_benchmark(kv, context=300, linears=("fast",), log=lines.append)

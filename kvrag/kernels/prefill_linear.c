@@ -1,15 +1,17 @@
 /* A bfloat16 linear layer over many tokens, out = x w^T + bias, on CPUs with AVX512-BF16: kvrag.ckernel builds
  * this with the prefill attention, and kvrag.linear calls it for a bfloat16 prefill's linear layers on CPU.
  *
- * torch's bfloat16 matmul runs a prefill's products (a few hundred tokens by a layer's weight) at 60-75% of what
- * the CPU's bfloat16 dot-product instruction gives (docs/performance.md). Here:
+ * Inside a `target_recompute` forward (175 tokens by weights of 576 or 1,536 inputs), torch's bfloat16 matmul ran
+ * at 226-249 GFLOP/s on 2 threads, against 410-420 for the CPU's bfloat16 dot-product instruction in a register
+ * loop (docs/performance.md). Here:
  *
  * - The product is computed transposed, out^T = w x^T: a weight row's two adjacent elements are one 32-bit word
  *   broadcast to every lane, and the tokens run across the lanes, so the weights are read as they are stored
  *   (nothing packed at load, no second copy) and no lane is ever summed with another.
  * - x is laid out once a call as words (pairs of adjacent elements) with 16 tokens a vector, in panels of 48
- *   tokens (the tokens past the last padded with zeros). A task is 8 weight rows: for every panel, 8 x 3
- *   accumulators take each word pair of the 8 rows in turn, the 8 rows' words stay in L1 and the panel in L2.
+ *   tokens (the tokens past the last padded with zeros), 16 x 16 blocks of words transposed in registers. A task
+ *   is 8 weight rows: for every panel, 8 x 3 accumulators take each word pair of the 8 rows in turn; the 8 rows'
+ *   words stay in L1, and the panels are walked in blocks that stay in L2 while every task passes over them.
  * - Every output is the same sum in the same order whatever the number of tokens and wherever a token sits in
  *   them: a token's outputs are bitwise the same alone or among any others.
  * - Sums are in float32 (the bias added last), rounded once to bfloat16, as torch's bfloat16 linear rounds.
@@ -145,7 +147,8 @@ int prefill_linear_bf16(const uint16_t *x, long M, long K, long ldx, const uint1
             for (long c = 0; c < chunks; c++) {
                 long p = g / NZ, m0 = p * MP, i0 = (g % NZ) * 16;
                 long width = (min_l(M - m0, MP) + 15) / 16 * 16;
-                pack_rows(x, ldx, m0, i0, M - m0 - i0, width, c * 64, min_l((c + 1) * 64, half), packed + p * MP * half);
+                pack_rows(x, ldx, m0, i0, M - m0 - i0, width, c * 64, min_l((c + 1) * 64, half),
+                          packed + p * MP * half);
             }
     }
     /* panels a block: the block's laid-out tokens stay in L2 while every task walks them */
