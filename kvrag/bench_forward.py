@@ -3,7 +3,7 @@ rest (norms, rotary embedding, activations, residual sums, the cache's bookkeepi
 them), each part's FLOPs over its time beside the matmul rate calibrated in the same run (`kvrag.roofline`).
 
     python -m kvrag.bench_forward [--context 4000] [--strategies target_recompute,reuse] [--dtype bfloat16]
-                                  [--runs 7] [--threads 2] [--linears kernel,torch]
+                                  [--runs 7] [--threads 2] [--linears kernel,torch | --norms kernel,torch]
 
 Every call of the model's attention function and of every `nn.Linear` (`PrefillLinear` too) is timed (a clock
 read before and after each, about 0.1 us) while the strategy answers through the engine over chunks of the
@@ -11,7 +11,7 @@ bundled Python docs held in a memory store; a run's parts are summed, and the me
 The FLOPs are counted from each call's shapes as `kvrag.roofline` counts them: 2 a weight a token for a linear
 layer, and for attention QK and PV over every key a new token sees (the cache, and the new tokens before it).
 `--linears kernel,torch` runs each strategy with kvrag's bfloat16 linear kernel and with torch's `nn.Linear`
-in turn and prints the paired differences. Run it alone.
+in turn and prints the paired differences; `--norms kernel,torch` the same for the RMSNorm kernel. Run it alone.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from kvrag.embed import Embedder
 from kvrag.engine import KVRAG
 from kvrag.kvmodel import KVModel
 from kvrag.linear import PrefillLinear
+from kvrag.norm import is_prefill_norm
 from kvrag.roofline import Machine
 from kvrag.store import MemoryStore
 
@@ -76,6 +77,7 @@ def forward_benchmark(
     strategies: tuple[str, ...] = ("target_recompute",),
     runs: int = 7,
     linears: tuple[str, ...] = ("kernel",),
+    norms: tuple[str, ...] = ("kernel",),
     log: Callable[[str], None] = print,
 ) -> dict[str, dict[str, float]]:
     """Per strategy, the median ttft, forward, attention, linear layers and rest of the forward (s), and the
@@ -83,10 +85,15 @@ def forward_benchmark(
 
     `linears`: "kernel" (the model as kvrag loads it: bfloat16 linear layers on CPU through `kvrag.linear`),
     "torch" (every `PrefillLinear` made a plain `nn.Linear` again), or both, each strategy then run both ways in
-    turn, keyed "<strategy> (<way> linears)", with the paired difference of the two logged."""
-    unknown = set(linears) - {"kernel", "torch"}
-    if unknown or not linears:
-        raise ValueError(f"linears: 'kernel', 'torch' or both, not {sorted(unknown) or 'none'}")
+    turn, keyed "<strategy> (<way> linears)", with the paired difference of the two logged. `norms` the same for
+    the RMSNorms of `kvrag.norm` (keyed "<strategy> (<way> norms)"); one of the two at most runs both ways."""
+    for part, ways in (("linears", linears), ("norms", norms)):
+        unknown = set(ways) - {"kernel", "torch"}
+        if unknown or not ways:
+            raise ValueError(f"{part}: 'kernel', 'torch' or both, not {sorted(unknown) or 'none'}")
+    if len(linears) == 2 and len(norms) == 2:
+        raise ValueError("compare the linear layers or the norms, not both at once")
+    compared, ways = ("norms", norms) if len(norms) == 2 else ("linears", linears)
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -99,9 +106,12 @@ def forward_benchmark(
     timed = _Timed()
     attention = ALL_ATTENTION_FUNCTIONS[GQA_SDPA]
     forward, prefill_forward = torch.nn.Linear.forward, PrefillLinear.forward
-    swapped = [m for m in kv.model.modules() if type(m) is PrefillLinear]
+    # the modules each way puts back as torch's own: (module, kvrag's class, torch's class)
+    swapped = [(m, PrefillLinear, torch.nn.Linear) for m in kv.model.modules() if type(m) is PrefillLinear]
+    if compared == "norms":
+        swapped = [(m, type(m), type(m).__mro__[1]) for m in kv.model.modules() if is_prefill_norm(m)]
     runs_of = {
-        (name, way): name if len(linears) == 1 else f"{name} ({way} linears)" for name in strategies for way in linears
+        (name, way): name if len(ways) == 1 else f"{name} ({way} {compared})" for name in strategies for way in ways
     }
     rounds: dict[str, list[dict[str, float]]] = {key: [] for key in runs_of.values()}
     AttentionInterface.register(GQA_SDPA, timed.attention(attention))
@@ -110,8 +120,8 @@ def forward_benchmark(
     try:
         for _ in range(runs + 1):  # the first round warms up and is dropped
             for (name, way), key in runs_of.items():
-                for m in swapped:
-                    m.__class__ = PrefillLinear if way == "kernel" else torch.nn.Linear
+                for m, kernel_class, torch_class in swapped:
+                    m.__class__ = kernel_class if way == "kernel" else torch_class
                 timed.reset()
                 ttft, phases = ctx.strategy(name)
                 rounds[key].append(
@@ -120,8 +130,8 @@ def forward_benchmark(
                     | {f"{part}_flops": timed.flops[part] for part in PARTS}
                 )
     finally:
-        for m in swapped:
-            m.__class__ = PrefillLinear
+        for m, kernel_class, _ in swapped:
+            m.__class__ = kernel_class
         AttentionInterface.register(GQA_SDPA, attention)
         torch.nn.Linear.forward = forward  # type: ignore[method-assign]
         PrefillLinear.forward = prefill_forward  # type: ignore[method-assign]
@@ -141,10 +151,10 @@ def forward_benchmark(
             f"{row['attention_s'] * 1e3:.0f} ({row['attention_gflop_s']:.0f} GFLOP/s), linear layers "
             f"{row['linear_s'] * 1e3:.0f} ({row['linear_gflop_s']:.0f} GFLOP/s), the rest {row['rest_s'] * 1e3:.0f}"
         )
-    if len(linears) == 2:
+    if len(ways) == 2:
         for name in strategies:
             kernel, plain = rounds[runs_of[name, "kernel"]][1:], rounds[runs_of[name, "torch"]][1:]
-            for part in ("linear_s", "ttft_s"):
+            for part in ("linear_s", "ttft_s") if compared == "linears" else ("forward_s", "ttft_s"):
                 diffs = [k[part] - t[part] for k, t in zip(kernel, plain)]
                 log(
                     f"{name:>17}: {part.removesuffix('_s').replace('linear', 'linear layers')}, kernel less torch, "
@@ -166,6 +176,7 @@ def main() -> None:
         default="kernel",
         help="kernel (default: as kvrag loads the model), torch (plain nn.Linear), or kernel,torch: both in turn",
     )
+    parser.add_argument("--norms", default="kernel", help="the same for the RMSNorms (kvrag.norm)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kv = KVModel.from_pretrained(None, dtype=args.dtype)
@@ -175,6 +186,7 @@ def main() -> None:
         strategies=tuple(args.strategies.split(",")),
         runs=args.runs,
         linears=tuple(args.linears.split(",")),
+        norms=tuple(args.norms.split(",")),
     )
 
 

@@ -17,8 +17,9 @@ already loaded, so its threads are torch's. Where there is no compiler, or the b
 The rotation reads each stored key once and writes it once into its slot of the stitched cache (torch's
 elementwise passes read and write it three times); where the kernel is missing, re-positioning stays on torch.
 
-A bfloat16 prefill's attention (`kernels/prefill_attention.c`, `prefill_attention`) and its linear layers
-(`kernels/prefill_linear.c`, `prefill_linear`, which `kvrag.linear` calls) are built apart, on CPUs with
+A bfloat16 prefill's attention (`kernels/prefill_attention.c`, `prefill_attention`), its linear layers
+(`kernels/prefill_linear.c`, `prefill_linear`, which `kvrag.linear` calls) and its RMSNorms
+(`kernels/prefill_norm.c`, `prefill_rms_norm`, which `kvrag.norm` calls) are built apart, on CPUs with
 AVX512-BF16, at the first bfloat16 model or prefill that needs them.
 
 The paged write (`kernels/paged_write.c`, `paged_write`, built apart: it needs the compiler's _Float16) puts a
@@ -49,7 +50,7 @@ SOURCES = tuple(
 # built apart, at a bfloat16 prefill's first attention or linear layer: its build takes seconds, and float32 models
 # never need it
 PREFILL_SOURCES = tuple(
-    Path(__file__).with_name("kernels") / name for name in ("prefill_attention.c", "prefill_linear.c")
+    Path(__file__).with_name("kernels") / name for name in ("prefill_attention.c", "prefill_linear.c", "prefill_norm.c")
 )
 BLOCK = 256  # the kernel's block of cache slots
 MAX_GROUP, MAX_HEAD_DIM = 8, 256
@@ -418,7 +419,40 @@ def _prefill_library() -> ctypes.CDLL | None:
     library.prefill_linear_bf16.restype = ctypes.c_int
     library.prefill_linear_scratch.argtypes = [long, long]
     library.prefill_linear_scratch.restype = long
+    library.prefill_rms_norm_bf16.argtypes = [pointer, long, pointer, pointer, long, long, long, ctypes.c_float, int_]
+    library.prefill_rms_norm_bf16.restype = ctypes.c_int
     return library
+
+
+def prefill_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """transformers' RMSNorm of bfloat16 x [..., D] (two or more tokens, CPU) with a bfloat16 weight [D], in one
+    pass (`kernels/prefill_norm.c`): the module's roundings, its mean summed in another order. None where it does
+    not take the call (another dtype or device, one token, no AVX512-BF16 or no compiler)."""
+    if (
+        x.device.type != "cpu"
+        or x.dtype != torch.bfloat16
+        or weight.dtype != torch.bfloat16
+        or weight.device.type != "cpu"
+        or weight.dim() != 1
+        or x.dim() < 2
+        or x.shape[-1] != weight.shape[0]
+        or not weight.is_contiguous()
+    ):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] < 2 or rows.stride(-1) != 1:
+        return None
+    library = _prefill_library()
+    if library is None:
+        return None
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    status = library.prefill_rms_norm_bf16(
+        rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[-1], rows.shape[0],
+        x.shape[-1], eps, torch.get_num_threads(),
+    )
+    if status:
+        raise RuntimeError(f"prefill_rms_norm: the kernel refused a shape it was checked to take ({status})")
+    return out
 
 
 def prefill_linear_available() -> bool:

@@ -25,6 +25,7 @@ from kvrag.errors import ContextOverflowError, EmptyInputError, InvalidRequestEr
 from kvrag.executor import HFExecutor
 from kvrag.fastdecode import compile_decoding
 from kvrag.linear import use_prefill_linears
+from kvrag.norm import use_prefill_norms
 from kvrag.generate import Sampling
 from kvrag.kv import ChunkKey, ChunkKV, chunk_key, encoder_id
 from kvrag.layout import PromptLayout
@@ -105,6 +106,7 @@ class KVModel:
             )
         use_gqa_sdpa(model)  # sdpa without copying kv heads on CPU (`kvrag.attention`), bitwise the same
         use_prefill_linears(model)  # bfloat16 prefills' linear layers on the CPU's dot products (`kvrag.linear`)
+        use_prefill_norms(model)  # and their RMSNorms in one pass (`kvrag.norm`)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.layout = layout or PromptLayout(tokenizer)

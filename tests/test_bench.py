@@ -142,7 +142,7 @@ def test_the_forward_benchmark_splits_the_forward_and_puts_the_functions_back():
     assert full["linear_flops"] > recompute["linear_flops"] > 0 and full["attention_flops"] > recompute["attention_flops"]
 
 
-def test_the_forward_benchmark_runs_the_linear_layers_both_ways_and_leaves_the_kernel_in_place():
+def test_the_forward_benchmark_runs_the_linear_layers_or_the_norms_both_ways_and_leaves_the_kernels_in_place():
     import copy
 
     import torch
@@ -151,6 +151,7 @@ def test_the_forward_benchmark_runs_the_linear_layers_both_ways_and_leaves_the_k
     from kvrag import KVModel, ckernel
     from kvrag.bench_forward import forward_benchmark
     from kvrag.linear import PrefillLinear
+    from kvrag.norm import is_prefill_norm
 
     if not ckernel.prefill_linear_available():
         pytest.skip("no AVX512-BF16 CPU or no compiler")
@@ -167,3 +168,13 @@ def test_the_forward_benchmark_runs_the_linear_layers_both_ways_and_leaves_the_k
     assert sum("paired median" in line for line in lines) == 2
     with pytest.raises(ValueError, match="linears"):
         forward_benchmark(kv, context=300, linears=("fast",), log=lines.append)
+    norms = [m for m in kv.model.modules() if is_prefill_norm(m)]
+    assert norms
+    lines.clear()
+    result = forward_benchmark(
+        kv, context=300, strategies=("reuse",), runs=1, norms=("kernel", "torch"), log=lines.append
+    )
+    assert set(result) == {"reuse (kernel norms)", "reuse (torch norms)"}
+    assert all(is_prefill_norm(m) for m in norms) and sum("paired median" in line for line in lines) == 2
+    with pytest.raises(ValueError, match="not both"):
+        forward_benchmark(kv, context=300, linears=("kernel", "torch"), norms=("kernel", "torch"), log=lines.append)
