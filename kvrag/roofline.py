@@ -37,6 +37,11 @@ class Machine:
         read = _best(lambda: x.sum(), runs, device)
         return cls(matmul_flops=2 * n**3 / matmul, read_bytes=x.numel() * x.element_size() / read)
 
+    def best(self, other: Machine) -> Machine:
+        """Each rate at the better of the two calibrations: a floor must be the least time the machine allows, and
+        a calibration that falls in a slow spell of a shared machine would set it too high."""
+        return Machine(max(self.matmul_flops, other.matmul_flops), max(self.read_bytes, other.read_bytes))
+
     def to_dict(self) -> dict[str, float]:
         return {"matmul_gflop_s": self.matmul_flops / 1e9, "read_gb_s": self.read_bytes / 1e9}
 

@@ -178,3 +178,19 @@ def test_the_forward_benchmark_runs_the_linear_layers_or_the_norms_both_ways_and
     assert all(is_prefill_norm(m) for m in norms) and sum("paired median" in line for line in lines) == 2
     with pytest.raises(ValueError, match="not both"):
         forward_benchmark(kv, context=300, linears=("kernel", "torch"), norms=("kernel", "torch"), log=lines.append)
+
+
+def test_floors_use_the_best_calibration_of_the_run(tmp_path, monkeypatch, capsys):
+    """A calibration that falls in a slow spell would set the floor too high and flatter every ratio to it."""
+    from kvrag import bench_decode
+    from kvrag.kvmodel import KVModel
+    from kvrag.roofline import Machine
+
+    slow, fast = Machine(1e11, 2e10), Machine(4e11, 5e10)
+    assert slow.best(fast) == fast.best(slow) == fast and Machine(4e11, 2e10).best(Machine(1e11, 5e10)) == fast
+    calibrations = iter([slow, fast])
+    monkeypatch.setattr(Machine, "calibrate", classmethod(lambda cls, *a, **k: next(calibrations)))
+    kv = KVModel.from_pretrained(str(save_tiny(tmp_path / "model")))
+    (row,) = bench_decode.decode_benchmark(kv, contexts=(150,), tokens=4, runs=1, log=print)
+    assert row["bandwidth_gb_s"] == 50.0  # the second, faster calibration, taken after the rounds
+    assert "(50.0 GB/s)" in capsys.readouterr().out
