@@ -424,25 +424,29 @@ def _prefill_library() -> ctypes.CDLL | None:
     return library
 
 
+def _token_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [..., D] as its tokens' rows [tokens, D] where a prefill kernel takes x with this weight: both bfloat16 on
+    CPU, D the weight's last size, two or more tokens, each row contiguous; else None."""
+    if (
+        x.device.type != "cpu"
+        or x.dtype != torch.bfloat16
+        or weight.device.type != "cpu"
+        or weight.dtype != torch.bfloat16
+        or x.dim() < 2
+        or weight.dim() < 1
+        or x.shape[-1] != weight.shape[-1]
+    ):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.shape[0] >= 2 and rows.stride(-1) == 1 else None
+
+
 def prefill_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """transformers' RMSNorm of bfloat16 x [..., D] (two or more tokens, CPU) with a bfloat16 weight [D], in one
     pass (`kernels/prefill_norm.c`): the module's roundings, its mean summed in another order. None where it does
     not take the call (another dtype or device, one token, no AVX512-BF16 or no compiler)."""
-    if (
-        x.device.type != "cpu"
-        or x.dtype != torch.bfloat16
-        or weight.dtype != torch.bfloat16
-        or weight.device.type != "cpu"
-        or weight.dim() != 1
-        or x.dim() < 2
-        or x.shape[-1] != weight.shape[0]
-        or not weight.is_contiguous()
-    ):
-        return None
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] < 2 or rows.stride(-1) != 1:
-        return None
-    library = _prefill_library()
+    rows = _token_rows(x, weight)
+    library = _prefill_library() if rows is not None and weight.dim() == 1 and weight.is_contiguous() else None
     if library is None:
         return None
     out = torch.empty(x.shape, dtype=torch.bfloat16)
@@ -475,14 +479,10 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     CPU's bfloat16 dot products (`kernels/prefill_linear.c`): float32 sums, rounded once. A token's outputs are
     bitwise the same whatever the other tokens. None where it does not take the call (another dtype or device,
     one token, an odd K, a weight whose rows are not contiguous, no AVX512-BF16 or no compiler)."""
+    rows = _token_rows(x, weight)
     if (
-        x.device.type != "cpu"
-        or x.dtype != torch.bfloat16
-        or weight.dtype != torch.bfloat16
-        or weight.device.type != "cpu"
+        rows is None
         or weight.dim() != 2
-        or x.dim() < 2
-        or x.shape[-1] != weight.shape[1]
         or weight.shape[1] % 2
         or weight.stride() != (weight.shape[1], 1)
         or (
@@ -491,13 +491,10 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         )
     ):
         return None
-    rows = x.reshape(-1, x.shape[-1])
-    M, (N, K) = rows.shape[0], weight.shape
-    if M < 2 or rows.stride(-1) != 1:
-        return None
     library = _prefill_library()
     if library is None:
         return None
+    M, (N, K) = rows.shape[0], weight.shape
     size = library.prefill_linear_scratch(M, K)
     if _scratch.buffer.numel() < size:
         _scratch.buffer = torch.empty(size, dtype=torch.int32)
