@@ -24,11 +24,10 @@ from kvrag.encode import DEFAULT_BATCH_TOKENS, encode_chunks, encode_prefix
 from kvrag.errors import ContextOverflowError, EmptyInputError, InvalidRequestError, UnsupportedModelError
 from kvrag.executor import HFExecutor
 from kvrag.fastdecode import compile_decoding
-from kvrag.linear import use_prefill_linears
-from kvrag.norm import use_prefill_norms
 from kvrag.generate import Sampling
 from kvrag.kv import ChunkKey, ChunkKV, chunk_key, encoder_id
 from kvrag.layout import PromptLayout
+from kvrag.linear import use_prefill_linears
 from kvrag.model import (
     check_architecture,
     convert_default,
@@ -37,6 +36,7 @@ from kvrag.model import (
     resolve_dtype,
     weights_id as default_weights_id,
 )
+from kvrag.norm import use_prefill_norms
 from kvrag.pipeline import Prefilled
 from kvrag.probe import Probe
 from kvrag.recompute import full_prefill

@@ -1,17 +1,19 @@
 """A bfloat16 prefill's RMSNorms on CPU in one pass (`kvrag.ckernel.prefill_rms_norm`).
 
 transformers' RMSNorm runs five or six torch operations over a prefill's whole [tokens, dim] tensor, each a pass
-through memory with its own dispatch; in a 4k `target_recompute` forward the 61 norms cost about a tenth of what
-is left outside the attention and the linear layers (docs/performance.md). A model kvrag loads on CPU with
-bfloat16 weights has each norm whose forward is llama's RMSNorm (llama, mistral, qwen2, qwen3 and the models
-that copy it) made a subclass of its own class (`Prefill` before its name), whose forward sends two or more
-bfloat16 tokens to the kernel and everything else to the module's own forward. The kernel rounds where the
-module rounds; its mean sums in another order, so an output can differ from the module's by one bfloat16 step.
+through memory with its own dispatch; in a 4k `target_recompute` forward the 61 norms cost about 10 of the 44 ms
+left outside the attention and the linear layers (docs/performance.md). A model kvrag loads on CPU with
+bfloat16 weights has each llama, mistral, qwen2 or qwen3 RMSNorm (`TAKEN`) made a subclass of its own class
+(`Prefill` before its name, importable from here, so a model saved whole loads again), whose forward sends two
+or more bfloat16 tokens to the kernel and everything else to the module's own forward. The kernel rounds where
+the module rounds; its mean sums in another order, so an output can differ from the module's by one bfloat16
+step.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from typing import Any
 
@@ -19,57 +21,68 @@ import torch
 
 from kvrag import ckernel
 
-
-def _forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
-    out = None
-    if not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)):
-        out = ckernel.prefill_rms_norm(hidden_states, self.weight, self.variance_epsilon)
-    return out if out is not None else super(type(self), self).forward(hidden_states)
-
-
-@functools.cache
-def _llama_forward() -> str:
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    return inspect.getsource(LlamaRMSNorm.forward)
+# The norms taken: transformers' classes that copy llama's RMSNorm (each checked word for word when first taken,
+# so a transformers release that changes one leaves it as it is).
+TAKEN = {
+    "LlamaRMSNorm": "transformers.models.llama.modeling_llama",
+    "MistralRMSNorm": "transformers.models.mistral.modeling_mistral",
+    "Qwen2RMSNorm": "transformers.models.qwen2.modeling_qwen2",
+    "Qwen3RMSNorm": "transformers.models.qwen3.modeling_qwen3",
+}
 
 
 @functools.cache
-def _takes(cls: type) -> bool:
-    """Whether `cls` is an RMSNorm whose forward is llama's, word for word."""
-    try:
-        return inspect.getsource(cls.forward) == _llama_forward()
-    except (OSError, TypeError):  # no source to read (built in, or made at run time)
-        return False
+def prefill_class(name: str) -> type | None:
+    """`Prefill<name>`: the subclass of transformers' norm `name` whose forward runs the kernel; None where `name`
+    is not taken, or its forward is not llama's."""
+    if name not in TAKEN:
+        return None
+    base = getattr(importlib.import_module(TAKEN[name]), name)
+    llama = importlib.import_module(TAKEN["LlamaRMSNorm"]).LlamaRMSNorm
+    if inspect.getsource(base.forward) != inspect.getsource(llama.forward):
+        return None
+
+    def forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = None
+        if not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)):
+            out = ckernel.prefill_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return out if out is not None else base.forward(self, hidden_states)
+
+    attributes = {"forward": forward, "__module__": __name__, "__qualname__": f"Prefill{name}"}
+    return type(f"Prefill{name}", (base,), attributes)
 
 
-@functools.cache
-def prefill_class(cls: type) -> type:
-    """The subclass of `cls` whose forward runs the kernel."""
-    return type(f"Prefill{cls.__name__}", (cls,), {"forward": _forward, "__module__": __name__})
+def __getattr__(name: str) -> type:
+    """The classes by name, as pickle looks them up (a model saved whole loads in a fresh process)."""
+    cls = prefill_class(name.removeprefix("Prefill")) if name.startswith("Prefill") else None
+    if cls is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return cls
 
 
 def is_prefill_norm(module: torch.nn.Module) -> bool:
     """Whether `use_prefill_norms` made this module's class."""
-    cls = type(module)
-    return cls.__module__ == __name__ and len(cls.__mro__) > 1 and prefill_class(cls.__mro__[1]) is cls
+    name = type(module).__name__
+    return name.startswith("Prefill") and type(module) is prefill_class(name.removeprefix("Prefill"))
 
 
 def use_prefill_norms(model: torch.nn.Module) -> int:
-    """Make the model's llama-style RMSNorms with bfloat16 weights on CPU `prefill_class(their class)` (hooked
-    modules are left as they are); how many were. Nothing where the kernel is not built here."""
+    """Make the model's taken norms (`TAKEN`) with bfloat16 weights on CPU their `prefill_class` (hooked modules and
+    subclasses are left as they are); how many were. Nothing where the kernel is not built here."""
     norms = [
         m
         for m in model.modules()
-        if isinstance(getattr(m, "weight", None), torch.Tensor)
+        if TAKEN.get(type(m).__name__) == type(m).__module__
         and m.weight.device.type == "cpu"
         and m.weight.dtype == torch.bfloat16
-        and isinstance(getattr(m, "variance_epsilon", None), float)
         and not (m._forward_hooks or m._forward_pre_hooks)
-        and _takes(type(m))
     ]
     if not norms or not ckernel.prefill_linear_available():
         return 0
+    taken = 0
     for m in norms:
-        m.__class__ = prefill_class(type(m))
-    return len(norms)
+        cls = prefill_class(type(m).__name__)
+        if cls is not None:
+            m.__class__ = cls
+            taken += 1
+    return taken

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -63,7 +64,9 @@ def test_a_bfloat16_model_runs_its_norms_in_the_kernel_as_close_to_float32_as_to
     assert (got - want).abs().mean() <= 1.1 * (torch_bf16 - want).abs().mean()
     calls.clear()
     fast(input_ids=ids).logits.sum().backward()  # autograd on: the module's own forward
-    assert fast.model.norm.weight.grad is not None
+    assert fast.model.norm.weight.grad is not None and not calls
+    again = pickle.loads(pickle.dumps(fast.model.norm))  # a model saved whole finds the class by name
+    assert type(again) is type(fast.model.norm) and torch.equal(again.weight, fast.model.norm.weight)
 
 
 def test_float32_and_other_norms_are_left_as_they_are():
