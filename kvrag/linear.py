@@ -1,10 +1,11 @@
 """A bfloat16 prefill's linear layers on CPU through kvrag's kernel (`kvrag.ckernel.prefill_linear`).
 
 torch's bfloat16 matmul runs a prefill's products, a few hundred tokens by a layer's weight, well below what the
-CPU's bfloat16 dot-product instruction gives (docs/performance.md, "Where the forward goes"). A model kvrag
-loads on CPU with bfloat16 weights has its plain `nn.Linear` modules made `PrefillLinear`: the same module (its
-weight and bias, its state dict, `isinstance(m, nn.Linear)`), whose forward sends a product of two or more
-tokens to the kernel and everything else (one token, float32, another device, autograd) to `F.linear`.
+CPU's bfloat16 dot-product instruction gives (docs/performance.md, "Five rounds at 4k, and where the forward
+goes"). A model kvrag loads on CPU with bfloat16 weights has its plain `nn.Linear` modules made `PrefillLinear`:
+the same module (its weight and bias, its state dict, `isinstance(m, nn.Linear)`), whose forward sends a product
+of two or more tokens to the kernel and everything else (one token, float32, another device, autograd) to
+`F.linear`.
 
 The kernel sums every output in the same order whatever the number of tokens, so a token's outputs are bitwise
 the same alone or among others: a chunk's KV encoded at ingest and the same tokens in a full prefill go
