@@ -53,7 +53,7 @@ def prefill_class(name: str) -> type | None:
 
 
 def __getattr__(name: str) -> type:
-    """The classes by name, as pickle looks them up (a model saved whole loads in a fresh process)."""
+    """The classes by name, where an unpickler looks them up (a model saved whole loads in a fresh process)."""
     cls = prefill_class(name.removeprefix("Prefill")) if name.startswith("Prefill") else None
     if cls is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
