@@ -84,3 +84,12 @@ def test_float32_and_other_norms_are_left_as_they_are():
     swapped = use_prefill_norms(model)
     assert type(model.model.norm) is OffsetNorm
     assert llama > 0 and swapped == (llama if ckernel.prefill_linear_available() else 0)
+
+
+def test_a_norm_whose_source_cannot_be_read_is_left_as_it_is(monkeypatch):
+    import inspect
+
+    from kvrag import norm
+
+    monkeypatch.setattr(inspect, "getsource", lambda obj: (_ for _ in ()).throw(OSError("could not get source code")))
+    assert norm.prefill_class.__wrapped__("LlamaRMSNorm") is None  # uncached: the classes made so far stay
