@@ -6,10 +6,17 @@ over the bandwidth measured here (`kvrag.roofline`: a step's FLOPs are far below
 side by side in one run: kvrag's step in C (`kvrag`, what decodes by default where the C kernels build), its
 torch step eager (`kvrag_torch`) and compiled (`kvrag_compiled`, `compile_decoding`; the compile itself is timed
 apart, in the warm-up), the transformers forward step over the same cache, and the floor.
+
+Two more pairs time the C step with prompt-lookup drafts (`kvrag.generate.PromptLookup`, the default in an
+answer) and without, over the same answers: `kvrag_lookup` beside `kvrag` on the bench's question, and
+`kvrag_lookup_quote` beside `kvrag_quote` on an answer that copies a chunk (QUOTE), the kind of answer drafts
+are for. Their tokens are the same; a token costs less than a step where drafts are confirmed, so these rows can
+sit below the floor, which prices one step.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -24,14 +31,30 @@ from kvrag.kvmodel import KVModel
 from kvrag.roofline import Machine, forward_cost
 
 
-def _decode_time(kv: KVModel, question: str, encoded: list[ChunkKV], tokens: int, fast: bool) -> tuple[float, int, int]:
-    """Seconds a token over `tokens` greedy steps after a target_recompute prefill; the cached tokens; the steps."""
+QUOTE = "Copy the last paragraph above word for word."  # the question of the `_quote` rows
+
+
+def _decode_time(
+    kv: KVModel, question: str, encoded: list[ChunkKV], tokens: int, fast: bool, lookup: bool = False
+) -> tuple[float, int, int]:
+    """Seconds a token over `tokens` greedy tokens after a target_recompute prefill (one step each, or with
+    prompt-lookup drafts); the cached tokens; the tokens decoded."""
     request = kv.request(question, encoded, strategy="target_recompute", max_new_tokens=tokens)
     chunks = kv.source.chunks(request.chunks)
     run = pipeline.prefill(kv, request, chunks, kv.executor, room=tokens, pooled=True)
     prefill = run.prefill
-    sampling = Sampling(max_new_tokens=tokens)
-    steps = decode(kv.model, prefill.cache, prefill.logits[-1], prefill.next_position, sampling, (), fast_decoding=fast)
+    sampling = Sampling(max_new_tokens=tokens, prompt_lookup=Sampling().prompt_lookup if lookup else 0)
+    context = (prefill.prompt_ids or ()) if lookup else ()
+    steps = decode(
+        kv.model,
+        prefill.cache,
+        prefill.logits[-1],
+        prefill.next_position,
+        sampling,
+        (),
+        fast_decoding=fast,
+        context=context,
+    )
     next(steps)  # the first token comes from the prefill's logits: not a step
     t0 = time.perf_counter()
     count = sum(1 for _ in steps)
@@ -64,6 +87,10 @@ def decode_benchmark(
     if fast:
         if native_decoding(kv.model, True):
             paths["kvrag"] = lambda n: _on_step(kv, True, False, lambda: _decode_time(kv, question, texts, n, True))
+            for name, asked in (("", question), ("_quote", QUOTE)):
+                if name:
+                    paths["kvrag" + name] = functools.partial(_native, kv, asked, lambda: texts, False)
+                paths["kvrag_lookup" + name] = functools.partial(_native, kv, asked, lambda: texts, True)
         paths["kvrag_torch"] = lambda n: _on_step(kv, False, False, lambda: _decode_time(kv, question, texts, n, True))
         paths["kvrag_compiled"] = lambda n: _on_step(
             kv, False, True, lambda: _decode_time(kv, question, texts, n, True)
@@ -90,6 +117,13 @@ def decode_benchmark(
         compile_decoding(kv.model, compiled_before)
         native_decoding(kv.model, native_before)
     return rows
+
+
+def _native(
+    kv: KVModel, question: str, texts: Callable[[], list[ChunkKV]], lookup: bool, tokens: int
+) -> tuple[float, int, int]:
+    """The C step's seconds a token, with or without prompt-lookup drafts."""
+    return _on_step(kv, True, False, lambda: _decode_time(kv, question, texts(), tokens, True, lookup))
 
 
 def _on_step(

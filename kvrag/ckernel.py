@@ -4,7 +4,10 @@ that re-positions stored keys (`kernels/rotate_keys.c`).
 
 The decode step runs every layer and the head of a llama-family model for one token in one call: its
 vector-matrix products read each weight row in order, which lets the cores stream the weights near the memory
-bandwidth, and nothing runs in Python between the layers (`kvrag.fastdecode` says when it is used).
+bandwidth, and nothing runs in Python between the layers (`kvrag.fastdecode` says when it is used). The same
+call takes up to MAX_TOKENS consecutive tokens (a token and its prompt-lookup drafts): each weight row and each
+block of cached keys and values is read once for all of them, and each token's sums run as they would alone,
+so its logits are its single step's, bit for bit.
 
 torch runs one token's grouped-query attention over a long cache at a third to a quarter of what a core can
 read: its products for so few query rows, and its softmax, are not made for that shape. The kernel reads each
@@ -53,6 +56,7 @@ PREFILL_SOURCES = tuple(
     Path(__file__).with_name("kernels") / name for name in ("prefill_attention.c", "prefill_linear.c", "prefill_norm.c")
 )
 BLOCK = 256  # the kernel's block of cache slots
+MAX_TOKENS = 8  # tokens one call of the C decode step takes (`DecodeStep.steps`)
 MAX_GROUP, MAX_HEAD_DIM = 8, 256
 # Compiled with -ffast-math (the vector exp, reassociated sums) but linked without it: linked in, it would add
 # a constructor that flushes subnormal floats to zero for the whole process.
@@ -78,7 +82,8 @@ def _build(name: str, sources: tuple[Path, ...]) -> ctypes.CDLL | None:
     compiler = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
     if not compiler or not all(s.exists() for s in sources) or platform.system() != "Linux":
         return None
-    source = b"".join(s.read_bytes() for s in sources)
+    headers = sorted(sources[0].parent.glob("*.h"))  # what the sources include
+    source = b"".join(s.read_bytes() for s in (*sources, *headers))
     digest = hashlib.sha256(source + " ".join(COMPILE + LINK).encode() + _cpu_id().encode()).hexdigest()[:16]
     from kvrag.model import default_cache_dir
 
@@ -118,9 +123,9 @@ def _library() -> ctypes.CDLL | None:
         function.argtypes = [pointer] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int] * 2 + [ctypes.c_long] * 2
         function.argtypes += [ctypes.c_int]
         function.restype = None
-    library.decode_step.argtypes = [pointer, pointer, pointer, ctypes.c_long, ctypes.c_long, pointer, pointer]
-    library.decode_step.argtypes += [ctypes.c_long, pointer, ctypes.c_int]
-    library.decode_step.restype = ctypes.c_int
+    library.decode_steps.argtypes = [pointer, pointer, pointer, ctypes.c_long, pointer, ctypes.c_long, pointer]
+    library.decode_steps.argtypes += [pointer, ctypes.c_long, pointer, ctypes.c_int]
+    library.decode_steps.restype = ctypes.c_int
     return library
 
 
@@ -380,19 +385,43 @@ class DecodeStep:
         filled: int,
     ) -> torch.Tensor:
         """Logits [V] float32 for `token`, as `FastDecoder.step` (`takes` must hold)."""
-        capacity = keys[0].shape[1]
-        if not 0 <= filled < capacity or not 0 <= token < self.vocab:
-            raise ValueError(f"decode step: slot {filled} of {capacity}, token {token} of a vocabulary of {self.vocab}")
+        return self.steps([token], cos[None], sin[None], keys, values, filled)[0]
+
+    def steps(
+        self,
+        tokens: list[int],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        filled: int,
+    ) -> torch.Tensor:
+        """Logits [K, V] float32 of K = len(tokens) consecutive tokens (1 to MAX_TOKENS) in one pass over the
+        weights: token j at slot `filled + j`, with rotary rows cos[j], sin[j] ([K, d]), attending to slots
+        0..filled + j. Bit for bit the logits of K calls of one token each (`takes` must hold for cos[0])."""
+        capacity, count = keys[0].shape[1], len(tokens)
+        if not 1 <= count <= MAX_TOKENS or not 0 <= filled <= capacity - count:
+            raise ValueError(
+                f"decode step: {count} tokens from slot {filled} of {capacity} (1 to {MAX_TOKENS} tokens)"
+            )
+        if not all(0 <= t < self.vocab for t in tokens):
+            raise ValueError(f"decode step: tokens {tokens} outside a vocabulary of {self.vocab}")
+        rows = (count, self.head_dim)
+        if any(t.shape != rows or t.dtype != self.dtype or not t.is_contiguous() for t in (cos, sin)):
+            raise ValueError(
+                f"decode step: rotary rows {tuple(cos.shape)}, {tuple(sin.shape)}, not {rows} {self.dtype}"
+            )
         arrays = self._arrays(keys, values)
         if arrays is None:
             raise ValueError("decode step: a cache this step does not take (check `takes` first)")
-        logits = torch.empty(self.vocab, dtype=torch.float32)
-        status = self._library.decode_step(
+        logits = torch.empty(count, self.vocab, dtype=torch.float32)
+        status = self._library.decode_steps(
             ctypes.byref(self.model),
             arrays[0],
             arrays[1],
             capacity,
-            token,
+            (ctypes.c_long * count)(*tokens),
+            count,
             cos.data_ptr(),
             sin.data_ptr(),
             filled,

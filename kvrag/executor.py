@@ -117,7 +117,14 @@ class HFExecutor:
     def decode(self, prefill: Prefill, sampling: Sampling) -> Iterator[int]:
         kv = self.kvmodel
         return decode(
-            kv.model, prefill.cache, prefill.logits[-1], prefill.next_position, sampling, kv.eos_ids, lock=kv.lock
+            kv.model,
+            prefill.cache,
+            prefill.logits[-1],
+            prefill.next_position,
+            sampling,
+            kv.eos_ids,
+            lock=kv.lock,
+            context=prefill.prompt_ids or (),
         )
 
     def release(self, prefill: Prefill) -> None:

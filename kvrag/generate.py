@@ -11,12 +11,17 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
+from kvrag.ckernel import MAX_TOKENS
 from kvrag.compat import with_cache
 from kvrag.errors import InvalidRequestError
 from kvrag.fastdecode import Room, decode_room, decoder_of
+
+
+DRAFT_TOKENS = MAX_TOKENS - 1  # prompt-lookup drafts a greedy step may feed beside its token
 
 
 @dataclass(slots=True)
@@ -28,6 +33,9 @@ class Sampling:
     top_p: float = 1.0  # nucleus: sample only from the smallest set whose probability reaches top_p
     seed: int | None = None  # seeds a private generator: same seed, same tokens
     stop: tuple[str, ...] = field(default_factory=tuple)  # generation ends before the first of these strings
+    # greedy decoding's draft tokens a step, looked up in the prompt and the answer so far (0: none); the tokens
+    # are the same either way (`decode`)
+    prompt_lookup: int = DRAFT_TOKENS
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +52,11 @@ class Sampling:
             _check_number("seed", self.seed, integer=True)
             if not 0 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
                 raise InvalidRequestError(f"seed must be an int in 0..2**64 - 1, got {self.seed}")
+        _check_number("prompt_lookup", self.prompt_lookup, integer=True)
+        if not 0 <= self.prompt_lookup < MAX_TOKENS:
+            raise InvalidRequestError(
+                f"prompt_lookup must be in 0..{MAX_TOKENS - 1} draft tokens, got {self.prompt_lookup}"
+            )
         if self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if not 0 <= self.temperature < float("inf"):
@@ -83,11 +96,19 @@ def decode(
     eos_ids: Sequence[int],
     lock: ContextManager[Any] | None = None,
     fast_decoding: bool = True,
+    context: Sequence[int] = (),
 ) -> Iterator[int]:
     """Yield token ids: the first from `first_logits`, the rest one step each, until EOS or the limit.
 
     A step is `kvrag.fastdecode`'s where it takes the model (`fast_decoding=False` forces the transformers
     forward), else a transformers forward.
+
+    Greedy decoding on the C step speculates from `context` (the prompt's ids): a step feeds its token and up to
+    `sampling.prompt_lookup` draft tokens, those that followed the latest earlier occurrence of the answer's last
+    tokens in the prompt or the answer, as many as are worth their cost by how often the lookup has guessed right
+    in this answer (`PromptLookup`), in one pass over the weights; the drafts the model's own picks confirm are
+    kept, each confirmed one a step saved. Each fed token's logits are those a step of its own gives, bit for bit
+    (`ckernel.DecodeStep.steps`), so the tokens are the same as without drafts.
 
     An EOS id is yielded, then the iterator ends. The caller stops early (stop strings) by closing it.
     `lock` is held around each forward and never across a yield, so a paused or abandoned iterator
@@ -103,22 +124,97 @@ def decode(
             if fast is not None:
                 room = Room.of(cache, decode_room(model, sampling.max_new_tokens))
                 cos, sin = fast.rotary(position, sampling.max_new_tokens)  # [steps, d]: the positions decoded into
-    logits = first_logits
-    step = 0
+    drafts = sampling.prompt_lookup if sampling.temperature == 0 and context and fast is not None else 0
+    lookup = PromptLookup(context, sampling.max_new_tokens) if drafts else None
+    token = pick_token(first_logits, sampling, generator)
+    step = 0  # the index of the last token yielded; the tokens before it are in the cache
     try:
-        for step in range(sampling.max_new_tokens):
-            token = pick_token(logits, sampling, generator)
-            yield token
-            if token in eos_ids or step + 1 == sampling.max_new_tokens:
-                return
+        yield token
+        if lookup is not None:
+            lookup.push(token)
+        while token not in eos_ids and step + 1 < sampling.max_new_tokens:
             with lock or contextlib.nullcontext():
-                if fast is not None:
-                    logits = fast.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)
+                fed, guesses = [token], []
+                if fast is None:
+                    logits = _forward(model, cache, token, position + step)[None]
+                elif lookup is not None and fast.batched(cos, room.keys, room.values):
+                    # drafts only for tokens still to come: the last token of the answer is never fed
+                    guesses = lookup.draft(min(drafts, sampling.max_new_tokens - step - 2))
+                    fed += guesses[: lookup.worth(len(guesses))]
+                    rows = slice(step, step + len(fed))
+                    logits = fast.steps(fed, cos[rows], sin[rows], room.keys, room.values, room.filled + step)
                 else:
-                    logits = _forward(model, cache, token, position + step)
+                    logits = fast.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)[None]
+            for i in range(len(fed)):  # fed[i]'s logits pick the next token; a draft they do not pick ends the step
+                token = pick_token(logits[i], sampling, generator)
+                step += 1
+                yield token
+                if lookup is not None:
+                    lookup.push(token, guessed=guesses[i] if i < len(guesses) else None)
+                if token in eos_ids or step + 1 == sampling.max_new_tokens:
+                    break
+                if i + 1 < len(fed) and fed[i + 1] != token:
+                    break
     finally:
         if fast is not None:
             room.commit(cache, room.filled + step)  # the tokens fed so far, as a forward would have left the cache
+
+
+class PromptLookup:
+    """Draft tokens from the prompt and the answer so far (prompt-lookup decoding, as transformers'
+    `prompt_lookup_num_tokens` and vLLM's n-gram speculation): the tokens that followed the latest earlier
+    occurrence of the last NGRAM tokens, else of fewer.
+
+    How many of them are worth feeding: a draft costs a share of a step (COST) and saves a whole step when it is
+    confirmed, so the j-th draft is fed while the chance that the first j are all confirmed, `rate ** j`, is above
+    COST. `rate` follows how often the lookup's first guess was the token the model picked (a running mean over
+    the answer, updated at every token it guessed, fed or not), so an answer that quotes its prompt drafts long
+    and one that does not drafts nothing after a few misses.
+    """
+
+    NGRAM = 3  # longest suffix of the answer looked up
+    # an extra token's share of a step's time: 0.23 at 100 cached tokens, 0.36 at 4k (bfloat16, 2 threads,
+    # SmolLM2-135M; docs/performance.md)
+    COST = 0.65
+    MEMORY = 0.3  # the weight of the newest guess in `rate`
+
+    def __init__(self, context: Sequence[int], room: int) -> None:
+        self.ids = np.empty(len(context) + room + 1, dtype=np.int64)
+        self.ids[: len(context)] = context
+        self.size = len(context)
+        self.rate = 0.5  # before any guess: one draft (0.5 > COST), then what the answer shows
+
+    def push(self, token: int, guessed: int | None = None) -> None:
+        """Append the answer's next token; `guessed`: what the lookup had drafted for it, if anything."""
+        self.ids[self.size] = token
+        self.size += 1
+        if guessed is not None:
+            self.rate += self.MEMORY * ((guessed == token) - self.rate)
+
+    def worth(self, available: int) -> int:
+        """How many of `available` drafts to feed: those whose chance of being confirmed with all before them is
+        above their cost."""
+        count, chance = 0, self.rate
+        while count < available and chance > self.COST:
+            count += 1
+            chance *= self.rate
+        return count
+
+    def draft(self, count: int) -> list[int]:
+        """Up to `count` tokens that followed the latest earlier occurrence of the ids' last n tokens (n from NGRAM
+        down to 1); [] where none occurred."""
+        ids, size = self.ids, self.size
+        if count <= 0:
+            return []
+        for n in range(min(self.NGRAM, size - 1), 0, -1):
+            found = ids[: size - n] == ids[size - n]  # starts s with ids[s:s+n] == the last n ids, s + n < size
+            for i in range(1, n):
+                found &= ids[i : size - n + i] == ids[size - n + i]
+            starts = np.flatnonzero(found)
+            if len(starts):
+                start = int(starts[-1]) + n
+                return ids[start : min(start + count, size)].tolist()
+        return []
 
 
 def _forward(model: torch.nn.Module, cache: DynamicCache, token: int, position: int) -> torch.Tensor:

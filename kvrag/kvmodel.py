@@ -262,7 +262,7 @@ class KVModel:
                 budget: fraction of context tokens a budgeted strategy may recompute (None: the default's,
                     0.05).
                 strict: never exceed the budget (a long target is recomputed in part; see kvrag.strategies).
-                max_new_tokens, temperature, top_p, seed, stop: decoding (temperature 0 is greedy).
+                max_new_tokens, temperature, top_p, seed, stop, prompt_lookup: decoding (temperature 0 is greedy).
         """
         t0 = started_at if started_at is not None else time.perf_counter()
         request = self.request(question, chunks, **options)
@@ -273,7 +273,8 @@ class KVModel:
     def stream_prompt(self, prompt: str | Sequence[int], **sampling: Any) -> Iterator[str | Answer]:
         """Plain generation from a whole prompt (text, tokenized as is, or ids): full prefill, no chunks.
 
-        The keyword arguments are `stream`'s decoding ones (max_new_tokens, temperature, top_p, seed, stop).
+        The keyword arguments are `stream`'s decoding ones (max_new_tokens, temperature, top_p, seed, stop,
+        prompt_lookup).
         """
         t0 = time.perf_counter()
         decoding = Sampling(**sampling)
@@ -291,6 +292,7 @@ class KVModel:
             )
         with self.lock:
             out = full_prefill(self.model, ids)
+        out.prompt_ids = ids
 
         def stats(tokens: list[int], ttft: float, total: float) -> AnswerStats:
             return AnswerStats.of_prompt(len(ids), len(tokens), ttft, total)

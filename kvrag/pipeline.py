@@ -129,6 +129,7 @@ def prefill(
                     reads_store=executor.reads_store,
                 )
             out = executor.prefill(job, phases=phases, pooled=pooled)
+    out.prompt_ids = [*kvmodel.layout.prefix_ids, *(t for ids in job.chunk_ids for t in ids), *job.suffix_ids]
     return Prefilled(out, decision, measure, chunks, job.context_tokens)
 
 

@@ -34,6 +34,7 @@ class Prefill:
     recomputed_tokens: int  # context tokens in S
     attentions: tuple[torch.Tensor, ...] | None = None  # per layer [1, heads, Q, K], when asked for
     key_positions: torch.Tensor | None = None  # [N] logical position of each physical cache slot; None: in order
+    prompt_ids: list[int] | None = None  # the prompt's token ids in logical order, where the caller knows them
 
 
 def causal_mask(key_positions: torch.Tensor, query_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

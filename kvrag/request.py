@@ -65,7 +65,8 @@ class Request:
         unknown = sorted(set(options) - set(REQUEST_FIELDS))
         if unknown:
             raise InvalidRequestError(
-                f"unknown argument(s) {', '.join(unknown)}: a request takes {', '.join(REQUEST_FIELDS + SAMPLING_FIELDS)}"
+                f"unknown argument(s) {', '.join(unknown)}: a request takes "
+                f"{', '.join(REQUEST_FIELDS + SAMPLING_FIELDS)}"
             )
         return cls(question, None if chunks is None else list(chunks), sampling=Sampling(**decoding), **options)
 
@@ -105,7 +106,7 @@ class Request:
 
 
 REQUEST_FIELDS = ("strategy", "picker", "target", "scores", "budget", "strict")
-SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "stop")
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "stop", "prompt_lookup")
 
 
 def as_index(target: Any, n: int) -> int | None:

@@ -233,3 +233,46 @@ def test_the_c_step_is_not_made_where_the_kernels_did_not_build(monkeypatch):
     assert not native_decoding(model, True)
     slow, _ = _decode(model, _ids(30), 6, fast=False)
     assert _decode(model, _ids(30), 6, fast=True)[0] == slow
+
+
+def _odd_model():
+    """A llama whose products have tails past their 32-lane bodies (hidden 80, ffn 144, head_dim 16)."""
+    from tiny import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads = 80, 144, 5, 1
+    config.head_dim = 16
+    torch.manual_seed(3)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+
+
+@pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.ckernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", [*TAKEN, "odd shapes"])
+def test_a_step_of_several_tokens_is_those_single_steps_bit_for_bit(name, dtype):
+    """K tokens in one pass over the weights: each one's logits and cache slot are what K steps of one token
+    give, exactly, for every K the C step takes, over attention blocks' edges (256 slots)."""
+    model = copy.deepcopy(_odd_model() if name == "odd shapes" else tiny_model(name)).to(dtype)
+    assert native_decoding(model, True)
+    decoder = decoder_of(model)
+    ids = _ids(260, seed=4)
+    for filled_at, count in [(20, 1), (20, 2), (40, 5), (250, ckernel.MAX_TOKENS), (200, 3)]:
+        out = full_prefill(model, ids[:filled_at])
+        single, several = Room.of(out.cache, 12), Room.of(copy.deepcopy(out.cache), 12)
+        cos, sin = decoder.rotary(filled_at, count)
+        tokens = ids[filled_at : filled_at + count]
+        one_by_one = torch.stack(
+            [
+                decoder.native(token, cos[j], sin[j], single.keys, single.values, single.filled + j)
+                for j, token in enumerate(tokens)
+            ]
+        )
+        at_once = decoder.native.steps(tokens, cos, sin, several.keys, several.values, several.filled)
+        assert at_once.shape == (count, model.config.vocab_size)
+        assert torch.equal(at_once, one_by_one), f"{count} tokens from slot {filled_at}"
+        end = single.filled + count
+        for a, b in zip([*single.keys, *single.values], [*several.keys, *several.values]):
+            assert torch.equal(a[:, :end], b[:, :end])
+    with pytest.raises(ValueError, match="1 to 8 tokens"):
+        decoder.native.steps(ids[:9], *decoder.rotary(0, 9), single.keys, single.values, 0)

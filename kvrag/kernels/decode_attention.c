@@ -16,16 +16,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vectors.h"
+
 #define BLOCK 256
 #define AHEAD 4096 /* bytes ahead in a stream of keys or values that a load asks the memory for */
 #define MAX_GROUP 8   /* query heads a kv head */
 #define MAX_CHUNKS 16 /* head_dim / 16 */
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
-static inline v16 load_f32(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 
 static inline v16 load_bf16(const uint16_t *p) {
     u16x16 h; memcpy(&h, p, sizeof h);
@@ -33,24 +31,36 @@ static inline v16 load_bf16(const uint16_t *p) {
     v16 v; memcpy(&v, &u, sizeof v); return v;
 }
 
-static inline float lanes_sum(v16 v) { float s = 0; for (int i = 0; i < 16; i++) s += v[i]; return s; }
+/* s[t] = exp(s[t] - m) for t < len, and their sum: one copy of the code for every block task, so that a row's
+ * sum is the same whichever task computed it */
+__attribute__((noinline)) static float exp_sum(float *s, int len, float m) {
+    float sum = 0;
+    _Pragma("omp simd reduction(+ : sum)")
+    for (int t = 0; t < len; t++) {
+        s[t] = expf(s[t] - m);
+        sum += s[t];
+    }
+    return sum;
+}
 
-/* One block of slots t0..t1 of kv head h: its G query heads' scores, exponentials and weighted values, written
- * to p ([G][D + 2]: the block's largest score, its mass, then the weighted values). Inlined where G and the
- * number of 16-lane chunks of a head are constants, so that the query rows and the accumulators stay in
- * registers (with G and chunks only known at run time they live on the stack, and every key and value costs a
- * round trip through memory for each of them). */
+/* One block of slots t0..t1 of kv head h for G query rows (a kv head's query heads, of one token or of several):
+ * row g's query at q[g], its block's largest score, mass and weighted values written to p[g] ([D + 2]). Each row
+ * is computed alone (its dot products, sums and exponentials in the same order whatever the other rows are), the
+ * rows only share each key and value loaded. Inlined where G and the number of 16-lane chunks of a head are
+ * constants, so that the query rows and the accumulators stay in registers (with G and chunks only known at run
+ * time they live on the stack, and every key and value costs a round trip through memory for each of them). */
 #define BLOCK_TASK(NAME, T, LOAD)                                                                               \
-    static inline __attribute__((always_inline)) void NAME(const float *q, const T *keys, const T *values,      \
-                                                           long stride, long h, long t0, long t1, float *p,     \
-                                                           const int G, const int chunks) {                     \
+    static inline __attribute__((always_inline)) void NAME(const float *const *q, const T *keys,                \
+                                                           const T *values, long stride, long h, long t0,       \
+                                                           long t1, float *const *p, const int G,               \
+                                                           const int chunks) {                                  \
         const int D = chunks * 16;                                                                              \
         float scores[MAX_GROUP][BLOCK], top[MAX_GROUP], mass[MAX_GROUP];                                        \
         v16 qv[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];                                              \
         for (int g = 0; g < G; g++) {                                                                           \
             top[g] = -3.0e38f;                                                                                  \
             for (int c = 0; c < chunks; c++) {                                                                  \
-                qv[g][c] = load_f32(q + (h * G + g) * D + c * 16);                                              \
+                qv[g][c] = load_f32(q[g] + c * 16);                                                             \
                 acc[g][c] = (v16){0};                                                                           \
             }                                                                                                   \
         }                                                                                                       \
@@ -71,15 +81,7 @@ static inline float lanes_sum(v16 v) { float s = 0; for (int i = 0; i < 16; i++)
             }                                                                                                   \
         }                                                                                                       \
         int len = (int)(t1 - t0);                                                                               \
-        for (int g = 0; g < G; g++) {                                                                           \
-            float m = top[g], sum = 0, *s = scores[g];                                                          \
-            _Pragma("omp simd reduction(+ : sum)")                                                              \
-            for (int t = 0; t < len; t++) {                                                                     \
-                s[t] = expf(s[t] - m);                                                                          \
-                sum += s[t];                                                                                    \
-            }                                                                                                   \
-            mass[g] = sum;                                                                                      \
-        }                                                                                                       \
+        for (int g = 0; g < G; g++) mass[g] = exp_sum(scores[g], len, top[g]);                                  \
         for (long t = t0; t < t1; t++) {                                                                        \
             const T *v = values + (h * stride + t) * D;                                                         \
             for (int c = 0; c < chunks; c++) {                                                                  \
@@ -89,10 +91,9 @@ static inline float lanes_sum(v16 v) { float s = 0; for (int i = 0; i < 16; i++)
             }                                                                                                   \
         }                                                                                                       \
         for (int g = 0; g < G; g++) {                                                                           \
-            float *pg = p + g * (D + 2);                                                                        \
-            pg[0] = top[g];                                                                                     \
-            pg[1] = mass[g];                                                                                    \
-            memcpy(pg + 2, acc[g], sizeof(float) * D);                                                          \
+            p[g][0] = top[g];                                                                                   \
+            p[g][1] = mass[g];                                                                                  \
+            memcpy(p[g] + 2, acc[g], sizeof(float) * D);                                                        \
         }                                                                                                       \
     }
 
@@ -108,39 +109,72 @@ static inline float lanes_sum(v16 v) { float s = 0; for (int i = 0; i < 16; i++)
     case 108: TASK(ARGS, 1, 8); break;                                                                          \
     case 208: TASK(ARGS, 2, 8); break;                                                                          \
     case 408: TASK(ARGS, 4, 8); break;                                                                          \
+    case 604: TASK(ARGS, 6, 4); break;                                                                          \
+    case 804: TASK(ARGS, 8, 4); break;                                                                          \
+    case 608: TASK(ARGS, 6, 8); break;                                                                          \
+    case 808: TASK(ARGS, 8, 8); break;                                                                          \
     default: TASK(ARGS, G, chunks); break;                                                                      \
     }
 
-/* q: [hkv * G, D] float32, already scaled. keys, values: [hkv, stride, D]. out: [hkv * G, D] float32.
- * part: scratch of hkv * ceil(n / BLOCK) * G * (D + 2) floats. D a multiple of 16, at most 16 * MAX_CHUNKS. */
+/* K tokens' attention (1 to MAX_QUERIES) at consecutive slots: query j ([hkv * G, D] float32, already scaled,
+ * at q + j * hkv * G * D) attends to slots 0..n + j - 1 of keys, values ([hkv, stride, D]); its output goes to
+ * out + j * hkv * G * D. A task is one block of one kv head for all K queries, one after the other: the block's
+ * keys and values come from memory once and stay in the core's cache for the next query. Each query's blocks and
+ * their merge run the same code whatever K is, so its output is what it would be alone, bit for bit.
+ * part: scratch of K * hkv * ceil((n + K - 1) / BLOCK) * G * (D + 2) floats. D a multiple of 16, at most
+ * 16 * MAX_CHUNKS. */
 #define DECODE_ATTENTION(NAME, TASK, T)                                                                         \
-    void NAME(const float *q, const T *keys, const T *values, long stride, int hkv, int G, int D, long n,        \
-              float *out, float *part, int threads) {                                                           \
-        long blocks = (n + BLOCK - 1) / BLOCK;                                                                  \
-        long tasks = hkv * blocks;                                                                              \
+    __attribute__((noinline)) void NAME##_queries(const float *queries, const T *keys, const T *values,         \
+                                                  long stride, int hkv, int G, int D, long n, int K, float *outs, \
+                                                  float *part, int threads) {                                     \
+        long blocks = (n + K - 1 + BLOCK - 1) / BLOCK, rows = (long)hkv * G * D;                                \
+        long tasks = hkv * blocks, size = G * (D + 2);                                                          \
         int chunks = D / 16;                                                                                    \
+        int together = MAX_GROUP / G < K ? MAX_GROUP / G : K; /* queries a block task takes at once */         \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                                       \
         for (long task = 0; task < tasks; task++) {                                                            \
-            long h = task / blocks, t0 = (task % blocks) * BLOCK, t1 = t0 + BLOCK < n ? t0 + BLOCK : n;         \
-            float *p = part + task * G * (D + 2);                                                               \
-            SHAPES(TASK, ARGS_OF_TASK, G, chunks)                                                               \
-        }                                                                                                       \
-        for (long h = 0; h < hkv; h++)                                                                          \
-            for (int g = 0; g < G; g++) {                                                                       \
-                float m = -3.0e38f, total = 0, *o = out + (h * G + g) * D;                                      \
-                for (long b = 0; b < blocks; b++) {                                                             \
-                    float top_b = part[((h * blocks + b) * G + g) * (D + 2)];                                   \
-                    m = top_b > m ? top_b : m;                                                                  \
+            long h = task / blocks, t0 = (task % blocks) * BLOCK;                                               \
+            const float *q[MAX_GROUP];                                                                          \
+            float *p[MAX_GROUP];                                                                                \
+            for (int j = 0; j < K;) {                                                                           \
+                long t1 = t0 + BLOCK < n + j ? t0 + BLOCK : n + j;                                              \
+                /* queries that all see the whole block go together; the others one by one */                  \
+                int take = t1 == t0 + BLOCK && j + together <= K ? together : 1;                                \
+                if (t1 <= t0) { j++; continue; }                                                                \
+                for (int i = 0; i < take * G; i++) {                                                            \
+                    q[i] = queries + (j + i / G) * rows + (h * G + i % G) * D;                                  \
+                    p[i] = part + ((j + i / G) * tasks + task) * size + (i % G) * (D + 2);                      \
                 }                                                                                               \
-                memset(o, 0, sizeof(float) * D);                                                                \
-                for (long b = 0; b < blocks; b++) {                                                             \
-                    const float *p = part + ((h * blocks + b) * G + g) * (D + 2);                               \
-                    float r = expf(p[0] - m);                                                                   \
-                    total += p[1] * r;                                                                          \
-                    for (int d = 0; d < D; d++) o[d] += p[2 + d] * r;                                           \
-                }                                                                                               \
-                for (int d = 0; d < D; d++) o[d] /= total;                                                      \
+                SHAPES(TASK, ARGS_OF_TASK, take * G, chunks)                                                    \
+                j += take;                                                                                      \
             }                                                                                                   \
+        }                                                                                                       \
+        for (int j = 0; j < K; j++) {                                                                           \
+            long seen = (n + j + BLOCK - 1) / BLOCK; /* the blocks query j reads */                            \
+            for (long h = 0; h < hkv; h++)                                                                      \
+                for (int g = 0; g < G; g++) {                                                                   \
+                    float m = -3.0e38f, total = 0, *o = outs + j * rows + (h * G + g) * D;                      \
+                    const float *ph = part + (j * tasks + h * blocks) * size + g * (D + 2);                     \
+                    for (long b = 0; b < seen; b++) {                                                           \
+                        float top_b = ph[b * size];                                                             \
+                        m = top_b > m ? top_b : m;                                                              \
+                    }                                                                                           \
+                    memset(o, 0, sizeof(float) * D);                                                            \
+                    for (long b = 0; b < seen; b++) {                                                           \
+                        const float *p = ph + b * size;                                                         \
+                        float r = expf(p[0] - m);                                                               \
+                        total += p[1] * r;                                                                      \
+                        for (int d = 0; d < D; d++) o[d] += p[2 + d] * r;                                       \
+                    }                                                                                           \
+                    for (int d = 0; d < D; d++) o[d] /= total;                                                  \
+                }                                                                                               \
+        }                                                                                                       \
+    }                                                                                                           \
+    /* one token's attention over slots 0..n-1: q [hkv * G, D], out [hkv * G, D]; part: hkv * ceil(n / BLOCK) \
+     * * G * (D + 2) floats */                                                                                  \
+    void NAME(const float *q, const T *keys, const T *values, long stride, int hkv, int G, int D, long n,        \
+              float *out, float *part, int threads) {                                                           \
+        NAME##_queries(q, keys, values, stride, hkv, G, D, n, 1, out, part, threads);                           \
     }
 
 #define ARGS_OF_TASK q, keys, values, stride, h, t0, t1, p
