@@ -19,8 +19,8 @@ Anything else decodes through transformers (`supports` says why).
 In C (the default where it builds): `kvrag.ckernel.DecodeStep` runs the same step, every layer and the head,
 in one call a token (`kernels/decode_step.c`), over the same weights and cache, float32 or bfloat16; `steps`
 runs up to eight consecutive tokens in one pass over the weights, each one's logits bit for bit its own step's
-(what greedy decoding's prompt-lookup drafts are checked with: `kvrag.generate.decode`). Its
-products read each weight row in order, so the cores stream the weights near the memory bandwidth (twice the
+(what greedy decoding's prompt-lookup drafts are checked with, where `batched` says so: `kvrag.generate.decode`).
+Its products read each weight row in order, so the cores stream the weights near the memory bandwidth (twice the
 torch step's rate in bfloat16 here: docs/performance.md, "Decoding"), and nothing runs in Python between the
 layers. Its logits equal the torch step's to float32 rounding in float32; in bfloat16 it rounds where the torch
 step rounds, so they differ by the order of sums (about one bfloat16 step of a logit). `native_decoding(model,
@@ -287,29 +287,10 @@ class FastDecoder:
         return self.lm_head(self._rms(x, self.norm)).float()
 
     def batched(self, cos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
-        """Whether `steps` runs several tokens in one pass over the weights here (the C step takes this cache and
-        rotary table [steps, d]); elsewhere it runs them one step each."""
+        """Whether `native.steps` runs several tokens in one pass over the weights here: the C step decodes and
+        takes this cache and rotary table [steps, d]."""
         native = self.native
         return native is not None and self.use_native and native.takes(cos[0], keys, values)
-
-    @torch.inference_mode()
-    def steps(
-        self,
-        tokens: list[int],
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        filled: int,
-    ) -> torch.Tensor:
-        """Logits [K, V] of K consecutive tokens, token j at slot `filled + j` with rotary rows cos[j], sin[j]:
-        each row what `step` gives for that token alone, bit for bit. One pass over the weights where `batched`
-        holds (`ckernel.DecodeStep.steps`), else one step a token."""
-        if self.batched(cos, keys, values):
-            return self.native.steps(tokens, cos, sin, keys, values, filled)
-        return torch.stack(
-            [self.step(t, cos[j], sin[j], keys, values, filled + j) for j, t in enumerate(tokens)]
-        )
 
     def _compiled_step(
         self,

@@ -142,7 +142,7 @@ def decode(
                     guesses = lookup.draft(min(drafts, sampling.max_new_tokens - step - 2))
                     fed += guesses[: lookup.worth(len(guesses))]
                     rows = slice(step, step + len(fed))
-                    logits = fast.steps(fed, cos[rows], sin[rows], room.keys, room.values, room.filled + step)
+                    logits = fast.native.steps(fed, cos[rows], sin[rows], room.keys, room.values, room.filled + step)
                 else:
                     logits = fast.step(token, cos[step], sin[step], room.keys, room.values, room.filled + step)[None]
             for i in range(len(fed)):  # fed[i]'s logits pick the next token; a draft they do not pick ends the step

@@ -129,7 +129,8 @@ def prefill(
                     reads_store=executor.reads_store,
                 )
             out = executor.prefill(job, phases=phases, pooled=pooled)
-    out.prompt_ids = [*kvmodel.layout.prefix_ids, *(t for ids in job.chunk_ids for t in ids), *job.suffix_ids]
+    if out.prompt_ids is None:  # what decoding's prompt-lookup drafts are looked up in
+        out.prompt_ids = [*kvmodel.layout.prefix_ids, *(t for ids in job.chunk_ids for t in ids), *job.suffix_ids]
     return Prefilled(out, decision, measure, chunks, job.context_tokens)
 
 

@@ -1,4 +1,5 @@
-/* One decoded token's attention over a cache, grouped-query, on CPU: kvrag.ckernel builds and loads this.
+/* A decoded token's attention over a cache, grouped-query, on CPU, or that of several consecutive tokens (a
+ * token and its prompt-lookup drafts, each seeing the cache up to itself): kvrag.ckernel builds and loads this.
  *
  * For each kv head, its G query heads' scores over the n cached slots, softmax, weighted values. The slots are
  * split into blocks of BLOCK (flash-decoding): a block's scores, exponentials and weighted values are computed
