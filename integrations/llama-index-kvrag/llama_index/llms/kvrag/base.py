@@ -30,6 +30,7 @@ from llama_index.core.llms.custom import CustomLLM
 from kvrag import KVRAG, Answer, InvalidRequestError, KVModel
 from kvrag.aio import in_thread, to_thread
 from kvrag.answer import last_answer
+from kvrag.generate import DRAFT_TOKENS
 from kvrag.request import SAMPLING_FIELDS, check_options
 
 dispatcher = instrument.get_dispatcher(__name__)
@@ -95,7 +96,8 @@ class KVRAGLLM(CustomLLM):
 
     Args:
         kvmodel: the kvrag model (`KVModel.from_pretrained()`, or a KVRAG engine's `engine.kvmodel`).
-        max_new_tokens, temperature, top_p, seed, stop: decoding, checked here as a kvrag request checks them.
+        max_new_tokens, temperature, top_p, seed, stop, prompt_lookup: decoding, checked here as a kvrag request
+            checks them.
         kwargs: LlamaIndex LLM fields (callback_manager, system_prompt, messages_to_prompt, ...).
 
     Responses carry `prompt_tokens`, `completion_tokens` and `total_tokens` in `additional_kwargs` and
@@ -111,6 +113,10 @@ class KVRAGLLM(CustomLLM):
     top_p: float = Field(default=1.0, description="nucleus sampling mass, in (0, 1]")
     seed: Optional[int] = Field(default=None, description="seeds sampling: same seed, same tokens")
     stop: List[str] = Field(default_factory=list, description="generation ends before the first of these strings")
+    prompt_lookup: int = Field(
+        default=DRAFT_TOKENS,
+        description="greedy decoding's prompt-lookup draft tokens a step at most (0: none); the same tokens either way",
+    )
     _kvmodel: KVModel = PrivateAttr()
 
     def __init__(self, kvmodel: KVModel, **kwargs: Any) -> None:

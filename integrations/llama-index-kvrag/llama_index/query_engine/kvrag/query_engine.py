@@ -112,7 +112,7 @@ class KVRAGQueryEngine(BaseQueryEngine):
             refused (caches of two models never mix).
         callback_manager: LlamaIndex callbacks (default `Settings.callback_manager`): query, retrieve (kvrag's
             own retriever), synthesize, templating and llm events.
-        generation: decoding arguments (max_new_tokens, temperature, top_p, seed, stop).
+        generation: decoding arguments (max_new_tokens, temperature, top_p, seed, stop, prompt_lookup).
 
     Each response's `metadata["kvrag"]` holds the answer's stats (filled when a stream ends). With no node
     retrieved the response text is `kvrag.NO_CONTEXT` and no generation runs, in every mode. The LLM events show
