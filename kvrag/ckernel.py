@@ -1,6 +1,7 @@
 """Small C kernels for CPU hot paths, built here on first use: a whole decode step (`kernels/decode_step.c`,
 `DecodeStep`), its attention (`kernels/decode_attention.c`, which the torch step calls too) and the rotation
-that re-positions stored keys (`kernels/rotate_keys.c`).
+that re-positions stored keys (`kernels/rotate_keys.c`), and the streaming read `kvrag.roofline` calibrates the
+memory's read rate with (`kernels/stream_read.c`).
 
 The decode step runs every layer and the head of a llama-family model for one token in one call: its
 vector-matrix products read each weight row in order, which lets the cores stream the weights near the memory
@@ -48,7 +49,8 @@ from typing import Callable
 import torch
 
 SOURCES = tuple(
-    Path(__file__).with_name("kernels") / name for name in ("decode_attention.c", "rotate_keys.c", "decode_step.c")
+    Path(__file__).with_name("kernels") / name
+    for name in ("decode_attention.c", "rotate_keys.c", "decode_step.c", "stream_read.c")
 )
 # built apart, at a bfloat16 prefill's first attention or linear layer: its build takes seconds, and float32 models
 # never need it
@@ -126,7 +128,21 @@ def _library() -> ctypes.CDLL | None:
     library.decode_steps.argtypes = [pointer, pointer, pointer, ctypes.c_long, pointer, ctypes.c_long, pointer]
     library.decode_steps.argtypes += [pointer, ctypes.c_long, pointer, ctypes.c_int]
     library.decode_steps.restype = ctypes.c_int
+    library.stream_read.argtypes = [pointer, ctypes.c_long, ctypes.c_int]
+    library.stream_read.restype = ctypes.c_float
     return library
+
+
+def stream_read(buffer: torch.Tensor) -> float | None:
+    """The sum of a contiguous CPU float32 buffer of a multiple of 64 elements, read front to back by the threads
+    (`kernels/stream_read.c`): what `kvrag.roofline` times for the memory's read rate. None without the kernels."""
+    library = _library()
+    if library is None:
+        return None
+    cpu_float = buffer.dtype == torch.float32 and buffer.device.type == "cpu"
+    if not cpu_float or not buffer.is_contiguous() or buffer.numel() % 64:
+        raise ValueError("stream_read takes a contiguous CPU float32 buffer of a multiple of 64 elements")
+    return float(library.stream_read(buffer.data_ptr(), buffer.numel() * 4, torch.get_num_threads()))
 
 
 def supports(keys: torch.Tensor, group: int) -> bool:

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvrag import ckernel
+from kvrag import ckernel, hugepages
 from kvrag.linear import PrefillLinear
 
 TAKEN = ("llama", "mistral", "qwen2", "qwen3")
@@ -147,11 +147,12 @@ class FastDecoder:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scale = inner.layers[0].self_attn.scaling
-        self.embed = inner.embed_tokens.weight  # [V, D]
         self.norm = inner.norm.weight  # [D]
         self.threads = max(1, torch.get_num_threads())
-        self.lm_head = Product(model.lm_head.weight, None, self.threads)  # [V, D]
         self.layers = [self._layer(layer, self.threads) for layer in inner.layers]
+        (head,) = _arranged([(model.lm_head,)])  # the embedding too, where the model ties them
+        self.embed = inner.embed_tokens.weight  # [V, D]
+        self.lm_head = Product(head, None, self.threads)  # [V, D]
         self.native = ckernel.DecodeStep.of(self)  # the whole step in C, where the kernels built and take it
         self.use_native = True  # `native_decoding(model, False)` turns it off (the torch step decodes)
         self.compiled: tuple[Any, Any] | None = None  # (layer step, head) once `compile` is called
@@ -163,15 +164,16 @@ class FastDecoder:
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        qkv, o, gate_up, down = _arranged([projections, (attn.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)])
         return FastLayer(
             norm_in=layer.input_layernorm.weight,
-            qkv=Product(_stacked(*projections), _stacked_bias(*projections), parts),
+            qkv=Product(qkv, _stacked_bias(*projections), parts),
             q_norm=q_norm.weight if q_norm is not None else None,
             k_norm=k_norm.weight if k_norm is not None else None,
-            o=Product(attn.o_proj.weight, None, parts),
+            o=Product(o, None, parts),
             norm_post=layer.post_attention_layernorm.weight,
-            gate_up=Product(_stacked(mlp.gate_proj, mlp.up_proj), None, parts),
-            down=Product(mlp.down_proj.weight, None, parts),
+            gate_up=Product(gate_up, None, parts),
+            down=Product(down, None, parts),
         )
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
@@ -182,7 +184,8 @@ class FastDecoder:
     def current(self) -> bool:
         """Whether the model still computes with the weights this decoder reads (none replaced, cast or moved)."""
         inner = self.model.model
-        if inner.embed_tokens.weight is not self.embed or self.model.lm_head.weight is not self.lm_head.weight:
+        head = self.model.lm_head.weight
+        if inner.embed_tokens.weight is not self.embed or head.data_ptr() != self.lm_head.weight.data_ptr():
             return False
         for layer, fast in zip(inner.layers, self.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -472,15 +475,28 @@ def compile_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
     return decoder is not None
 
 
-def _stacked(*linears: torch.nn.Linear) -> torch.Tensor:
-    """The linears' weights stacked by rows in one tensor, which their own weights then view: one product here,
-    the same values for the transformers forward, and no second copy of the weights."""
-    fused = torch.cat([m.weight for m in linears]).contiguous()
-    row = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight.data = fused[row : row + rows]
-        row += rows
+def _arranged(groups: list[tuple[torch.nn.Linear, ...]]) -> list[torch.Tensor]:
+    """Each group's weights stacked by rows (q, k and v; gate and up), the groups one after the other in one
+    buffer, in the order a step reads them, on huge pages where the CPU memory has them (`kvrag.hugepages`: a
+    step streams its weights faster from there); the linears' own weights then view the buffer. One product a
+    group here, the same values for the transformers forward, and no second copy of the weights (the old ones are
+    freed as the modules let go of them). On another device the groups are only stacked."""
+    weights = [[m.weight for m in group] for group in groups]
+    shapes = [(sum(w.shape[0] for w in group), group[0].shape[1]) for group in weights]
+    first = weights[0][0]
+    if first.device.type == "cpu" and all(w.dtype == first.dtype for group in weights for w in group):
+        size = [rows * inner for rows, inner in shapes]
+        whole = hugepages.empty((sum(size),), first.dtype)
+        fused = [part.view(shape) for part, shape in zip(whole.split(size), shapes)]
+    else:
+        fused = [group[0].new_empty(shape) for group, shape in zip(weights, shapes)]
+    for group, linears, out in zip(weights, groups, fused):
+        torch.cat([w.detach() for w in group], out=out)
+        row = 0
+        for m in linears:
+            rows = m.weight.shape[0]
+            m.weight.data = out[row : row + rows]
+            row += rows
     return fused
 
 

@@ -332,3 +332,13 @@ def test_a_token_that_sees_no_key_gets_zeros_and_the_others_are_untouched():
     others = [i for i in range(20) if i != 7]
     want = _attention_reference(q, k, v, torch.ones_like(allowed))[:, others]
     assert (got[:, others].float() - want).abs().max() < 2e-2
+
+
+def test_the_streaming_read_sums_the_buffer_and_refuses_what_it_cannot_read():
+    if not ckernel.available():
+        pytest.skip("no C compiler for kvrag.ckernel")
+    buffer = torch.arange(64 * 100, dtype=torch.float32) % 7
+    assert ckernel.stream_read(buffer) == pytest.approx(float(buffer.sum()))
+    for bad in (buffer[:100], buffer.double(), buffer.view(100, 64).t()):
+        with pytest.raises(ValueError, match="float32 buffer of a multiple of 64"):
+            ckernel.stream_read(bad)
