@@ -1,11 +1,11 @@
 """CPU tensors on transparent huge pages (2 MB), for the memory a decode step streams: its weights.
 
 A decode step reads every weight once, front to back, and on CPU its time is the time the memory takes to
-deliver them. From ordinary 4 KB pages that delivery is slower: every 4 KB the stream needs another page-table
-walk, and the cores' prefetchers, which follow a stream within a page, start over. Measured here (2 threads,
-the bfloat16 default model, the C step at 4,184 cached tokens, the same cache, alternated 15 times): 14.7 and
-15.2 ms a token with the weights on 4 KB pages, 12.2 and 13.5 ms with them on 2 MB pages
-(docs/performance.md, "Decoding").
+deliver them. From ordinary 4 KB pages every 4 KB of the stream needs its own translation, and the cores'
+prefetchers, which follow a stream within a page, start over at each. `kvrag bench-decode` times the C step
+over the decoder's weights and over a copy on small pages in the same rounds (`kvrag_small_pages`): in bfloat16
+at 4,184 cached tokens 12.9 against 14.5 and 12.9 against 13.8 ms a token in two runs; at 1,095, 10.3 against
+10.3 and 10.9 against 10.8 (docs/performance.md, "Weights on huge pages").
 
 Linux gives an anonymous mapping huge pages where the process asks for them (`madvise(MADV_HUGEPAGE)`, the
 default policy "madvise") or everywhere (policy "always"); elsewhere, or where the policy is "never", `empty`
