@@ -108,6 +108,8 @@ def decode_benchmark(
                 paths["kvrag_small_pages"] = lambda n: _with_step(
                     kv, small, lambda: _on_step(kv, True, False, lambda: _decode_time(kv, question, texts, n, True))
                 )
+        elif decoder_of(kv.model).graphs is not None:  # on CUDA the default step is the captured graph
+            paths["kvrag"] = lambda n: _on_step(kv, True, False, lambda: _decode_time(kv, question, texts, n, True))
         paths["kvrag_torch"] = lambda n: _on_step(kv, False, False, lambda: _decode_time(kv, question, texts, n, True))
         paths["kvrag_compiled"] = lambda n: _on_step(
             kv, False, True, lambda: _decode_time(kv, question, texts, n, True)

@@ -134,6 +134,8 @@ def _decoding(kv: KVModel) -> str:
         return "transformers forward"
     if decoder.native is not None and decoder.use_native and kv.prefix.keys.dtype == decoder.native.dtype:
         return "C step"
+    if decoder.graphs is not None and decoder.use_native:
+        return "CUDA graph step"
     return "compiled step" if decodes_compiled(kv.model) else "eager step"
 
 

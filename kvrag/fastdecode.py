@@ -26,6 +26,12 @@ layers. Its logits equal the torch step's to float32 rounding in float32; in bfl
 step rounds, so they differ by the order of sums (about one bfloat16 step of a logit). `native_decoding(model,
 False)` puts a model back on the torch step.
 
+On CUDA (the default there): `GraphSteps` captures the whole step, every layer and the head, as one CUDA graph
+per set of cache buffers (`static_step`: its inputs are device tensors and its attention reads every slot of the
+buffers, the free ones masked, so no shape depends on the token) and replays it, one launch a token in place of
+a few hundred small kernels from Python (docs/performance.md, "On a GPU"). `native_decoding(model, False)` puts
+it back on the torch step.
+
 Compiled (`compile_decoding(model)`, `KVModel(compile_decode=True)`, `--compile-decode`): each layer's step is
 one function that torch.compile (inductor) turns into a few fused C++ kernels, compiled once a model and
 replayed for every layer and token; the number of cached tokens is a dynamic dimension, so a longer cache
@@ -154,7 +160,8 @@ class FastDecoder:
         self.embed = inner.embed_tokens.weight  # [V, D]
         self.lm_head = Product(head, None, self.threads)  # [V, D]
         self.native = ckernel.DecodeStep.of(self)  # the whole step in C, where the kernels built and take it
-        self.use_native = True  # `native_decoding(model, False)` turns it off (the torch step decodes)
+        self.graphs = GraphSteps(self) if self.embed.is_cuda else None  # on CUDA, the whole step as one graph
+        self.use_native = True  # `native_decoding(model, False)` turns both off (the torch step decodes)
         self.compiled: tuple[Any, Any] | None = None  # (layer step, head) once `compile` is called
         self._compiled_ran = False  # whether a compiled step has run: a failure after that is no missing compiler
 
@@ -242,6 +249,8 @@ class FastDecoder:
         `filled` of every layer's keys/values buffers [H_kv, capacity, d], whose first `filled` slots attend."""
         if self.native is not None and self.use_native and self.native.takes(cos, keys, values):
             return self.native(token, cos, sin, keys, values, filled)
+        if self.graphs is not None and self.use_native:
+            return self.graphs(token, cos, sin, keys, values, filled)
         # compiled where the buffers hold whole blocks up to this slot (`decode_room` keeps them), else eager
         if self.compiled is not None and keys[0].shape[1] >= -(-(filled + 1) // BLOCK) * BLOCK:
             try:
@@ -288,6 +297,42 @@ class FastDecoder:
             gate, up = layer.gate_up(h).chunk(2)
             x = x + layer.down(F.silu(gate) * up)
         return self.lm_head(self._rms(x, self.norm)).float()
+
+    def static_step(
+        self,
+        token: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        slot: torch.Tensor,
+    ) -> torch.Tensor:
+        """`step` with its inputs as tensors on the model's device (token and slot [1]) and every shape fixed by
+        the buffers, not by the slot: what a CUDA graph captures once and replays (`GraphSteps`). Attention reads
+        every slot of the buffers and masks those after `slot`, which must hold finite numbers (`Room.of` zeroes
+        them on CUDA). Nothing in it reads a tensor's value on the host."""
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        seen = torch.arange(keys[0].shape[1], device=slot.device) <= slot  # [capacity]
+        x = F.embedding(token, self.embed)[0]  # [D]
+        for i, layer in enumerate(self.layers):
+            h = self._rms(x, layer.norm_in)
+            qkv = F.linear(h, layer.qkv.weight, layer.qkv.bias)  # [(Hq + 2 Hkv) d]
+            q = qkv[: hq * d].view(hq, d)
+            k = qkv[hq * d : (hq + hkv) * d].view(hkv, d)
+            v = qkv[(hq + hkv) * d :].view(hkv, d)
+            if layer.q_norm is not None:
+                q, k = self._rms(q, layer.q_norm), self._rms(k, layer.k_norm)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            keys[i].index_copy_(1, slot, k[:, None])
+            values[i].index_copy_(1, slot, v[:, None])
+            scores = (q.view(hkv, hq // hkv, d) * self.scale) @ keys[i].transpose(1, 2)  # [H_kv, G, capacity]
+            scores = scores.float().masked_fill(~seen, float("-inf"))
+            out = torch.softmax(scores, dim=-1).to(v.dtype) @ values[i]  # [H_kv, G, d]
+            x = x + F.linear(out.reshape(hq * d), layer.o.weight)
+            h = self._rms(x, layer.norm_post)
+            gate, up = F.linear(h, layer.gate_up.weight).chunk(2)
+            x = x + F.linear(F.silu(gate) * up, layer.down.weight)
+        return F.linear(self._rms(x, self.norm), self.lm_head.weight).float()
 
     def batched(self, cos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
         """Whether `native.steps` runs several tokens in one pass over the weights here: the C step decodes and
@@ -339,6 +384,88 @@ class FastDecoder:
         logits = head_step(x, self.norm, self.lm_head.weight, self.eps)
         self._compiled_ran = True
         return logits
+
+
+class GraphSteps:
+    """A decoder's step on CUDA as one CUDA graph per set of cache buffers: every layer and the head replayed in
+    one launch, so a token costs the GPU's work and not hundreds of kernel launches from Python.
+
+    A graph is captured at the first step over a set of buffers (the step runs once eagerly on a side stream
+    first, as a capture requires, and that run is the step's result) and replayed for every later step over the
+    same buffers, in this answer and in later ones that reuse them (the executor pools its stitched caches). The
+    few most recent sets are kept (KEPT); their graphs hold the buffers' addresses, so a graph is kept with its
+    buffers (and freed with them).
+    """
+
+    KEPT = 4
+
+    def __init__(self, decoder: FastDecoder) -> None:
+        self.decoder = decoder
+        self.graphs: dict[tuple[Any, ...], _Graph] = {}
+        self.captures = 0  # graphs captured so far (a replay captures nothing)
+
+    def __call__(
+        self,
+        token: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        filled: int,
+    ) -> torch.Tensor:
+        key = (tuple(t.data_ptr() for t in (*keys, *values)), keys[0].shape, keys[0].stride(), keys[0].dtype)
+        graph = self.graphs.pop(key, None)
+        if graph is not None:
+            self.graphs[key] = graph  # the most recent last
+            return graph.replay(token, cos, sin, filled)
+        graph = _Graph(self.decoder, keys, values)
+        logits = graph.capture(token, cos, sin, filled)
+        self.captures += 1
+        self.graphs[key] = graph
+        while len(self.graphs) > self.KEPT:
+            del self.graphs[next(iter(self.graphs))]
+        return logits
+
+
+class _Graph:
+    """One captured step over one set of cache buffers, and its static inputs and output."""
+
+    def __init__(self, decoder: FastDecoder, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        device = keys[0].device
+        self.decoder, self.keys, self.values = decoder, keys, values
+        self.token = torch.zeros(1, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.cos = torch.zeros(decoder.head_dim, dtype=decoder.embed.dtype, device=device)
+        self.sin = torch.zeros_like(self.cos)
+        self.graph = torch.cuda.CUDAGraph()
+        self.logits = torch.empty(0)
+
+    def _inputs(self, token: int, cos: torch.Tensor, sin: torch.Tensor, filled: int) -> None:
+        self.token.fill_(token)
+        self.slot.fill_(filled)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+    def _run(self) -> torch.Tensor:
+        return self.decoder.static_step(self.token, self.cos, self.sin, self.keys, self.values, self.slot)
+
+    def capture(self, token: int, cos: torch.Tensor, sin: torch.Tensor, filled: int) -> torch.Tensor:
+        """This step's logits, from an eager run on a side stream; then the graph of the same step."""
+        self._inputs(token, cos, sin, filled)
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            logits = self._run().clone()  # writes this token's key and value: the capture below writes nothing
+        current.wait_stream(side)
+        with torch.cuda.graph(self.graph):
+            self.logits = self._run()
+        return logits
+
+    def replay(self, token: int, cos: torch.Tensor, sin: torch.Tensor, filled: int) -> torch.Tensor:
+        self._inputs(token, cos, sin, filled)
+        self.graph.replay()
+        return self.logits.clone()  # the next replay overwrites the graph's own output
 
 
 def _no_decoder() -> None:
@@ -449,9 +576,9 @@ def decodes_native(model: torch.nn.Module) -> bool:
 
 
 def native_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
-    """Decode `model` through the whole step in C (`kvrag.ckernel.DecodeStep`, the default) or, with
-    `enabled=False`, through the torch step (compiled where `compile_decoding` asked). True where the C step
-    takes the model on this machine."""
+    """Decode `model` through the whole step in one call, the default: in C on CPU (`kvrag.ckernel.DecodeStep`),
+    as a CUDA graph on CUDA (`GraphSteps`); or, with `enabled=False`, through the torch step (compiled where
+    `compile_decoding` asked). True where the C step takes the model on this machine."""
     model._kvrag_native_decode = enabled  # type: ignore[attr-defined]
     decoder = decoder_of(model)
     return decoder is not None and decoder.native is not None
@@ -568,6 +695,9 @@ class Room:
                 layer._keys, layer._values = own, own_v
             keys.append(layer._keys[0])
             values.append(layer._values[0])
+            if layer._keys.is_cuda:  # finite numbers in the free slots, which a CUDA graph's step masks out
+                layer._keys[:, :, filled:].zero_()
+                layer._values[:, :, filled:].zero_()
         return cls(keys, values, filled)
 
     def commit(self, cache: Any, filled: int) -> None:

@@ -75,6 +75,28 @@ def test_each_step_logits_match_the_forwards(name, step_in):
         torch.testing.assert_close(logits, reference[20 + step], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", TAKEN)
+def test_the_static_step_a_cuda_graph_captures_matches_the_forwards(name):
+    """`static_step` (tensor inputs, shapes fixed by the buffers, attention over every slot with the free ones
+    masked) on CPU: the math that `GraphSteps` captures on CUDA, whose test needs a GPU (tests/test_cuda.py)."""
+    model = tiny_model(name)
+    decoder = decoder_of(model)
+    ids = _ids(50, seed=2)
+    reference = model(torch.tensor([ids])).logits[0].float()
+    out = full_prefill(model, ids[:20])
+    room = Room.of(out.cache, 30)
+    for buffers in (room.keys, room.values):  # free slots hold anything finite: masked, they weigh nothing
+        for b in buffers:
+            b[:, room.filled :] = torch.randn_like(b[:, room.filled :]) * 100
+    cos, sin = decoder.rotary(20, 30)
+    with torch.inference_mode():
+        for step, token in enumerate(ids[20:]):
+            token_t, slot = torch.tensor([token]), torch.tensor([room.filled + step])
+            logits = decoder.static_step(token_t, cos[step], sin[step], room.keys, room.values, slot)
+            torch.testing.assert_close(logits, reference[20 + step], rtol=1e-4, atol=1e-4)
+    assert decoder.graphs is None  # graphs are for CUDA models only
+
+
 def _storage_bytes(model):
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
     return sum(storages.values())
