@@ -392,12 +392,13 @@ class GraphSteps:
 
     A graph is captured at the first step over a set of buffers (the step runs once eagerly on a side stream
     first, as a capture requires, and that run is the step's result) and replayed for every later step over the
-    same buffers, in this answer and in later ones that reuse them (the executor pools its stitched caches). The
-    few most recent sets are kept (KEPT); their graphs hold the buffers' addresses, so a graph is kept with its
-    buffers (and freed with them).
+    same buffers, in this answer and in later ones that reuse them (the executor pools its stitched caches). A
+    graph writes to its buffers' addresses, so it holds the buffers: the KEPT most recent graphs keep theirs
+    alive after their answers (a cache of another size or a plain prefill's cache brings new buffers and a new
+    graph, and the oldest graph and its buffers are let go).
     """
 
-    KEPT = 4
+    KEPT = 2
 
     def __init__(self, decoder: FastDecoder) -> None:
         self.decoder = decoder
