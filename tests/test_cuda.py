@@ -131,9 +131,8 @@ def test_kvmodel_strategies_on_the_gpu(tiny_kv):
     kv = tiny_kv
     ids = kv.prompt_ids(QUESTION, [kv.layout.chunk_ids(c) for c in CHUNKS], [0, 1, 2])
     with torch.inference_mode():
-        out = kv.model.generate(
-            torch.tensor([ids], device=CUDA), max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=kv.eos_ids
-        )
+        prompt = torch.tensor([ids], device=CUDA)
+        out = kv.model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=kv.eos_ids)
     full = kv.answer(QUESTION, CHUNKS, strategy="full_prefill", max_new_tokens=10)
     assert full.token_ids == [t for t in out[0, len(ids) :].tolist() if t not in kv.eos_ids]
     chunks = kv.encode(CHUNKS)
