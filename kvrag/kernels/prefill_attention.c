@@ -189,8 +189,16 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
         /* online softmax, a row a lane */
         for (int g = 0; g < G; g++) {
             /* a row that has seen no key yet stays at NEG (alpha 1 over nothing); at its first key, alpha is 0 */
-            __m512 top = m[g];
-            for (int j = 0; j < KB; j++) top = _mm512_max_ps(top, s[j][g]);
+            /* four running maxima, not one: one max a key in a single chain waits on each max's latency (a max
+             * is exact, so the result is the same) */
+            __m512 top = m[g], t1 = s[0][g], t2 = s[1][g], t3 = s[2][g];
+            for (int j = 3; j < KB - 1; j += 4) {
+                top = _mm512_max_ps(top, s[j][g]);
+                t1 = _mm512_max_ps(t1, s[j + 1][g]);
+                t2 = _mm512_max_ps(t2, s[j + 2][g]);
+                t3 = _mm512_max_ps(t3, s[j + 3][g]);
+            }
+            top = _mm512_max_ps(_mm512_max_ps(top, s[KB - 1][g]), _mm512_max_ps(t1, _mm512_max_ps(t2, t3)));
             /* past the first blocks a row's max rarely grows (most rows' largest score is an early key) */
             const __mmask16 grew = _mm512_cmp_ps_mask(top, m[g], _CMP_GT_OQ);
             __m512 alpha = grew ? exp512(_mm512_sub_ps(m[g], top)) : _mm512_set1_ps(1.0f), shift = top;
