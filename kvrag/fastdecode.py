@@ -273,13 +273,7 @@ class FastDecoder:
         x = self.embed[token]  # [D]
         for i, layer in enumerate(self.layers):
             h = self._rms(x, layer.norm_in)
-            qkv = layer.qkv(h)  # [(Hq + 2 Hkv) d]
-            q = qkv[: hq * d].view(hq, d)
-            k = qkv[hq * d : (hq + hkv) * d].view(hkv, d)
-            v = qkv[(hq + hkv) * d :].view(hkv, d)
-            if layer.q_norm is not None:
-                q, k = self._rms(q, layer.q_norm), self._rms(k, layer.k_norm)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            q, k, v = _heads(layer.qkv(h), hq, hkv, d, layer.q_norm, layer.k_norm, self.eps, cos, sin)
             keys[i][:, filled] = k
             values[i][:, filled] = v
             if kernel:
@@ -316,13 +310,8 @@ class FastDecoder:
         x = F.embedding(token, self.embed)[0]  # [D]
         for i, layer in enumerate(self.layers):
             h = self._rms(x, layer.norm_in)
-            qkv = F.linear(h, layer.qkv.weight, layer.qkv.bias)  # [(Hq + 2 Hkv) d]
-            q = qkv[: hq * d].view(hq, d)
-            k = qkv[hq * d : (hq + hkv) * d].view(hkv, d)
-            v = qkv[(hq + hkv) * d :].view(hkv, d)
-            if layer.q_norm is not None:
-                q, k = self._rms(q, layer.q_norm), self._rms(k, layer.k_norm)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            qkv = F.linear(h, layer.qkv.weight, layer.qkv.bias)
+            q, k, v = _heads(qkv, hq, hkv, d, layer.q_norm, layer.k_norm, self.eps, cos, sin)
             keys[i].index_copy_(1, slot, k[:, None])
             values[i].index_copy_(1, slot, v[:, None])
             scores = (q.view(hkv, hq // hkv, d) * self.scale) @ keys[i].transpose(1, 2)  # [H_kv, G, capacity]
@@ -486,6 +475,27 @@ def _dot(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
     return out.to(x.dtype)
 
 
+def _heads(
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token's stacked q, k and v [(Hq + 2 Hkv) d] as q [Hq, d], k and v [Hkv, d]: q and k normalized per
+    head where the model does (qwen3) and rotated."""
+    q = qkv[: heads * d].view(heads, d)
+    k = qkv[heads * d : (heads + kv_heads) * d].view(kv_heads, d)
+    v = qkv[(heads + kv_heads) * d :].view(kv_heads, d)
+    if q_norm is not None:
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)  # type: ignore[arg-type]
+    return FastDecoder._rope(q, cos, sin), FastDecoder._rope(k, cos, sin), v
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As transformers' RMSNorm: in float32, then back to the input dtype before the weight."""
     h = x.float()
@@ -525,13 +535,7 @@ def _layer_step(
     """
     kv_heads, span, d = keys.shape
     h = _rms_norm(x, norm_in, eps)
-    qkv = _dot(qkv_w, h, qkv_b)
-    q = qkv[: heads * d].view(heads, d)
-    k = qkv[heads * d : (heads + kv_heads) * d].view(kv_heads, d)
-    v = qkv[(heads + kv_heads) * d :].view(kv_heads, d)
-    if q_norm is not None:
-        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)  # type: ignore[arg-type]
-    q, k = FastDecoder._rope(q, cos, sin), FastDecoder._rope(k, cos, sin)
+    q, k, v = _heads(_dot(qkv_w, h, qkv_b), heads, kv_heads, d, q_norm, k_norm, eps, cos, sin)
     if kernel:
         out = torch.ops.kvrag.decode_attention(q, k, v, keys, values, slot, scale)  # [H, d] float32
     else:
