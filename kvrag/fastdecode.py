@@ -13,7 +13,8 @@ and no mask, position or cache bookkeeping. On CPU that attention is `kvrag.cker
 tokens are those of the transformers forward (tested in float32 on every architecture it takes). It never
 builds a prompt or a cache: the prefill's cache is read and extended in place.
 
-Taken: llama, mistral, qwen2 and qwen3 (rotate-half RoPE, RMSNorm, gated SiLU MLP, no sliding window).
+Taken: llama, mistral, qwen2, qwen3 and phi3 (rotate-half RoPE over the whole head, RMSNorm, gated SiLU MLP, no
+sliding window; phi3's stacked q/k/v and gate/up modules are read as they are).
 Anything else decodes through transformers (`supports` says why).
 
 In C (the default where it builds): `kvrag.ckernel.DecodeStep` runs the same step, every layer and the head,
@@ -58,8 +59,9 @@ import torch.nn.functional as F
 
 from kvrag import ckernel, hugepages
 from kvrag.linear import PrefillLinear
+from kvrag.model import rope_parameters
 
-TAKEN = ("llama", "mistral", "qwen2", "qwen3")
+TAKEN = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 PLAIN_LINEARS = (torch.nn.Linear, PrefillLinear)  # the same product (`kvrag.linear`)
 BLOCK = 256  # cache slots an attention block of the compiled step reads (docs/performance.md, "Decoding")
 
@@ -117,26 +119,39 @@ def supports(model: torch.nn.Module) -> str | None:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not hasattr(model, "lm_head"):
         return "no model.layers / lm_head"
+    if rope_parameters(config).get("partial_rotary_factor", 1.0) != 1.0:
+        return "partial rotary embeddings"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        qkv, o, gate_up, down = _projections(layer)
+        linears = [*qkv, o, *gate_up, down]
         # plain float linears only: a quantized, adapted (LoRA), offloaded or hooked module computes something else
         if any(type(m) not in PLAIN_LINEARS or m._forward_hooks or m._forward_pre_hooks for m in linears):
             return "projections that are not plain nn.Linear (quantized, adapted or hooked)"
         if any(not m.weight.is_floating_point() or m.weight.is_meta for m in linears):
             return "weights that are not floating-point tensors in memory"
-        if hasattr(layer, "_hf_hook") or type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+        activation = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+        if hasattr(layer, "_hf_hook") or type(activation).__name__ not in ("SiLU", "SiLUActivation"):
             return "a hooked layer or an activation other than SiLU"
-        if getattr(attn.o_proj, "bias", None) is not None or any(
-            getattr(getattr(mlp, n), "bias", None) is not None for n in ("gate_proj", "up_proj", "down_proj")
-        ):
+        if any(getattr(m, "bias", None) is not None for m in (o, *gate_up, down)):
             return "biases outside the q/k/v projections"
         if getattr(attn, "sliding_window", None):
             return "a sliding attention window"
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
         return "logit soft-capping"
     return None
+
+
+def _projections(layer: torch.nn.Module) -> tuple[tuple[Any, ...], Any, tuple[Any, ...], Any]:
+    """A decoder layer's (q, k and v), o, (gate and up) and down linears: separate modules in llama, mistral and
+    qwen, one stacked module each for q/k/v and gate/up in phi3 (the same products, in the same order).
+    Missing modules are None (then `supports` refuses the model)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if hasattr(attn, "qkv_proj"):
+        return (attn.qkv_proj,), attn.o_proj, (getattr(mlp, "gate_up_proj", None),), getattr(mlp, "down_proj", None)
+    qkv = tuple(getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj"))
+    gate_up = tuple(getattr(mlp, n, None) for n in ("gate_proj", "up_proj"))
+    return qkv, getattr(attn, "o_proj", None), gate_up, getattr(mlp, "down_proj", None)
 
 
 class FastDecoder:
@@ -167,11 +182,11 @@ class FastDecoder:
 
     @staticmethod
     def _layer(layer: torch.nn.Module, parts: int) -> FastLayer:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        qkv, o, gate_up, down = _arranged([projections, (attn.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)])
+        projections, o_proj, gate_up_projs, down_proj = _projections(layer)
+        qkv, o, gate_up, down = _arranged([projections, (o_proj,), gate_up_projs, (down_proj,)])
         return FastLayer(
             norm_in=layer.input_layernorm.weight,
             qkv=Product(qkv, _stacked_bias(*projections), parts),
@@ -195,12 +210,12 @@ class FastDecoder:
         if inner.embed_tokens.weight is not self.embed or head.data_ptr() != self.lm_head.weight.data_ptr():
             return False
         for layer, fast in zip(inner.layers, self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            qkv, o, gate_up, down = _projections(layer)
             if (
-                attn.q_proj.weight.data_ptr() != fast.qkv.weight.data_ptr()
-                or mlp.gate_proj.weight.data_ptr() != fast.gate_up.weight.data_ptr()
-                or attn.o_proj.weight.data_ptr() != fast.o.weight.data_ptr()
-                or mlp.down_proj.weight.data_ptr() != fast.down.weight.data_ptr()
+                qkv[0].weight.data_ptr() != fast.qkv.weight.data_ptr()
+                or gate_up[0].weight.data_ptr() != fast.gate_up.weight.data_ptr()
+                or o.weight.data_ptr() != fast.o.weight.data_ptr()
+                or down.weight.data_ptr() != fast.down.weight.data_ptr()
                 or layer.input_layernorm.weight is not fast.norm_in
             ):
                 return False

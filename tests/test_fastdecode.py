@@ -6,14 +6,14 @@ import copy
 
 import pytest
 import torch
-from tiny import ARCHS, tiny_model
+from tiny import ARCHS, FAST_DECODED, tiny_model
 
 from kvrag import ckernel
 from kvrag.fastdecode import FastDecoder, Room, decoder_of, native_decoding, supports
 from kvrag.generate import Sampling, _forward, decode
 from kvrag.recompute import full_prefill
 
-TAKEN = [name for name, (model_type, _) in ARCHS.items() if model_type in ("llama", "mistral", "qwen2", "qwen3")]
+TAKEN = FAST_DECODED
 OTHERS = [name for name in ARCHS if name not in TAKEN]
 
 

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from tiny import ARCHS, tiny_model
+from tiny import FAST_DECODED, tiny_model
 
 from kvrag import ckernel
 from kvrag.answer import last_answer
@@ -14,7 +14,7 @@ from kvrag.fastdecode import decoder_of, native_decoding
 from kvrag.generate import PromptLookup, Sampling, decode
 from kvrag.recompute import full_prefill
 
-TAKEN = [name for name, (model_type, _) in ARCHS.items() if model_type in ("llama", "mistral", "qwen2", "qwen3")]
+TAKEN = FAST_DECODED
 needs_kernels = pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.ckernel")
 
 

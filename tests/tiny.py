@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 from functools import lru_cache
 from typing import Any, Callable
@@ -33,6 +34,7 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", {"rope_parameters": ROPE, "head_dim": 16}),
     "mistral": ("mistral", {"rope_parameters": ROPE, "sliding_window": None}),
     "phi3": ("phi3", {"rope_parameters": {**ROPE, "partial_rotary_factor": 0.5}}),
+    "phi3_full": ("phi3", {"rope_parameters": ROPE}),  # rotary over the whole head, as Phi-3-mini
     "gpt_neox": (
         "gpt_neox",
         {
@@ -65,7 +67,8 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def tiny_config(name: str, **overrides: Any) -> Any:
     model_type, extra = ARCHS[name]
-    kwargs = {**COMMON, **extra, **overrides}
+    # a copy: a config may fill in its rope_parameters in place (phi3 does), and ARCHS shares ROPE between them
+    kwargs = {**COMMON, **copy.deepcopy(extra), **overrides}
     if model_type == "gpt_neox":
         kwargs.pop("num_key_value_heads")
     return AutoConfig.for_model(model_type, **kwargs)
@@ -80,6 +83,14 @@ def tiny_model(name: str, seed: int = 0, attn: str = "sdpa") -> Any:
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     return model.float().eval()
 
+
+# The architectures kvrag's fast decode step takes (kvrag.fastdecode.TAKEN, with RoPE over the whole head).
+FAST_DECODED = [
+    name
+    for name, (model_type, extra) in ARCHS.items()
+    if model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3")
+    and "partial_rotary_factor" not in extra["rope_parameters"]
+]
 
 # A small corpus of invented facts with metadata, shared by the engine and adapter tests.
 FACTS = [
