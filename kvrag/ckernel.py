@@ -20,6 +20,8 @@ already loaded, so its threads are torch's. Where there is no compiler, or the b
 
 The rotation reads each stored key once and writes it once into its slot of the stitched cache (torch's
 elementwise passes read and write it three times); where the kernel is missing, re-positioning stays on torch.
+A stitch (`stitch`) writes the prefix and every chunk, keys rotated and values copied, in one call with
+streaming stores.
 
 A bfloat16 prefill's attention (`kernels/prefill_attention.c`, `prefill_attention`), its linear layers
 (`kernels/prefill_linear.c`, `prefill_linear`, which `kvrag.linear` calls) and its RMSNorms
@@ -66,6 +68,7 @@ COMPILE = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c")
 LINK = ("-shared", "-fopenmp")
 _FUNCTIONS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 _ROTATIONS = {torch.float32: "rotate_keys_f32", torch.bfloat16: "rotate_keys_bf16"}
+_STITCHES = {torch.float32: "stitch_f32", torch.bfloat16: "stitch_bf16"}
 
 
 def _cpu_id() -> str:
@@ -125,6 +128,11 @@ def _library() -> ctypes.CDLL | None:
         function.argtypes = [pointer] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int] * 2 + [ctypes.c_long] * 2
         function.argtypes += [ctypes.c_int]
         function.restype = None
+    for name in _STITCHES.values():
+        function = getattr(library, name)
+        function.argtypes = [pointer] * 7 + [ctypes.c_long] * 2 + [ctypes.c_int] * 3 + [pointer] * 2
+        function.argtypes += [ctypes.c_long] * 2 + [ctypes.c_int]
+        function.restype = ctypes.c_int
     library.decode_steps.argtypes = [pointer, pointer, pointer, ctypes.c_long, pointer, ctypes.c_long, pointer]
     library.decode_steps.argtypes += [pointer, ctypes.c_long, pointer, ctypes.c_int]
     library.decode_steps.restype = ctypes.c_int
@@ -241,6 +249,82 @@ def rotate_keys(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: t
         torch.get_num_threads(),
     )
     return True
+
+
+def _rows_evenly_spaced(out: torch.Tensor) -> bool:
+    """Whether a [L, H_kv, slots, D] cache view's rows (a layer's kv head) are evenly spaced, each [slots, D]."""
+    return out.stride(3) == 1 and out.stride(2) == out.shape[3] and out.stride(0) == out.shape[1] * out.stride(1)
+
+
+def stitch(
+    out_keys: torch.Tensor,
+    out_values: torch.Tensor,
+    pieces: list[tuple[torch.Tensor, torch.Tensor, int, bool]],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> bool:
+    """Write every piece (keys [L, H_kv, m, D], values [L, H_kv, m, Dv], its first slot, whether its keys are
+    rotated) into a cache's keys and values ([L, H_kv, slots, D] views whose rows are evenly spaced) in one pass:
+    piece j's keys rotated by (cos[j], sin[j]) ([pieces, D_rot] float32, as `rotate_keys` rotates) or copied, its
+    values copied, the cache written with streaming stores. False, having written nothing, where the kernel does
+    not take these tensors."""
+    dtype = out_keys.dtype
+    if (
+        not pieces
+        or out_keys.dim() != 4
+        or out_values.dim() != 4
+        or out_keys.device.type != "cpu"
+        or dtype not in _STITCHES
+        or out_values.dtype != dtype
+        or out_keys.shape[:3] != out_values.shape[:3]
+        or not (_rows_evenly_spaced(out_keys) and _rows_evenly_spaced(out_values))
+        or cos.dim() != 2
+        or cos.shape != sin.shape
+        or cos.shape[0] != len(pieces)
+        or not all(t.dtype == torch.float32 and t.is_contiguous() for t in (cos, sin))
+    ):
+        return False
+    layers, heads, slots, d = out_keys.shape
+    dv, rot = out_values.shape[3], cos.shape[1]
+    if d > MAX_HEAD_DIM or not 0 < rot <= d or rot % 2:
+        return False
+    for keys, values, slot, _ in pieces:
+        m = keys.shape[2] if keys.dim() == 4 else -1
+        if not (
+            keys.shape == (layers, heads, m, d)
+            and values.shape == (layers, heads, m, dv)
+            and keys.dtype == values.dtype == dtype
+            and keys.is_contiguous()
+            and values.is_contiguous()
+            and 0 <= slot
+            and slot + m <= slots
+        ):
+            return False
+    library = _library()
+    if library is None:
+        return False
+    count = len(pieces)
+    pointers = ctypes.c_void_p * count
+    status = getattr(library, _STITCHES[dtype])(
+        pointers(*(k.data_ptr() for k, _, _, _ in pieces)),
+        pointers(*(v.data_ptr() for _, v, _, _ in pieces)),
+        (ctypes.c_long * count)(*(slot for _, _, slot, _ in pieces)),
+        (ctypes.c_long * count)(*(k.shape[2] for k, _, _, _ in pieces)),
+        (ctypes.c_int * count)(*(int(rotated) for _, _, _, rotated in pieces)),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        count,
+        layers * heads,
+        d,
+        dv,
+        rot,
+        out_keys.data_ptr(),
+        out_values.data_ptr(),
+        out_keys.stride(1),
+        out_values.stride(1),
+        torch.get_num_threads(),
+    )
+    return status == 0
 
 
 def scratch_size(kv_heads: int, group: int, d: int, n: int) -> int:

@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvrag import ckernel
 from kvrag.compat import with_cache
 from kvrag.kv import ChunkKV
 from kvrag.rope import Repositioner
@@ -131,12 +132,20 @@ class GrowingLayer(DynamicLayer):
 
 
 class StitchedCache(DynamicCache):
-    """A DynamicCache of GrowingLayers over [L, B, H_kv, capacity, D] buffers whose first `length` slots are filled."""
+    """A DynamicCache of GrowingLayers over [L, B, H_kv, capacity, D] buffers (or L [B, H_kv, capacity, D] ones)
+    whose first `length` slots are filled."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+    def __init__(
+        self, keys: torch.Tensor | Sequence[torch.Tensor], values: torch.Tensor | Sequence[torch.Tensor], length: int
+    ) -> None:
         super().__init__()
-        self.layers = [GrowingLayer(keys[i], values[i], length) for i in range(keys.shape[0])]
+        self.layers = [GrowingLayer(keys[i], values[i], length) for i in range(len(keys))]
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # flat storage lent by a Workspace
+
+    def refilled(self, length: int) -> StitchedCache:
+        """A cache over this one's buffers whose first `length` slots are filled (what was written past them is
+        room again): the same reused KV for another forward, nothing copied."""
+        return StitchedCache([layer._keys for layer in self.layers], [layer._values for layer in self.layers], length)
 
 
 class Workspace:
@@ -207,6 +216,8 @@ def stitch_cache(
     Each chunk's kept keys are rotated by its one shift straight into their slots, every layer and head in
     one pass; values are copied in. Nothing is concatenated, and the model's new tokens then go into the room.
     `key_scale` multiplies a chunk's reused keys by a factor (an attention temperature on that chunk).
+    On CPU the prefix and every piece go in one call of the C kernel (`ckernel.stitch`), timed as re-positioning
+    (the values' copy included); elsewhere, or where it does not apply, a rotation a chunk then the copies.
     """
     key_scale = key_scale or {}
     L, H, P, D = prefix.keys.shape
@@ -230,6 +241,10 @@ def stitch_cache(
             at += m
     with phase(phases, "re-positioning"):
         cos, sin = repositioner.angles(layout.shifts.to(keys.device))  # [C, D_rot]: one shift a chunk
+        if _stitch_in_one_pass(keys, values, prefix, chunks, pieces, cos, sin, key_scale):
+            cache = StitchedCache(keys, values, n)
+            cache.buffers = buffers
+            return cache
         for j, (c, kept, at, m) in enumerate(pieces):
             if m:
                 src = chunks[c].keys if kept is None else chunks[c].keys[:, :, kept]
@@ -245,6 +260,37 @@ def stitch_cache(
         cache = StitchedCache(keys, values, n)
         cache.buffers = buffers
         return cache
+
+
+def _stitch_in_one_pass(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    prefix: ChunkKV,
+    chunks: Sequence[ChunkKV],
+    pieces: list[tuple[int, torch.Tensor | None, int, int]],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_scale: Mapping[int, float],
+) -> bool:
+    """The prefix and every kept piece written into the cache by one call of the C kernel (keys rotated, values
+    copied: `ckernel.stitch`); False, having written nothing, where it does not apply (then the caller's torch
+    path does it). A piece of a chunk's tokens (some recomputed) is gathered first."""
+    if keys.device.type != "cpu" or any(key_scale.get(c, 1.0) != 1.0 for c, _, _, _ in pieces):
+        return False
+    parts, angles = [], []  # (keys, values, first slot, rotated), and the piece's (cos, sin)
+    if len(prefix):
+        parts.append((prefix.keys, prefix.values, 0, False))  # in place already: copied, not rotated
+        angles.append((torch.ones_like(cos[0]), torch.zeros_like(sin[0])))
+    for j, (c, kept, at, m) in enumerate(pieces):
+        if m:
+            kv = chunks[c]
+            pk, pv = (kv.keys, kv.values) if kept is None else (kv.keys[:, :, kept], kv.values[:, :, kept])
+            parts.append((pk, pv, at, True))
+            angles.append((cos[j], sin[j]))
+    if not parts:
+        return False
+    stacked_cos, stacked_sin = (torch.stack(a) for a in zip(*angles))
+    return ckernel.stitch(keys[:, 0], values[:, 0], parts, stacked_cos, stacked_sin)
 
 
 def as_cache(keys: torch.Tensor, values: torch.Tensor, cache_class: type[DynamicCache] = DynamicCache) -> DynamicCache:

@@ -155,6 +155,87 @@ def test_what_the_rotation_kernel_does_not_take_is_left_to_torch():
     assert not out.any()  # nothing written
 
 
+def _pieces(dtype, d, dv, generator):
+    """A prefix (copied) and four chunks (rotated), one of a single token, as a stitch writes them."""
+    prefix = [torch.randn(3, 2, 5, n, generator=generator).to(dtype) for n in (d, dv)]
+    pieces, at = [(*prefix, 0, False)], 5
+    for m in (40, 1, 23, 64):
+        keys = torch.randn(3, 2, m, d, generator=generator).to(dtype)
+        pieces.append((keys, torch.randn(3, 2, m, dv, generator=generator).to(dtype), at, True))
+        at += m
+    return pieces, at
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "phi3"])  # phi3: partial rotary, the other dims copied
+def test_the_one_pass_stitch_writes_what_the_rotation_and_copies_write_and_nothing_else(arch, dtype):
+    from kvrag.rope import Repositioner
+
+    rep = Repositioner(tiny_model(arch))
+    generator = torch.Generator().manual_seed(3)
+    pieces, end = _pieces(dtype, 16, 24, generator)
+    cos, sin = rep.angles(torch.tensor([0, 17, 4000, 3, 250]))
+    keys = torch.full((3, 2, 200, 16), float("nan"), dtype=dtype)
+    values = torch.full((3, 2, 200, 24), float("nan"), dtype=dtype)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    assert ckernel.stitch(keys, values, pieces, cos, sin)
+    for j, (k, v, slot, rotated) in enumerate(pieces):
+        m = k.shape[2]
+        if rotated:
+            assert ckernel.rotate_keys(expected_keys[:, :, slot : slot + m], k, cos[j], sin[j])
+        else:
+            expected_keys[:, :, slot : slot + m] = k
+        expected_values[:, :, slot : slot + m] = v
+    assert torch.equal(keys[:, :, :end], expected_keys[:, :, :end])  # bit for bit the rotation kernel's keys
+    assert torch.equal(values[:, :, :end], expected_values[:, :, :end])
+    assert keys[:, :, end:].isnan().all() and values[:, :, end:].isnan().all()  # the room is left as it was
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_stitched_prefill_is_the_same_through_the_one_pass_kernel_and_through_torch(dtype, monkeypatch):
+    from kvrag.encode import encode_chunks, encode_prefix
+    from kvrag.recompute import recompute
+    from kvrag.rope import Repositioner
+
+    model = copy.deepcopy(tiny_model("llama")).to(dtype)  # the shared model stays as it is
+    ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    prefix = encode_prefix(model, ids[:4])
+    chunks = encode_chunks(model, prefix, [ids[4:15], ids[15:21], ids[21:33]])
+    rep = Repositioner(model)
+    selected = {0: torch.tensor([2, 5]), 2: torch.arange(12)}  # a chunk in part, one whole, one not at all
+
+    def prefill():
+        out = recompute(model, rep, prefix, chunks, [2, 0, 1], selected, ids[33:], logits_to_keep=3, room=4)
+        return out.logits, torch.stack([torch.cat([layer.keys, layer.values], -1) for layer in out.cache.layers])
+
+    with monkeypatch.context() as patch:
+        calls = []
+        patch.setattr(ckernel, "stitch", lambda *a, _stitch=ckernel.stitch: calls.append(1) or _stitch(*a))
+        fast = prefill()
+    assert calls  # the kernel ran
+    with monkeypatch.context() as patch:
+        patch.setattr(ckernel, "stitch", lambda *a: False)
+        slow = prefill()
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+
+
+def test_what_the_one_pass_stitch_does_not_take_is_left_to_torch():
+    pieces, _ = _pieces(torch.float32, 16, 16, torch.Generator().manual_seed(0))
+    cos = sin = torch.ones(len(pieces), 16)
+    keys, values = torch.zeros(3, 2, 200, 16), torch.zeros(3, 2, 200, 16)
+    assert not ckernel.stitch(keys.bfloat16(), values.bfloat16(), pieces, cos, sin)  # pieces not of its dtype
+    halves = [(k.half(), v.half(), at, rotated) for k, v, at, rotated in pieces]
+    assert not ckernel.stitch(keys.half(), values.half(), halves, cos, sin)  # float16
+    assert not ckernel.stitch(keys[:, :, :100], values[:, :, :100], pieces, cos, sin)  # past the cache's slots
+    assert not ckernel.stitch(keys, values, pieces, cos[:2], sin[:2])  # an angle short
+    assert not ckernel.stitch(keys.transpose(0, 1), values.transpose(0, 1), pieces, cos, sin)  # rows uneven
+    strided = [(k.transpose(2, 3).contiguous().transpose(2, 3), v, s, r) for k, v, s, r in pieces]
+    assert not ckernel.stitch(keys, values, strided, cos, sin)
+    assert not keys.any() and not values.any()  # nothing written
+
+
 def test_without_a_compiler_keys_are_rotated_by_torch(monkeypatch, tmp_path):
     from kvrag.rope import Repositioner
 

@@ -35,11 +35,10 @@
 #define MAXD 128    /* head size */
 #define NEG (-1.0e30f) /* a score no token may see (finite: the file is compiled with -ffast-math) */
 
-/* exp(x) for x <= 0, float32, to about 4e-5 relative (below -100 it is about 0): 2^n p(r) with r = x - n ln 2
+/* exp(x) for finite x <= 0, float32, to about 4e-5 relative (below -100 it is about 0): 2^n p(r) with r = x - n ln 2
  * and p the degree-4 Taylor polynomial. The probabilities are rounded to bfloat16 (2^-9 relative) next, so a
  * closer exp would buy nothing, and each degree costs a multiply-add on the pipes the dot products need. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
+static inline __m512 exp512_finite(__m512 x) {
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), x);
     __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 24), _mm512_set1_ps(1.0f / 6));
@@ -48,6 +47,10 @@ static inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+
+/* exp512_finite for any x <= 0: the lowest score (NEG, a key no token may see) less a maximum would leave the
+ * reduction r meaningless, so x is held at -100 first */
+static inline __m512 exp512(__m512 x) { return exp512_finite(_mm512_max_ps(x, _mm512_set1_ps(-100.0f))); }
 
 static const int mask_bytes[] = {1, 1, 2, 4}; /* a mask element: none, bool, bfloat16, float32 */
 
@@ -163,6 +166,9 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
             any = 0xffff;
         }
         if (!any) continue; /* no token of the task sees this block */
+        uint16_t every = 0xffff; /* the tokens that see every key of the block */
+        for (int j = 0; j < KB; j++) every &= valid[j];
+        const int full = every == 0xffff;
         /* S^T = K Q^T, RK keys a tile */
         for (int j = 0; j < KB; j += RK) {
             __m512 acc[16][MAXG];
@@ -203,19 +209,30 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
             const __mmask16 grew = _mm512_cmp_ps_mask(top, m[g], _CMP_GT_OQ);
             __m512 alpha = grew ? exp512(_mm512_sub_ps(m[g], top)) : _mm512_set1_ps(1.0f), shift = top;
             m[g] = top;
-            __m512 sum = _mm512_setzero_ps();
-            for (int j = 0; j < KB; j += 2) {
-                __m512 p0 = exp512(_mm512_sub_ps(s[j][g], shift));
-                __m512 p1 = exp512(_mm512_sub_ps(s[j + 1][g], shift));
-                p0 = _mm512_maskz_mov_ps(valid[j], p0);
-                p1 = _mm512_maskz_mov_ps(valid[j + 1], p1);
-                __m512i w = pairs(p0, p1);
-                pw[j / 2][g] = w;
-                /* the mass of what the weighted sum uses: the rounded probabilities */
-                __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-                __m512 r1 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
-                sum = _mm512_add_ps(sum, _mm512_add_ps(r0, r1));
-            }
+            /* the mass of what the weighted sum uses: the rounded probabilities, summed by the instruction the
+             * weighted sum runs on (a pair times (1, 1)), so it counts exactly what that sum counts */
+            const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+            __m512 sum = _mm512_setzero_ps(), sum2 = _mm512_setzero_ps();
+            if (full) /* every score of the block is a finite score: no floor, no mask */
+                for (int j = 0; j < KB; j += 4) {
+                    __m512i w = pairs(exp512_finite(_mm512_sub_ps(s[j][g], shift)),
+                                      exp512_finite(_mm512_sub_ps(s[j + 1][g], shift)));
+                    __m512i w2 = pairs(exp512_finite(_mm512_sub_ps(s[j + 2][g], shift)),
+                                       exp512_finite(_mm512_sub_ps(s[j + 3][g], shift)));
+                    pw[j / 2][g] = w;
+                    pw[j / 2 + 1][g] = w2;
+                    sum = _mm512_dpbf16_ps(sum, (__m512bh)w, ones);
+                    sum2 = _mm512_dpbf16_ps(sum2, (__m512bh)w2, ones);
+                }
+            else
+                for (int j = 0; j < KB; j += 2) {
+                    __m512 p0 = _mm512_maskz_mov_ps(valid[j], exp512(_mm512_sub_ps(s[j][g], shift)));
+                    __m512 p1 = _mm512_maskz_mov_ps(valid[j + 1], exp512(_mm512_sub_ps(s[j + 1][g], shift)));
+                    __m512i w = pairs(p0, p1);
+                    pw[j / 2][g] = w;
+                    sum = _mm512_dpbf16_ps(sum, (__m512bh)w, ones);
+                }
+            sum = _mm512_add_ps(sum, sum2);
             if (grew) {
                 l[g] = _mm512_fmadd_ps(l[g], alpha, sum);
                 for (int d = 0; d < D; d++) o[d][g] = _mm512_mul_ps(o[d][g], alpha);
