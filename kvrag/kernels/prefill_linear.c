@@ -12,6 +12,10 @@
  *   tokens (the tokens past the last padded with zeros), 16 x 16 blocks of words transposed in registers. A task
  *   is 8 weight rows: for every panel, 8 x 3 accumulators take each word pair of the 8 rows in turn; the 8 rows'
  *   words stay in L1, and the panels are walked in blocks that stay in L2 while every task passes over them.
+ * - A task prefetches the next task's rows (the next 8 rows of the weight, a thread's next task), a line a row
+ *   each time its own rows reach a new line: a forward's weights come from memory (they are several times the
+ *   L3), and with few tokens a task computes too little on each line for the hardware's prefetch to keep up.
+ *   In a forward's 210 products, 30 tokens ran in 9.5 ms instead of 14.7 (the floor at the matmul rate: 7.0).
  * - Every output is the same sum in the same order whatever the number of tokens and wherever a token sits in
  *   them: a token's outputs are bitwise the same alone or among any others.
  * - Sums are in float32 (the bias added last), rounded once to bfloat16, as torch's bfloat16 linear rounds.
@@ -77,6 +81,8 @@ static void pack_rows(const uint16_t *x, long ldx, long m0, long i0, long live, 
         for (int r = 0; r < NR; r++)                                                                        \
             for (int j = 0; j < NZV; j++) acc[r][j] = _mm512_setzero_ps();                                  \
         for (long kk = 0; kk < half; kk++) {                                                                \
+            if ((kk & 15) == 0) /* the next task's rows, a line each as this task's reach a new line */     \
+                for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(w + (r + NR) * stride + kk), _MM_HINT_T0); \
             __m512bh av[NZV];                                                                               \
             for (int j = 0; j < NZV; j++) av[j] = (__m512bh)_mm512_loadu_si512(a + kk * (NZV * 16) + j * 16); \
             for (int r = 0; r < NR; r++) {                                                                  \
