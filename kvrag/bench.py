@@ -3,7 +3,8 @@
 `run_bench`: for each context size, every strategy's time to first token through the engine (chunk KV in
 its memory store), beside two references run in the same process: plain transformers generating one token
 from the whole prompt, and the lower bound (one forward of the target and suffix tokens over an already
-stitched cache, nothing of kvrag's planning, loading or stitching around it). Phases are timed inside the real code path (`kvrag.timing`).
+stitched cache, nothing of kvrag's planning, loading or stitching around it). Phases are timed inside the real
+code path (`kvrag.timing`).
 In the same rounds, every strategy, full prefill and the model's shipped default (`DEFAULT`) answer with a
 fixed number of tokens through the engine, EOS ignored, greedy: the whole answer's time beside its first
 token and its decode steps. Storage figures (ingest, store reads, bytes a token, int8 error) are in
@@ -31,7 +32,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from kvrag.compat import with_cache
 from kvrag.demo import sample_docs

@@ -241,22 +241,21 @@ def stitch_cache(
             at += m
     with phase(phases, "re-positioning"):
         cos, sin = repositioner.angles(layout.shifts.to(keys.device))  # [C, D_rot]: one shift a chunk
-        if _stitch_in_one_pass(keys, values, prefix, chunks, pieces, cos, sin, key_scale):
-            cache = StitchedCache(keys, values, n)
-            cache.buffers = buffers
-            return cache
+        one_pass = _stitch_in_one_pass(keys, values, prefix, chunks, pieces, cos, sin, key_scale)
         for j, (c, kept, at, m) in enumerate(pieces):
-            if m:
+            if m and not one_pass:
                 src = chunks[c].keys if kept is None else chunks[c].keys[:, :, kept]
                 repositioner.rotate_into(keys[:, 0, :, at : at + m], src, cos[j], sin[j])
                 if key_scale.get(c, 1.0) != 1.0:
                     keys[:, 0, :, at : at + m].mul_(key_scale[c])
     with phase(phases, "cache assembly and mask"):
-        keys[:, 0, :, :P].copy_(prefix.keys)
-        values[:, 0, :, :P].copy_(prefix.values)
-        for c, kept, at, m in pieces:
-            if m:
-                values[:, 0, :, at : at + m].copy_(chunks[c].values if kept is None else chunks[c].values[:, :, kept])
+        if not one_pass:
+            keys[:, 0, :, :P].copy_(prefix.keys)
+            values[:, 0, :, :P].copy_(prefix.values)
+            for c, kept, at, m in pieces:
+                if m:
+                    src = chunks[c].values if kept is None else chunks[c].values[:, :, kept]
+                    values[:, 0, :, at : at + m].copy_(src)
         cache = StitchedCache(keys, values, n)
         cache.buffers = buffers
         return cache
