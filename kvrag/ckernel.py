@@ -209,6 +209,11 @@ def decode_attention(
     return out
 
 
+def _rows_evenly_spaced(out: torch.Tensor) -> bool:
+    """Whether a [L, H_kv, slots, D] cache view's rows (a layer's kv head) are evenly spaced, each [slots, D]."""
+    return out.stride(3) == 1 and out.stride(2) == out.shape[3] and out.stride(0) == out.shape[1] * out.stride(1)
+
+
 def rotate_keys(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Write keys [L, H_kv, T, D] rotated by one shift (cos, sin: [D_rot] float32) into `out` of keys' shape, in
     one pass: float32 or bfloat16 keys (bfloat16 rotated in float32 and rounded once), contiguous, and `out` of
@@ -230,7 +235,7 @@ def rotate_keys(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: t
     ):
         return False
     layers, heads, tokens, d = keys.shape
-    if out.stride(3) != 1 or out.stride(2) != d or out.stride(0) != heads * out.stride(1):
+    if not _rows_evenly_spaced(out):
         return False
     library = _library()
     if library is None:
@@ -249,11 +254,6 @@ def rotate_keys(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: t
         torch.get_num_threads(),
     )
     return True
-
-
-def _rows_evenly_spaced(out: torch.Tensor) -> bool:
-    """Whether a [L, H_kv, slots, D] cache view's rows (a layer's kv head) are evenly spaced, each [slots, D]."""
-    return out.stride(3) == 1 and out.stride(2) == out.shape[3] and out.stride(0) == out.shape[1] * out.stride(1)
 
 
 def stitch(
