@@ -110,6 +110,8 @@ def decode(
     kept, each confirmed one a step saved. Each fed token's logits are those a step of its own gives, bit for bit
     (`ckernel.DecodeStep.steps`), so the tokens are the same as without drafts.
 
+    The first token is yielded before anything only the later ones need is made (the decoder, the cache's room,
+    the drafts' lookup): a one-token answer makes none of it and leaves the cache as the prefill left it.
     An EOS id is yielded, then the iterator ends. The caller stops early (stop strings) by closing it.
     `lock` is held around each forward and never across a yield, so a paused or abandoned iterator
     blocks nobody and may be resumed from any thread.
@@ -117,19 +119,21 @@ def decode(
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=first_logits.device).manual_seed(sampling.seed)
-    fast = None
-    if fast_decoding:
-        with lock or contextlib.nullcontext():  # made once a model, and it restacks the model's weights
-            fast = decoder_of(model)
-            if fast is not None:
-                room = Room.of(cache, decode_room(model, sampling.max_new_tokens))
-                cos, sin = fast.rotary(position, sampling.max_new_tokens)  # [steps, d]: the positions decoded into
-    drafts = sampling.prompt_lookup if sampling.temperature == 0 and context and fast is not None else 0
-    lookup = PromptLookup(context, sampling.max_new_tokens) if drafts else None
     token = pick_token(first_logits, sampling, generator)
     step = 0  # the index of the last token yielded; the tokens before it are in the cache
+    fast = None
     try:
-        yield token
+        yield token  # before anything only the later tokens need: the first token waits for none of it
+        if token in eos_ids or sampling.max_new_tokens <= 1:
+            return
+        if fast_decoding:
+            with lock or contextlib.nullcontext():  # made once a model, and it restacks the model's weights
+                fast = decoder_of(model)
+                if fast is not None:
+                    room = Room.of(cache, decode_room(model, sampling.max_new_tokens))
+                    cos, sin = fast.rotary(position, sampling.max_new_tokens)  # [steps, d]: the positions decoded
+        drafts = sampling.prompt_lookup if sampling.temperature == 0 and context and fast is not None else 0
+        lookup = PromptLookup(context, sampling.max_new_tokens) if drafts else None
         if lookup is not None:
             lookup.push(token)
         while token not in eos_ids and step + 1 < sampling.max_new_tokens:

@@ -46,6 +46,27 @@ def _decode(model, ids, steps, fast):
     return tokens, out.cache
 
 
+def test_the_first_token_is_out_before_decoding_is_set_up(monkeypatch):
+    """The decoder, the cache's room and the drafts' lookup serve the later tokens: the first waits for none of
+    them, and a one-token answer never makes them (its cache is the prefill's, as it was)."""
+    import kvrag.generate as generate
+
+    model = tiny_model("llama")
+    out = full_prefill(model, _ids(30))
+    made = []
+    monkeypatch.setattr(generate, "decoder_of", lambda m: made.append(m) or decoder_of(m))
+    steps = decode(model, out.cache, out.logits[-1], out.next_position, Sampling(max_new_tokens=3), eos_ids=(),
+                   context=_ids(30))
+    first = next(steps)
+    assert not made  # nothing of decoding's set-up ran before the first token
+    rest = list(steps)
+    assert made and len(rest) == 2
+    plain = full_prefill(model, _ids(30))
+    alone = decode(model, plain.cache, plain.logits[-1], plain.next_position, Sampling(max_new_tokens=1), eos_ids=())
+    assert list(alone) == [first] and len(made) == 1  # a one-token answer made no decoder
+    assert all(layer.keys.shape[-2] == 30 for layer in plain.cache.layers)
+
+
 @pytest.mark.parametrize("name", TAKEN)
 def test_fast_tokens_and_cache_equal_the_transformers_forward(name, step_in):
     model = step_in(tiny_model(name))
