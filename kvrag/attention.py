@@ -12,18 +12,11 @@ In bfloat16 on a CPU with AVX512-BF16, a prefill's attention (more than one quer
 `kvrag.ckernel.prefill_attention` instead: flash attention on the CPU's bfloat16 dot products, about twice as
 fast as torch's CPU flash attention, which runs bfloat16 no faster than float32 (docs/performance.md). Its
 outputs are torch's bfloat16 attention's to bfloat16 rounding, not bitwise.
-
-A stitched cache whose reused KV is not written into it yet (`kvrag.recompute`: a forward of few new tokens over
-many reused ones) hands each layer's attention where that KV is stored (`hand_over`, at the layer's cache update,
-just before that layer's attention call), and the prefill kernel reads it in place. A call that does not take it
-writes the cache's slots first (`Handed.write`) and attends over them as usual.
 """
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -33,36 +26,6 @@ GQA_SDPA = "kvrag_sdpa"
 # Arguments the sdpa path reads nothing from (the mask already holds a sliding window); anything else set
 # (softcap, sinks, a position bias, ...) goes to transformers' own function.
 _PLAIN = frozenset({"sliding_window", "position_ids", "cache_position", "use_cache", "output_attentions", "is_causal"})
-
-
-@dataclass(slots=True)
-class Handed:
-    """One layer's reused KV where it is stored, for the attention call that follows the cache update."""
-
-    keys_address: int  # the cache's keys buffer: the attention's `key` starts there
-    segments: ckernel.Segments
-    write: Callable[[], None]  # writes the reused KV into the cache's slots (every layer's), once
-
-
-_HANDED = threading.local()
-
-
-def hand_over(handed: Handed | None) -> bool:
-    """Leave (or clear, with None) what this thread's next attention call over `handed.keys_address` reads in
-    place. True where what was left before was never taken: an attention that did not read its layer's reused KV
-    (one that is not kvrag's attended over unwritten slots)."""
-    left = getattr(_HANDED, "value", None) is not None
-    _HANDED.value = handed
-    return left
-
-
-def _take_handed(key: torch.Tensor) -> Handed | None:
-    """What a cache update left for this attention call (a `key` starting at its buffer), taken once."""
-    handed = getattr(_HANDED, "value", None)
-    if handed is None or handed.keys_address != key.data_ptr():
-        return None
-    _HANDED.value = None
-    return handed
 
 
 def sdpa_gqa(
@@ -79,12 +42,9 @@ def sdpa_gqa(
     (`_bfloat16_prefill`), and a masked grouped-query call copies no kv head."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    handed = _take_handed(key)
-    out = _bfloat16_prefill(module, query, key, value, attention_mask, dropout, scaling, kwargs, handed)
+    out = _bfloat16_prefill(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     if out is not None:
         return out, None
-    if handed is not None:  # the kernel did not take it: the slots written, then attended over as they are
-        handed.write()
     plain = (
         query.device.type == "cpu"
         and attention_mask is not None
@@ -112,12 +72,10 @@ def _bfloat16_prefill(
     dropout: float,
     scaling: float | None,
     kwargs: dict[str, Any],
-    handed: Handed | None = None,
 ) -> torch.Tensor | None:
     """A bfloat16 prefill's attention on CPU through `kvrag.ckernel.prefill_attention` (the CPU's bfloat16 dot
     products, about twice torch's flash attention here); None where it does not take the call. Without a mask
-    it is causal as sdpa's is (transformers' own rule, keys cut to the queries' length when there are more).
-    With `handed`, the reused KV is read where it is stored (a mask is then required)."""
+    it is causal as sdpa's is (transformers' own rule, keys cut to the queries' length when there are more)."""
     if (
         query.device.type != "cpu"
         or query.dtype != torch.bfloat16
@@ -127,8 +85,6 @@ def _bfloat16_prefill(
         or not all(k in _PLAIN or v is None for k, v in kwargs.items())
     ):
         return None
-    if handed is not None and attention_mask is None:
-        return None
     causal = False
     if attention_mask is None:
         flag = kwargs.get("is_causal")
@@ -136,8 +92,7 @@ def _bfloat16_prefill(
         if causal and key.shape[2] > query.shape[2]:
             key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    segments = handed.segments if handed is not None else None
-    return ckernel.prefill_attention(query, key, value, attention_mask, scale, causal, segments=segments)
+    return ckernel.prefill_attention(query, key, value, attention_mask, scale, causal)
 
 
 def use_gqa_sdpa(model: Any) -> None:

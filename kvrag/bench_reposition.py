@@ -1,17 +1,20 @@
-"""What `reuse` spends outside the model's forward, with keys re-positioned by the C kernel and by torch's passes,
-interleaved in one process (so a slow spell of the machine touches both alike), on the embedded default model.
+"""What `reuse` spends outside the model's forward, and what its whole answer takes, with the reused KV stitched by
+the C kernel in one call and by torch's passes, interleaved in one process (so a slow spell of the machine touches
+both alike), on the embedded default model.
 
-    python -m kvrag.bench_reposition [--context 8000] [--runs 9] [--threads 2]
+    python -m kvrag.bench_reposition [--context 8000] [--runs 9] [--threads 2] [--tokens 32]
 
 Prints, for each, the median time to first token of `reuse` through the engine over chunks of the bundled
-Python docs held in a memory store, its phases, and the share of everything but the forward. Run it alone.
+Python docs held in a memory store, its phases, the share of everything but the forward, and the median time of
+a `--tokens` answer. Run it alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -23,26 +26,37 @@ from kvrag.engine import KVRAG
 from kvrag.kvmodel import KVModel
 from kvrag.store import MemoryStore
 
-ARMS = ("C rotation", "torch passes")
+ARMS = ("one C stitch", "torch passes")
+
+
+@contextlib.contextmanager
+def _arm(name: str) -> Iterator[None]:
+    """The engine as this arm runs it, put back afterwards."""
+    stitch, rotate = ckernel.stitch, ckernel.rotate_keys
+    try:
+        if name == ARMS[1]:  # neither the one-call stitch nor the C rotation it falls back to
+            ckernel.stitch = lambda *args: False  # type: ignore[assignment]
+            ckernel.rotate_keys = lambda *args: False  # type: ignore[assignment]
+        yield
+    finally:
+        ckernel.stitch, ckernel.rotate_keys = stitch, rotate  # type: ignore[assignment]
 
 
 def reposition_benchmark(
-    kv: KVModel, *, context: int = 8000, runs: int = 9, log: Callable[[str], None] = print
+    kv: KVModel, *, context: int = 8000, runs: int = 9, tokens: int = 32, log: Callable[[str], None] = print
 ) -> dict[str, dict[str, float]]:
-    """Per arm, the median ttft, forward, re-positioning, cache assembly and store load (s) and the share outside
-    the forward."""
+    """Per arm, the median ttft, forward, re-positioning, cache assembly and store load (s), the share outside
+    the forward, and the median whole time of a `tokens`-token answer (s)."""
     rag = KVRAG(kv, embedder=Embedder(), store=MemoryStore(8 << 30))
     _, questions = sample_docs()
     ctx = _Context(kv, rag, context_texts(kv, context, 200), questions[0]["question"])
-    kernel = ckernel.rotate_keys
     timed: dict[str, list[tuple[float, dict[str, float]]]] = {arm: [] for arm in ARMS}
-    try:
-        for _ in range(runs + 1):  # the first round warms up and is dropped
-            for arm in ARMS:
-                ckernel.rotate_keys = kernel if arm == ARMS[0] else (lambda *args: False)  # type: ignore[assignment]
+    whole: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for _ in range(runs + 1):  # the first round warms up and is dropped
+        for arm in ARMS:
+            with _arm(arm):
                 timed[arm].append(ctx.strategy("reuse"))
-    finally:
-        ckernel.rotate_keys = kernel  # type: ignore[assignment]
+                whole[arm].append(ctx.answer("reuse", tokens)[1])
     log(f"reuse over {ctx.context_tokens} context tokens, {torch.get_num_threads()} threads, median of {runs} runs")
     result = {}
     for arm, rounds in timed.items():
@@ -57,6 +71,7 @@ def reposition_benchmark(
             "assembly_s": median(lambda t, p: p.get("cache assembly and mask", 0.0)),
             "store_load_s": median(lambda t, p: p.get("store load", 0.0)),
             "outside_forward_s": median(lambda t, p: t - p.get("forward", 0.0)),
+            "answer_s": statistics.median(whole[arm][1:]),
         }
         row["outside_share"] = row["outside_forward_s"] / row["ttft_s"]
         result[arm] = row
@@ -64,7 +79,7 @@ def reposition_benchmark(
             f"{arm:>13}: ttft {row['ttft_s'] * 1e3:.1f} ms, forward {row['forward_s'] * 1e3:.1f}, re-positioning "
             f"{row['re_positioning_s'] * 1e3:.1f}, assembly and mask {row['assembly_s'] * 1e3:.1f}, store load "
             f"{row['store_load_s'] * 1e3:.1f}; outside the forward {row['outside_forward_s'] * 1e3:.1f} ms "
-            f"({row['outside_share']:.1%})"
+            f"({row['outside_share']:.1%}); a {tokens}-token answer {row['answer_s'] * 1e3:.1f} ms"
         )
     return result
 
@@ -74,11 +89,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=8000, help="context tokens (default 8000)")
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", help="the model's dtype (default float32)")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens of the timed whole answer (default 32)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not ckernel.available():
         parser.exit(2, "python -m kvrag.bench_reposition: the C kernel did not build here (no C compiler?)\n")
-    reposition_benchmark(KVModel.from_pretrained(), context=args.context, runs=args.runs)
+    kv = KVModel.from_pretrained(dtype=args.dtype)
+    reposition_benchmark(kv, context=args.context, runs=args.runs, tokens=args.tokens)
 
 
 if __name__ == "__main__":

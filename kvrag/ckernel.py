@@ -45,7 +45,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -257,14 +256,18 @@ def rotate_keys(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: t
     return True
 
 
-def stitch_takes(
+def stitch(
     out_keys: torch.Tensor,
     out_values: torch.Tensor,
     pieces: list[tuple[torch.Tensor, torch.Tensor, int, bool]],
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> bool:
-    """Whether `stitch` takes these tensors (its checks, without building or calling the kernel)."""
+    """Write every piece (keys [L, H_kv, m, D], values [L, H_kv, m, Dv], its first slot, whether its keys are
+    rotated) into a cache's keys and values ([L, H_kv, slots, D] views whose rows are evenly spaced) in one pass:
+    piece j's keys rotated by (cos[j], sin[j]) ([pieces, D_rot] float32, as `rotate_keys` rotates) or copied, its
+    values copied, the cache written with streaming stores. False, having written nothing, where the kernel does
+    not take these tensors."""
     dtype = out_keys.dtype
     if (
         not pieces
@@ -297,28 +300,9 @@ def stitch_takes(
             and slot + m <= slots
         ):
             return False
-    return True
-
-
-def stitch(
-    out_keys: torch.Tensor,
-    out_values: torch.Tensor,
-    pieces: list[tuple[torch.Tensor, torch.Tensor, int, bool]],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> bool:
-    """Write every piece (keys [L, H_kv, m, D], values [L, H_kv, m, Dv], its first slot, whether its keys are
-    rotated) into a cache's keys and values ([L, H_kv, slots, D] views whose rows are evenly spaced) in one pass:
-    piece j's keys rotated by (cos[j], sin[j]) ([pieces, D_rot] float32, as `rotate_keys` rotates) or copied, its
-    values copied, the cache written with streaming stores. False, having written nothing, where the kernel does
-    not take these tensors (`stitch_takes`)."""
-    if not stitch_takes(out_keys, out_values, pieces, cos, sin):
-        return False
     library = _library()
     if library is None:
         return False
-    layers, heads, slots, d = out_keys.shape
-    dv, rot, dtype = out_values.shape[3], cos.shape[1], out_keys.dtype
     count = len(pieces)
     pointers = ctypes.c_void_p * count
     status = getattr(library, _STITCHES[dtype])(
@@ -559,10 +543,6 @@ def _prefill_library() -> ctypes.CDLL | None:
     library.prefill_attention_bf16.argtypes = [pointer, long, long, pointer, pointer, long, long, pointer, int_, long, int_]
     library.prefill_attention_bf16.argtypes += [pointer, long, long, int_, int_, int_, ctypes.c_float, int_]
     library.prefill_attention_bf16.restype = ctypes.c_int
-    library.prefill_attention_segments_bf16.argtypes = [pointer, long, long, pointer, long, pointer, pointer, int_]
-    library.prefill_attention_segments_bf16.argtypes += [pointer, int_, long, int_, pointer, long, long, int_, int_]
-    library.prefill_attention_segments_bf16.argtypes += [int_, ctypes.c_float, int_]
-    library.prefill_attention_segments_bf16.restype = ctypes.c_int
     library.prefill_linear_bf16.argtypes = [pointer, long, long, long, pointer, long, pointer, pointer, long, pointer]
     library.prefill_linear_bf16.argtypes += [int_]
     library.prefill_linear_bf16.restype = ctypes.c_int
@@ -606,11 +586,6 @@ def prefill_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     if status:
         raise RuntimeError(f"prefill_rms_norm: the kernel refused a shape it was checked to take ({status})")
     return out
-
-
-def prefill_attention_available() -> bool:
-    """Whether `prefill_attention` runs here (a CPU with AVX512-BF16 and a compiler that built it)."""
-    return _prefill_library() is not None
 
 
 def prefill_linear_available() -> bool:
@@ -675,20 +650,6 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 _MASK_KINDS = {torch.bool: 1, torch.bfloat16: 2, torch.float32: 3}
 
 
-@dataclass(slots=True)
-class Segments:
-    """Where a cache's slots are read from when some of its KV is not in it: rows of (first slot, slots, keys'
-    address, values' address, stride of a kv head, stride of a slot, angles' row or -1), in slot order, covering
-    every slot once (int64 [S, 7]; addresses of bfloat16 [H_kv, slots, D] keys and values, strides in elements).
-    A row with an angles' row holds keys stored at other positions than their slots': the queries attend to them
-    rotated by (cos, sin) of that row ([rows, D_rot] float32: each a shift's angles, the sine negated), the same
-    scores as keys rotated by the shift. Whoever makes it keeps every tensor it addresses alive."""
-
-    rows: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
 def prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -696,16 +657,13 @@ def prefill_attention(
     mask: torch.Tensor | None,
     scale: float,
     causal: bool = False,
-    segments: Segments | None = None,
 ) -> torch.Tensor | None:
     """Attention of query [B, H, n, D] over key, value [B, H_kv, T, D] (bfloat16, CPU) under a mask [B or 1, 1,
     n, T], boolean (True: attend) or additive (bfloat16 or float32, every value 0 or the lowest), or with none
     (`causal`: token i of n sees keys up to T - n + i; else every key): [B, n, H, D] bfloat16, as transformers'
-    attention functions return it. With `segments` (batch of one), the T slots' keys and values are read where
-    they say, not from key and value. None where the kernel does not take these tensors: another dtype or device,
+    attention functions return it. None where the kernel does not take these tensors: another dtype or device,
     an additive mask with other values (found in a pass over the mask, before any attention), a head size that
-    is not a multiple of 32 or above 128, more than 8 query heads a kv head, segments that do not cover the slots
-    or rotate other than whole rotate-half pairs, no AVX512-BF16, no compiler."""
+    is not a multiple of 32 or above 128, more than 8 query heads a kv head, no AVX512-BF16, no compiler."""
     if (
         query.dim() != 4
         or query.device.type != "cpu"
@@ -736,8 +694,6 @@ def prefill_attention(
     library = _prefill_library()
     if library is None:
         return None
-    if segments is not None:
-        return _prefill_attention_segments(library, query, segments, mask, kind, scale, causal, keys, kv_heads)
     out = torch.empty(batch, n, heads, d, dtype=torch.bfloat16)
     for b in range(batch):
         rows = mask[b if mask.shape[0] > 1 else 0, 0] if mask is not None else None
@@ -769,61 +725,6 @@ def prefill_attention(
         if status:
             raise RuntimeError(f"prefill_attention: the kernel refused a shape it was checked to take ({status})")
     return out
-
-
-def _prefill_attention_segments(
-    library: ctypes.CDLL,
-    query: torch.Tensor,
-    segments: Segments,
-    mask: torch.Tensor | None,
-    kind: int,
-    scale: float,
-    causal: bool,
-    keys: int,
-    kv_heads: int,
-) -> torch.Tensor | None:
-    """`prefill_attention` over segments (its checks done); None where the kernel does not take them."""
-    rows, cos, sin = segments.rows, segments.cos, segments.sin
-    if (
-        query.shape[0] != 1
-        or rows.dtype != torch.long
-        or rows.dim() != 2
-        or rows.shape[1] != 7
-        or not rows.is_contiguous()
-        or cos.shape != sin.shape
-        or cos.dim() != 2
-        or not all(t.dtype == torch.float32 and t.is_contiguous() for t in (cos, sin))
-        or int(rows[:, 6].max()) >= cos.shape[0]
-    ):
-        return None
-    n, heads, d = query.shape[2], query.shape[1], query.shape[3]
-    out = torch.empty(1, n, heads, d, dtype=torch.bfloat16)
-    plane = mask[0, 0] if mask is not None else None
-    status = library.prefill_attention_segments_bf16(
-        query[0].data_ptr(),
-        query.stride(1),
-        query.stride(2),
-        rows.data_ptr(),
-        rows.shape[0],
-        cos.data_ptr(),
-        sin.data_ptr(),
-        cos.shape[1],
-        plane.data_ptr() if plane is not None else None,
-        kind,
-        plane.stride(0) if plane is not None else 0,
-        int(causal and plane is None),
-        out[0].data_ptr(),
-        n,
-        keys,
-        heads,
-        kv_heads,
-        d,
-        scale,
-        torch.get_num_threads(),
-    )
-    if status == -3:
-        raise MemoryError(f"prefill_attention: no memory to pack the values of {keys} keys x {kv_heads} kv heads")
-    return out if status == 0 else None  # -1: segments it does not take; -2: a mask with a bias in it
 
 
 PAGED_SOURCES = (Path(__file__).with_name("kernels") / "paged_write.c",)

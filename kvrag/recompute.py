@@ -9,18 +9,16 @@ function; it never decides what to recompute.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvrag import ckernel
-from kvrag.attention import GQA_SDPA, Handed, hand_over
 from kvrag.compat import with_cache
 from kvrag.kv import ChunkKV
 from kvrag.rope import Repositioner
@@ -84,101 +82,20 @@ def stitch_layout(
     return StitchLayout(kept, in_s, shifts.to(device), key_positions, query_positions, n_ctx)
 
 
-class Deferred:
-    """A stitch not written yet: the reused KV (the prefix, then whole chunks whose keys move by one shift each)
-    stays where it is stored while one forward's attention reads it in place (`kvrag.attention.hand_over`), and
-    is written into the cache's slots, in one call of the stitch kernel, when anything first reads them: the
-    decode's first step, `keys`/`values`, a fallback attention. A forward of a few new tokens over many reused
-    ones then spends nothing on the copy before its first token, and a one-token answer never makes it.
-    """
-
-    def __init__(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        parts: list[tuple[torch.Tensor, torch.Tensor, int, bool]],
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> None:
-        self.keys, self.values = keys, values  # the cache's [L, H_kv, capacity, D] buffers
-        self.parts = parts  # kept while it lives: the segments' rows address them
-        self.cos, self.sin = cos, sin  # [parts, D_rot]: each part's shift
-        self.query_sin = (-sin).contiguous()  # the queries turn the other way
-        self.open = False  # True while the forward that reads it in place runs
-        self.written = False
-        self.lock = threading.Lock()
-        layers, element = keys.shape[0], keys.element_size()
-        rows = torch.tensor(
-            [[slot, k.shape[2], k.data_ptr(), v.data_ptr(), k.stride(1), k.stride(2), j if rotated else -1]
-             for j, (k, v, slot, rotated) in enumerate(parts)],
-            dtype=torch.long,
-        )  # [parts, 7]: layer 0's segments (ckernel.Segments)
-        steps = [[0, 0, k.stride(0) * element, v.stride(0) * element, 0, 0, 0] for k, v, *_ in parts]
-        layer_bytes = torch.tensor(steps)  # [parts, 7]: from one layer's addresses to the next's
-        self.rows = rows + torch.arange(layers).view(-1, 1, 1) * layer_bytes  # [L, parts, 7]
-
-    def write(self) -> None:
-        """Write the reused KV into the cache's slots (once; later calls do nothing)."""
-        with self.lock:
-            if self.written:
-                return
-            if not ckernel.stitch(self.keys, self.values, self.parts, self.cos, self.sin):
-                raise RuntimeError("the stitch kernel refused pieces it was checked to take")
-            self.written = True
-
-
 class GrowingLayer(DynamicLayer):
     """A cache layer that appends into room kept after its tokens instead of concatenating.
 
     Its KV is written once; the model's new tokens and every decoded token are copied into the room, which
     grows (by half again) only when it runs out. `keys`/`values` are views of the filled part, as in
-    DynamicLayer, so everything that reads a DynamicLayer reads this one. With a `Deferred` stitch, reading
-    them first writes the reused KV into the slots; until then only the forward that reads it in place runs.
+    DynamicLayer, so everything that reads a DynamicLayer reads this one.
     """
 
-    deferred: Deferred | None = None
-
-    def __init__(
-        self,
-        keys: torch.Tensor | None = None,
-        values: torch.Tensor | None = None,
-        length: int = 0,
-        deferred: Deferred | None = None,
-        index: int = 0,
-    ) -> None:
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None, length: int = 0) -> None:
         super().__init__()
         if keys is not None and values is not None:
             self.device, self.is_initialized = keys.device, True
             self._keys, self._values = keys, values  # [B, H_kv, capacity, D]
-            self._filled_keys, self._filled_values = keys[:, :, :length], values[:, :, :length]
-        self.deferred, self.index = deferred, index
-
-    def _written(self) -> None:
-        if self.deferred is not None:
-            self.deferred.write()
-            self.deferred = None
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        self._written()
-        return self._filled_keys
-
-    @keys.setter
-    def keys(self, keys: torch.Tensor | None) -> None:
-        self._filled_keys = keys
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        self._written()
-        return self._filled_values
-
-    @values.setter
-    def values(self, values: torch.Tensor | None) -> None:
-        self._filled_values = values
-
-    def get_seq_length(self) -> int:
-        filled = self._filled_keys
-        return 0 if not self.is_initialized or filled is None else filled.shape[-2]
+            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.is_initialized = key_states.device, True
@@ -190,7 +107,7 @@ class GrowingLayer(DynamicLayer):
         return (
             all(
                 view.data_ptr() == buf.data_ptr() and view.stride() == buf.stride() and view.shape[:2] == buf.shape[:2]
-                for view, buf in ((self._filled_keys, self._keys), (self._filled_values, self._values))
+                for view, buf in ((self.keys, self._keys), (self.values, self._values))
             )
             and length <= self._keys.shape[-2]
         )
@@ -200,11 +117,7 @@ class GrowingLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, q = self._filled_keys.shape[-2], key_states.shape[-2]
-        deferred = self.deferred
-        in_place = deferred is not None and deferred.open and not deferred.written and self._in_room(n + q)
-        if not in_place:
-            self._written()
+        n, q = self.keys.shape[-2], key_states.shape[-2]
         if not self._in_room(n + q):
             capacity = n + q + max(64, (n + q) // 2)
             for name in ("keys", "values"):
@@ -215,44 +128,23 @@ class GrowingLayer(DynamicLayer):
         self._keys[:, :, n : n + q].copy_(key_states)
         self._values[:, :, n : n + q].copy_(value_states)
         self.keys, self.values = self._keys[:, :, : n + q], self._values[:, :, : n + q]
-        if in_place and self._hand_over(n, q):
-            raise RuntimeError(_NOT_READ)
-        return self._filled_keys, self._filled_values
-
-    def _hand_over(self, n: int, q: int) -> bool:
-        """Leave this layer's segments for its attention call: the reused KV where it is stored, then this
-        forward's new tokens in the cache's slots n .. n + q - 1."""
-        deferred = self.deferred
-        assert deferred is not None
-        keys, values = self._keys[0], self._values[0]  # [H_kv, capacity, D]
-        new = torch.tensor(
-            [[n, q, keys[:, n].data_ptr(), values[:, n].data_ptr(), keys.stride(0), keys.stride(1), -1]]
-        )
-        segments = ckernel.Segments(torch.cat((deferred.rows[self.index], new)), deferred.cos, deferred.query_sin)
-        return hand_over(Handed(self._keys.data_ptr(), segments, deferred.write))
+        return self.keys, self.values
 
 
 class StitchedCache(DynamicCache):
     """A DynamicCache of GrowingLayers over [L, B, H_kv, capacity, D] buffers (or L [B, H_kv, capacity, D] ones)
-    whose first `length` slots are filled (or will be, by `deferred`)."""
+    whose first `length` slots are filled."""
 
     def __init__(
-        self,
-        keys: torch.Tensor | Sequence[torch.Tensor],
-        values: torch.Tensor | Sequence[torch.Tensor],
-        length: int,
-        deferred: Deferred | None = None,
+        self, keys: torch.Tensor | Sequence[torch.Tensor], values: torch.Tensor | Sequence[torch.Tensor], length: int
     ) -> None:
         super().__init__()
-        self.layers = [GrowingLayer(keys[i], values[i], length, deferred, i) for i in range(len(keys))]
+        self.layers = [GrowingLayer(keys[i], values[i], length) for i in range(len(keys))]
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # flat storage lent by a Workspace
-        self.deferred = deferred
 
     def refilled(self, length: int) -> StitchedCache:
         """A cache over this one's buffers whose first `length` slots are filled (what was written past them is
         room again): the same reused KV for another forward, nothing copied."""
-        if self.deferred is not None:
-            self.deferred.write()
         return StitchedCache([layer._keys for layer in self.layers], [layer._values for layer in self.layers], length)
 
 
@@ -318,7 +210,6 @@ def stitch_cache(
     phases: Phases | None = None,
     workspace: Workspace | None = None,
     key_scale: Mapping[int, float] | None = None,
-    in_place: int = 0,
 ) -> StitchedCache:
     """The reused KV (prefix, then the kept context tokens re-positioned) written once into a cache with `room` free slots.
 
@@ -327,8 +218,6 @@ def stitch_cache(
     `key_scale` multiplies a chunk's reused keys by a factor (an attention temperature on that chunk).
     On CPU the prefix and every piece go in one call of the C kernel (`ckernel.stitch`), timed as re-positioning
     (the values' copy included); elsewhere, or where it does not apply, a rotation a chunk then the copies.
-    `in_place`: the query tokens of the one forward that will read the cache, when its attention can read the
-    reused KV where it is stored (`Deferred`); where that is cheaper, nothing is written until it is read.
     """
     key_scale = key_scale or {}
     L, H, P, D = prefix.keys.shape
@@ -352,13 +241,7 @@ def stitch_cache(
             at += m
     with phase(phases, "re-positioning"):
         cos, sin = repositioner.angles(layout.shifts.to(keys.device))  # [C, D_rot]: one shift a chunk
-        one_pass = _one_pass_parts(keys, values, prefix, chunks, pieces, cos, sin, key_scale)
-        if one_pass is not None and _reads_in_place(in_place, keys, values, one_pass, n - P):
-            cache = StitchedCache(keys, values, n, Deferred(keys[:, 0], values[:, 0], *one_pass))
-            cache.buffers = buffers
-            return cache
-        if one_pass is not None and not ckernel.stitch(keys[:, 0], values[:, 0], *one_pass):
-            one_pass = None
+        one_pass = _stitch_in_one_pass(keys, values, prefix, chunks, pieces, cos, sin, key_scale)
         for j, (c, kept, at, m) in enumerate(pieces):
             if m and not one_pass:
                 src = chunks[c].keys if kept is None else chunks[c].keys[:, :, kept]
@@ -378,7 +261,7 @@ def stitch_cache(
         return cache
 
 
-def _one_pass_parts(
+def _stitch_in_one_pass(
     keys: torch.Tensor,
     values: torch.Tensor,
     prefix: ChunkKV,
@@ -387,13 +270,12 @@ def _one_pass_parts(
     cos: torch.Tensor,
     sin: torch.Tensor,
     key_scale: Mapping[int, float],
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor, int, bool]], torch.Tensor, torch.Tensor] | None:
-    """The prefix and every kept piece as the C kernel writes them in one call (`ckernel.stitch`: keys rotated,
-    values copied): the parts (keys, values, first slot, rotated) and each part's angles; None where it does not
-    apply (then the caller's torch path writes the cache). A piece of a chunk's tokens (some recomputed) is
-    gathered first."""
+) -> bool:
+    """The prefix and every kept piece written into the cache by one call of the C kernel (keys rotated, values
+    copied: `ckernel.stitch`); False, having written nothing, where it does not apply (then the caller's torch
+    path does it). A piece of a chunk's tokens (some recomputed) is gathered first."""
     if keys.device.type != "cpu" or any(key_scale.get(c, 1.0) != 1.0 for c, _, _, _ in pieces):
-        return None
+        return False
     parts, angles = [], []  # (keys, values, first slot, rotated), and the piece's (cos, sin)
     if len(prefix):
         parts.append((prefix.keys, prefix.values, 0, False))  # in place already: copied, not rotated
@@ -405,78 +287,14 @@ def _one_pass_parts(
             parts.append((pk, pv, at, True))
             angles.append((cos[j], sin[j]))
     if not parts:
-        return None
+        return False
     stacked_cos, stacked_sin = (torch.stack(a) for a in zip(*angles))
-    if not ckernel.stitch_takes(keys[:, 0], values[:, 0], parts, stacked_cos, stacked_sin):
-        return None
-    return parts, stacked_cos, stacked_sin
-
-
-# A forward reads the reused KV in place where its query tokens, in blocks of 16, times the parts, times this
-# is at most the reused tokens: each (block, part) pair costs the attention about 0.4 us a layer and kv head
-# (a short last block of keys, the queries' rotation), against about 12 ns a token, layer and kv head for the
-# stitch's copy (bfloat16, head size 64, 2 threads; docs/performance.md).
-IN_PLACE_COST = 32
-
-
-def _reads_in_place(
-    queries: int,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    one_pass: tuple[list[tuple[torch.Tensor, torch.Tensor, int, bool]], torch.Tensor, torch.Tensor],
-    reused: int,
-) -> bool:
-    """Whether a forward of `queries` new tokens reads these parts where they are stored (a `Deferred` stitch)
-    rather than after the stitch: bfloat16 on CPU with the prefill kernel, keys and values of one head size that
-    kernel takes, whole rotate-half pairs rotated, and cheaper by `IN_PLACE_COST`."""
-    parts, cos, _ = one_pass
-    d, rot = keys.shape[-1], cos.shape[-1]
-    return (
-        queries > 0
-        and keys.dtype == torch.bfloat16
-        and values.shape[-1] == d
-        and d % 32 == 0
-        and d <= 128
-        and rot % 4 == 0
-        and -(-queries // 16) * len(parts) * IN_PLACE_COST <= reused
-        and ckernel.prefill_attention_available()
-    )
+    return ckernel.stitch(keys[:, 0], values[:, 0], parts, stacked_cos, stacked_sin)
 
 
 def as_cache(keys: torch.Tensor, values: torch.Tensor, cache_class: type[DynamicCache] = DynamicCache) -> DynamicCache:
     """A DynamicCache (or subclass) holding [L, H_kv, T, D] keys and values, batch of one."""
     return cache_class(ddp_cache_data=[(keys[i].unsqueeze(0), values[i].unsqueeze(0)) for i in range(keys.shape[0])])
-
-
-def _attends_in_place(model: torch.nn.Module, forward_kwargs: Mapping[str, Any]) -> bool:
-    """Whether every attention of this forward goes through kvrag's (`kvrag_sdpa`), which reads a `Deferred`
-    stitch in place or writes it first: nothing else may see a cache whose reused slots are not written."""
-    return not forward_kwargs and getattr(model.config, "_attn_implementation", None) == GQA_SDPA
-
-
-@contextlib.contextmanager
-def _reading_in_place(deferred: Deferred | None) -> Iterator[None]:
-    """The forward that reads `deferred` in place: its cache updates hand each layer's attention the segments."""
-    if deferred is None:
-        yield
-        return
-    deferred.open = True
-    try:
-        yield
-    except BaseException:
-        hand_over(None)
-        raise
-    else:
-        if hand_over(None):
-            raise RuntimeError(_NOT_READ)
-    finally:
-        deferred.open = False
-
-
-_NOT_READ = (
-    "a layer's attention did not take the reused KV it was handed (an attention function other than kvrag's?); "
-    "its cache slots were not written, so this forward's output is wrong. Report it with the model's name."
-)
 
 
 @torch.inference_mode()
@@ -534,13 +352,12 @@ def recompute(
         phases=phases,
         workspace=workspace,
         key_scale=key_scale,
-        in_place=n_new if _attends_in_place(model, forward_kwargs) else 0,
     )
     with phase(phases, "cache assembly and mask"):
         ctx_ids = torch.cat([chunks[c].token_ids for c in order]).to(device)
         input_ids = torch.cat((ctx_ids[layout.selected], suffix)).view(1, -1)  # [1, Q]
         mask = causal_mask(layout.key_positions, layout.query_positions, prefix.keys.dtype)  # [1, 1, Q, K]
-    with phase(phases, "forward"), _reading_in_place(cache.deferred):
+    with phase(phases, "forward"):
         out = model(
             input_ids=input_ids,
             position_ids=layout.query_positions.view(1, -1),

@@ -111,18 +111,21 @@ def test_bench_decode_prints_every_step_and_the_floor(tmp_path, capsys):
     assert "fast step: yes" in capsys.readouterr().out
 
 
-def test_the_reposition_benchmark_times_both_arms_and_puts_the_kernel_back():
+def test_the_reposition_benchmark_times_every_arm_and_puts_the_engine_back():
     from tiny import byte_tokenizer, tiny_model
 
     from kvrag import KVModel, ckernel
     from kvrag.bench_reposition import ARMS, reposition_benchmark
 
-    kernel, lines = ckernel.rotate_keys, []
-    result = reposition_benchmark(KVModel(tiny_model("llama"), byte_tokenizer()), context=300, runs=1, log=lines.append)
-    assert ckernel.rotate_keys is kernel and list(result) == list(ARMS) and len(lines) == 3
+    kernels, lines = (ckernel.rotate_keys, ckernel.stitch), []
+    kv = KVModel(tiny_model("llama"), byte_tokenizer())
+    result = reposition_benchmark(kv, context=300, runs=1, tokens=3, log=lines.append)
+    assert (ckernel.rotate_keys, ckernel.stitch) == kernels
+    assert list(result) == list(ARMS) and len(lines) == 3
     for row in result.values():
         assert row["ttft_s"] >= row["forward_s"] > 0 and row["re_positioning_s"] > 0
         assert row["outside_forward_s"] == pytest.approx(row["outside_share"] * row["ttft_s"])
+        assert row["answer_s"] > row["forward_s"]
 
 
 def test_the_forward_benchmark_splits_the_forward_and_puts_the_functions_back():

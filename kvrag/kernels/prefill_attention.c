@@ -82,11 +82,11 @@ static inline __m512i pairs(__m512 a, __m512 b) {
 
 /* O^T [d0, d0 + dn) += V^T P^T over one block of keys: o [dim][g], pw [key pair][g], vw [key pair][D] (words) */
 static inline __attribute__((always_inline)) void pv_tile(__m512 o[][MAXG], __m512i pw[][MAXG], const uint32_t *vw,
-                                                          int D, int d0, const int dn, const int np, const int G) {
+                                                          int D, int d0, const int dn, const int G) {
     __m512 acc[16][MAXG];
     for (int t = 0; t < dn; t++)
         for (int g = 0; g < G; g++) acc[t][g] = o[d0 + t][g];
-    for (int jp = 0; jp < np; jp++) {
+    for (int jp = 0; jp < KB / 2; jp++) {
         __m512i b[MAXG];
         for (int g = 0; g < G; g++) b[g] = pw[jp][g];
         for (int t = 0; t < dn; t++) {
@@ -98,64 +98,19 @@ static inline __attribute__((always_inline)) void pv_tile(__m512 o[][MAXG], __m5
         for (int g = 0; g < G; g++) o[d0 + t][g] = acc[t][g];
 }
 
-/* A run of cache slots whose keys and values sit elsewhere: slots start .. start + len - 1 are rows of k and v
- * ([Hkv, len, D] at strides sk_h, sk_t). rot >= 0: the keys are stored at other positions, and the queries
- * attend to them rotated by the angles of row rot (cos, sin: the key's shift negated), the same scores as keys
- * rotated by the shift (the rotation's angles add). As a row of int64: start, len, k, v, sk_h, sk_t, rot. */
-struct segment {
-    long start, len;
-    const uint16_t *k, *v;
-    long sk_h, sk_t, rot;
-};
-
-/* A block of keys: up to KB slots of one segment, from slot start. */
-struct block {
-    long start;
-    int len, seg;
-};
-
-/* q's words (qt) rotated by the angles c, s (rot float32 dims, the rotate-half pairing) into qr, each element
- * rounded once to bfloat16 as the rotation kernel rounds a key: word k (dims 2k, 2k + 1) pairs with word
- * k + rot / 4. */
-static inline __attribute__((always_inline)) void rotate_words(__m512i qr[][MAXG], __m512i qt[][MAXG], const float *c,
-                                                               const float *s, int rot, const int G, const int D) {
-    const int half = rot / 2, W = D / 2;
-    const __m512i high = _mm512_set1_epi32((int)0xffff0000);
-    for (int k = 0; k < half / 2; k++) {
-        const int i = 2 * k, j = i + half;
-        for (int g = 0; g < G; g++) {
-            __m512i a = qt[k][g], b = qt[k + half / 2][g];
-            __m512 a0 = (__m512)_mm512_slli_epi32(a, 16), a1 = (__m512)_mm512_and_si512(a, high);
-            __m512 b0 = (__m512)_mm512_slli_epi32(b, 16), b1 = (__m512)_mm512_and_si512(b, high);
-            __m512 x0 = _mm512_sub_ps(_mm512_mul_ps(a0, _mm512_set1_ps(c[i])), _mm512_mul_ps(b0, _mm512_set1_ps(s[i])));
-            __m512 x1 = _mm512_sub_ps(_mm512_mul_ps(a1, _mm512_set1_ps(c[i + 1])),
-                                      _mm512_mul_ps(b1, _mm512_set1_ps(s[i + 1])));
-            __m512 y0 = _mm512_add_ps(_mm512_mul_ps(b0, _mm512_set1_ps(c[j])), _mm512_mul_ps(a0, _mm512_set1_ps(s[j])));
-            __m512 y1 = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_set1_ps(c[j + 1])),
-                                      _mm512_mul_ps(a1, _mm512_set1_ps(s[j + 1])));
-            qr[k][g] = pairs(x0, x1);
-            qr[k + half / 2][g] = pairs(y0, y1);
-        }
-    }
-    for (int k = half; k < W; k++)
-        for (int g = 0; g < G; g++) qr[k][g] = qt[k][g];
-}
-
 /* One task: kv head h, query tokens i0 .. i0 + QT - 1 (those past n are computed and not written).
- * q [H, n, D] (strides sq_h, sq_n); the cache's slots 0 .. T - 1 in NB blocks (blk) of the segments (seg);
- * packed: the values as words of two adjacent keys of a block [Hkv, NB, KB / 2, D]; seen: a mask's bits [n, NB]
- * (bit j: key j of the block) or NULL; cos, sin: the segments' angles, rot dims a row; out [n, H, D] contiguous. */
-static inline __attribute__((always_inline)) void task(const uint16_t *q, long sq_h, long sq_n,
-                                                       const struct segment *seg, const struct block *blk, long NB,
-                                                       const float *cos, const float *sin, int rot,
-                                                       const uint32_t *packed, const uint64_t *seen, int causal,
-                                                       uint16_t *out, long n, long T, int H, long h, long i0,
-                                                       float scale, const int G, const int D) {
+ * q [H, n, D] (strides sq_h, sq_n), keys [Hkv, T, D] (strides sk_h, sk_t), packed: the values as words of two
+ * adjacent keys [Hkv, ceil(T / KB) KB / 2, D], seen: a mask's bits [n, ceil(T / KB)] (bit j: key j of the
+ * block) or NULL, out [n, H, D] contiguous. */
+static inline __attribute__((always_inline)) void task(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys,
+                                                       long sk_h, long sk_t, const uint32_t *packed,
+                                                       const uint64_t *seen, int causal, uint16_t *out,
+                                                       long n, long T, int H, long h, long i0, float scale,
+                                                       const int G, const int D) {
     const int RK = G == 1 ? 16 : G == 2 ? 12 : G == 3 ? 8 : G == 4 ? 6 : G <= 6 ? 4 : 3; /* keys a score tile */
     const int DT = RK;                                                                   /* dims an output tile */
     const int W = D / 2;                                                                 /* words a head */
     __m512i qt[MAXD / 2][MAXG];          /* queries as words: [k][g], lane i = (q[2k], q[2k + 1]) of token i */
-    __m512i qr[MAXD / 2][MAXG];          /* the same rotated for a segment of moved keys */
     __m512 o[MAXD][MAXG];                /* O^T: [dim][g], lane i = token i */
     __m512 s[KB][MAXG];                  /* scores of a block, S^T: [key][g] */
     __m512i pw[KB / 2][MAXG];            /* probabilities as pairs of adjacent keys */
@@ -177,24 +132,15 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
             qt[k][g] = _mm512_loadu_si512(lane);
         }
     }
-    long rotated = -1; /* the angles' row qr holds */
-    for (long bi = 0; bi < NB; bi++) {
-        const struct segment *sg = &seg[blk[bi].seg];
-        const long j0 = blk[bi].start;
-        const int len = blk[bi].len;
-        const uint16_t *kh = sg->k + h * sg->sk_h + (j0 - sg->start) * sg->sk_t;
-        const long sk_t = sg->sk_t;
-        __m512i(*qv)[MAXG] = qt;
-        if (sg->rot >= 0) {
-            if (rotated != sg->rot) rotate_words(qr, qt, cos + sg->rot * rot, sin + sg->rot * rot, rot, G, D);
-            rotated = sg->rot;
-            qv = qr;
-        }
+    const uint16_t *kh = keys + h * sk_h;
+    const long blocks = (T + KB - 1) / KB;
+    for (long j0 = 0; j0 < T; j0 += KB) {
+        int len = T - j0 < KB ? (int)(T - j0) : KB;
         /* which tokens see which key of the block */
         uint16_t any = 0;
         if (seen) {
             uint64_t rows[QT];
-            for (int i = 0; i < QT; i++) rows[i] = i0 + i < n ? seen[(i0 + i) * NB + bi] : 0;
+            for (int i = 0; i < QT; i++) rows[i] = i0 + i < n ? seen[(i0 + i) * blocks + j0 / KB] : 0;
             uint64_t live = len == KB ? ~0ull : ((1ull << len) - 1), all = live;
             for (int i = 0; i < QT; i++) all &= i0 + i < n ? rows[i] : live;
             if (all == live) { /* every token sees every key of the block (most of a cache): no transposing */
@@ -223,18 +169,17 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
         uint16_t every = 0xffff; /* the tokens that see every key of the block */
         for (int j = 0; j < KB; j++) every &= valid[j];
         const int full = every == 0xffff;
-        /* S^T = K Q^T, RK keys a tile, the tiles that hold a key of the block (a short block's last segment) */
-        int j = 0;
-        for (; j < len; j += RK) {
+        /* S^T = K Q^T, RK keys a tile */
+        for (int j = 0; j < KB; j += RK) {
             __m512 acc[16][MAXG];
             const uint16_t *krow[16];
             for (int r = 0; r < RK; r++) {
-                krow[r] = j + r < len ? kh + (j + r) * sk_t : zero_row;
+                krow[r] = j + r < len ? kh + (j0 + j + r) * sk_t : zero_row;
                 for (int g = 0; g < G; g++) acc[r][g] = _mm512_setzero_ps();
             }
             for (int k = 0; k < W; k++) {
                 __m512i b[MAXG];
-                for (int g = 0; g < G; g++) b[g] = qv[k][g];
+                for (int g = 0; g < G; g++) b[g] = qt[k][g];
                 for (int r = 0; r < RK; r++) {
                     uint32_t word;
                     memcpy(&word, krow[r] + 2 * k, 4);
@@ -247,10 +192,7 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
                     s[j + r][g] = _mm512_mask_mul_ps(_mm512_set1_ps(NEG), valid[j + r], acc[r][g],
                                                      _mm512_set1_ps(scale));
         }
-        for (; j < KB; j++) /* keys past a short block's tiles: no token sees them */
-            for (int g = 0; g < G; g++) s[j][g] = _mm512_set1_ps(NEG);
         /* online softmax, a row a lane */
-        const int np = (len + 1) / 2; /* the pairs of keys that hold a key of the block */
         for (int g = 0; g < G; g++) {
             /* a row that has seen no key yet stays at NEG (alpha 1 over nothing); at its first key, alpha is 0 */
             /* four running maxima, not one: one max a key in a single chain waits on each max's latency (a max
@@ -282,8 +224,8 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
                     sum = _mm512_dpbf16_ps(sum, (__m512bh)w, ones);
                     sum2 = _mm512_dpbf16_ps(sum2, (__m512bh)w2, ones);
                 }
-            else /* the pairs that hold a key of the block (the weighted sum reads no other) */
-                for (int j = 0; j < 2 * np; j += 2) {
+            else
+                for (int j = 0; j < KB; j += 2) {
                     __m512 p0 = _mm512_maskz_mov_ps(valid[j], exp512(_mm512_sub_ps(s[j][g], shift)));
                     __m512 p1 = _mm512_maskz_mov_ps(valid[j + 1], exp512(_mm512_sub_ps(s[j + 1][g], shift)));
                     __m512i w = pairs(p0, p1);
@@ -300,9 +242,9 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
         /* O^T += V^T P^T, DT dims a tile: whole tiles (a constant count, so their accumulators stay in
          * registers), then what is left of the head */
         int d0 = 0;
-        const uint32_t *vw = packed + ((h * NB + bi) * (KB / 2)) * D;
-        for (; d0 + DT <= D; d0 += DT) pv_tile(o, pw, vw, D, d0, DT, np, G);
-        if (d0 < D) pv_tile(o, pw, vw, D, d0, D - d0, np, G);
+        const uint32_t *vw = packed + (h * blocks * (KB / 2) + j0 / 2) * D;
+        for (; d0 + DT <= D; d0 += DT) pv_tile(o, pw, vw, D, d0, DT, G);
+        if (d0 < D) pv_tile(o, pw, vw, D, d0, D - d0, G);
     }
     /* out[token, head, dim] = O^T / l, rounded to bfloat16 */
     for (int g = 0; g < G; g++) {
@@ -323,25 +265,22 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
     }
 }
 
-/* The values as words of two adjacent keys of a block, once a call (every task of a kv head reads them):
- * packed[((h * NB + b) * P + p) * D + d] = (v[h, 2p, d], v[h, 2p + 1, d]) of block b's keys, P = KB / 2, and zero
- * for the keys past its length: a block's weighted sum reads all of it, and a zero probability times a NaN would
- * still be a NaN. */
-static void pack_values(const struct segment *seg, const struct block *blk, long NB, int Hkv, int D,
-                        uint32_t *packed, int threads) {
-    const long P = KB / 2;
+/* The values as words of two adjacent keys, once a call (every task of a kv head reads them):
+ * packed[(h * P + p) * D + d] = (v[h, 2p, d], v[h, 2p + 1, d]), P = KB / 2 a block of keys, and zero for the keys
+ * past T: a block's weighted sum reads all of it, and a zero probability times a NaN would still be a NaN. */
+static void pack_values(const uint16_t *values, long sk_h, long sk_t, long T, int Hkv, int D, uint32_t *packed,
+                        int threads) {
+    const long P = (T + KB - 1) / KB * (KB / 2);
     /* word i of the result: (a[i], b[i]) for i < 16 (low_half) or for 16 <= i < 32 (high_half) */
     const __m512i low_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
                                               6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i high_half = _mm512_add_epi16(low_half, _mm512_set1_epi16(16));
     const uint16_t zero_row[MAXD] = {0};
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (long r = 0; r < Hkv * NB * P; r++) {
-        long h = r / (NB * P), b = r / P % NB, p = r % P;
-        const struct segment *sg = &seg[blk[b].seg];
-        const uint16_t *vh = sg->v + h * sg->sk_h + (blk[b].start - sg->start) * sg->sk_t;
-        const uint16_t *v0 = 2 * p < blk[b].len ? vh + 2 * p * sg->sk_t : zero_row;
-        const uint16_t *v1 = 2 * p + 1 < blk[b].len ? vh + (2 * p + 1) * sg->sk_t : zero_row;
+    for (long r = 0; r < Hkv * P; r++) {
+        long h = r / P, p = r % P;
+        const uint16_t *v0 = 2 * p < T ? values + h * sk_h + 2 * p * sk_t : zero_row;
+        const uint16_t *v1 = 2 * p + 1 < T ? values + h * sk_h + (2 * p + 1) * sk_t : zero_row;
         for (int d = 0; d < D; d += 32) {
             __m512i a = _mm512_loadu_si512(v0 + d), b = _mm512_loadu_si512(v1 + d);
             _mm512_storeu_si512(packed + r * D + d, _mm512_permutex2var_epi16(a, low_half, b));
@@ -350,53 +289,33 @@ static void pack_values(const struct segment *seg, const struct block *blk, long
     }
 }
 
-/* The attention over the cache's slots 0 .. T - 1 as segments (rows of seg, in slot order, covering every slot
- * once); cos, sin [rows, rot] float32: the queries' rotation for a segment whose rot is a row. 0, or -1 for
- * arguments it does not take, -2 for an additive mask with other values than 0 and the lowest (found before any
- * attention is computed), -3 where memory ran out. */
-int prefill_attention_segments_bf16(const uint16_t *q, long sq_h, long sq_n, const long *rows, long nseg,
-                                    const float *cos, const float *sin, int rot, const uint8_t *mask, int kind,
-                                    long sm, int causal, uint16_t *out, long n, long T, int H, int Hkv, int D,
-                                    float scale, int threads) {
+int prefill_attention_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys, const uint16_t *values,
+                           long sk_h, long sk_t, const uint8_t *mask, int kind, long sm, int causal, uint16_t *out,
+                           long n, long T, int H, int Hkv, int D, float scale, int threads) {
     int G = H / Hkv, odd = 0;
-    if (G < 1 || G > MAXG || G * Hkv != H || D % 32 || D > MAXD || kind < 0 || kind > 3 || (kind && !mask) || nseg < 1)
-        return -1;
-    const struct segment *seg = (const struct segment *)rows;
-    long NB = 0, at = 0;
-    for (long i = 0; i < nseg; i++) { /* in order, every slot once; a rotation only of whole rotate-half pairs */
-        if (seg[i].start != at || seg[i].len < 1 ||
-            (seg[i].rot >= 0 && (!cos || !sin || rot < 4 || rot % 4 || rot > D)))
-            return -1;
-        at += seg[i].len;
-        NB += (seg[i].len + KB - 1) / KB;
-    }
-    if (at != T) return -1;
-    struct block *blk = malloc(sizeof(struct block) * NB);
-    uint64_t *seen = kind ? malloc(sizeof(uint64_t) * n * NB) : NULL;
-    uint32_t *packed = malloc(sizeof(uint32_t) * Hkv * NB * (KB / 2) * D);
-    if (!blk || !packed || (kind && !seen)) {
-        free(blk);
+    if (G < 1 || G > MAXG || G * Hkv != H || D % 32 || D > MAXD || kind < 0 || kind > 3 || (kind && !mask)) return -1;
+    const long nb = (T + KB - 1) / KB;
+    uint64_t *seen = kind ? malloc(sizeof(uint64_t) * n * nb) : NULL;
+    uint32_t *packed = malloc(sizeof(uint32_t) * Hkv * nb * (KB / 2) * D);
+    if (!packed || (kind && !seen)) {
         free(seen);
         free(packed);
         return -3;
     }
-    for (long i = 0, b = 0; i < nseg; i++)
-        for (long j = 0; j < seg[i].len; j += KB, b++)
-            blk[b] = (struct block){seg[i].start + j, (int)(seg[i].len - j < KB ? seg[i].len - j : KB), (int)i};
     if (kind) { /* the mask read once, a bit a key; every kv head's tasks share it */
         _Pragma("omp parallel for schedule(static) num_threads(threads)")
-        for (long r = 0; r < n * NB; r++) {
-            long i = r / NB, b = r % NB;
-            seen[r] = row_bits(mask + (i * sm + blk[b].start) * mask_bytes[kind], kind, blk[b].len, &odd);
+        for (long r = 0; r < n * nb; r++) {
+            long i = r / nb, j0 = (r % nb) * KB;
+            seen[r] = row_bits(mask + (i * sm + j0) * mask_bytes[kind], kind, T - j0 < KB ? (int)(T - j0) : KB, &odd);
         }
     }
     if (!odd) {
-        pack_values(seg, blk, NB, Hkv, D, packed, threads);
+        pack_values(values, sk_h, sk_t, T, Hkv, D, packed, threads);
         long blocks = (n + QT - 1) / QT, tasks = Hkv * blocks;
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
         for (long t = 0; t < tasks; t++) {
             long h = t % Hkv, i0 = (t / Hkv) * QT;
-#define ARGS q, sq_h, sq_n, seg, blk, NB, cos, sin, rot, packed, seen, causal, out, n, T, H, h, i0, scale
+#define ARGS q, sq_h, sq_n, keys, sk_h, sk_t, packed, seen, causal, out, n, T, H, h, i0, scale
             switch (G) { /* G a constant in each: the tiles' accumulators stay in registers */
             case 1: task(ARGS, 1, D); break;
             case 2: task(ARGS, 2, D); break;
@@ -410,19 +329,9 @@ int prefill_attention_segments_bf16(const uint16_t *q, long sq_h, long sq_n, con
 #undef ARGS
         }
     }
-    free(blk);
     free(seen);
     free(packed);
-    return odd ? -2 : 0;
-}
-
-/* The attention over keys and values [Hkv, T, D] (strides sk_h, sk_t) in one place: one segment. */
-int prefill_attention_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys, const uint16_t *values,
-                           long sk_h, long sk_t, const uint8_t *mask, int kind, long sm, int causal, uint16_t *out,
-                           long n, long T, int H, int Hkv, int D, float scale, int threads) {
-    struct segment one = {0, T, keys, values, sk_h, sk_t, -1};
-    return prefill_attention_segments_bf16(q, sq_h, sq_n, (const long *)&one, 1, NULL, NULL, 0, mask, kind, sm,
-                                           causal, out, n, T, H, Hkv, D, scale, threads);
+    return odd ? -2 : 0; /* -2: a mask value neither 0 nor the lowest (found before any attention was computed) */
 }
 
 int prefill_attention_available(void) { return 1; }
@@ -432,13 +341,6 @@ int prefill_attention_available(void) { return 1; }
 int prefill_attention_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys, const uint16_t *values,
                            long sk_h, long sk_t, const uint8_t *mask, int kind, long sm, int causal, uint16_t *out,
                            long n, long T, int H, int Hkv, int D, float scale, int threads) {
-    return -1;
-}
-
-int prefill_attention_segments_bf16(const uint16_t *q, long sq_h, long sq_n, const long *rows, long nseg,
-                                    const float *cos, const float *sin, int rot, const uint8_t *mask, int kind,
-                                    long sm, int causal, uint16_t *out, long n, long T, int H, int Hkv, int D,
-                                    float scale, int threads) {
     return -1;
 }
 
