@@ -111,16 +111,20 @@ def test_bench_decode_prints_every_step_and_the_floor(tmp_path, capsys):
     assert "fast step: yes" in capsys.readouterr().out
 
 
-def test_the_reposition_benchmark_times_every_arm_and_puts_the_engine_back():
+def test_the_reposition_benchmark_times_every_arm_and_puts_the_engine_back(monkeypatch):
     from tiny import byte_tokenizer, tiny_model
 
     from kvrag import KVModel, ckernel
     from kvrag.bench_reposition import ARMS, reposition_benchmark
 
+    calls = []
+    stitch = ckernel.stitch
+    monkeypatch.setattr(ckernel, "stitch", lambda *args: calls.append(1) or stitch(*args))
     kernels, lines = (ckernel.rotate_keys, ckernel.stitch), []
     kv = KVModel(tiny_model("llama"), byte_tokenizer())
     result = reposition_benchmark(kv, context=300, runs=1, tokens=3, log=lines.append)
     assert (ckernel.rotate_keys, ckernel.stitch) == kernels
+    assert len(calls) == 4  # the C arm's two rounds of a first token and an answer; the torch arm's none
     assert list(result) == list(ARMS) and len(lines) == 3
     for row in result.values():
         assert row["ttft_s"] >= row["forward_s"] > 0 and row["re_positioning_s"] > 0
