@@ -57,7 +57,8 @@ SOURCES = tuple(
 # built apart, at a bfloat16 prefill's first attention or linear layer: its build takes seconds, and float32 models
 # never need it
 PREFILL_SOURCES = tuple(
-    Path(__file__).with_name("kernels") / name for name in ("prefill_attention.c", "prefill_linear.c", "prefill_norm.c")
+    Path(__file__).with_name("kernels") / name
+    for name in ("prefill_attention.c", "prefill_linear.c", "prefill_norm.c", "prefill_rotary.c", "prefill_silu.c")
 )
 BLOCK = 256  # the kernel's block of cache slots
 MAX_TOKENS = 8  # tokens one call of the C decode step takes (`DecodeStep.steps`)
@@ -550,6 +551,12 @@ def _prefill_library() -> ctypes.CDLL | None:
     library.prefill_linear_scratch.restype = long
     library.prefill_rms_norm_bf16.argtypes = [pointer, long, pointer, pointer, long, long, long, ctypes.c_float, int_]
     library.prefill_rms_norm_bf16.restype = ctypes.c_int
+    library.prefill_rotary_bf16.argtypes = [pointer, long, long, long, pointer, long, long, long, pointer, pointer]
+    library.prefill_rotary_bf16.argtypes += [long, long, pointer, long, long, long, pointer, long, long, long]
+    library.prefill_rotary_bf16.argtypes += [long, long, long, long, int_, int_]
+    library.prefill_rotary_bf16.restype = ctypes.c_int
+    library.prefill_silu_mul_bf16.argtypes = [pointer, long, pointer, long, pointer, long, long, long, int_]
+    library.prefill_silu_mul_bf16.restype = ctypes.c_int
     return library
 
 
@@ -586,6 +593,66 @@ def prefill_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     if status:
         raise RuntimeError(f"prefill_rms_norm: the kernel refused a shape it was checked to take ({status})")
     return out
+
+
+def prefill_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """`F.silu(gate) * up` for bfloat16 gate and up [..., F] of two or more tokens on CPU, in one pass
+    (`kernels/prefill_silu.c`): torch's roundings, its exp another one within an ulp, so an output can differ from
+    torch's by one bfloat16 step, rarely. None where it does not take the call (another dtype or device, one token,
+    other shapes, rows not contiguous, no AVX512-BF16 or no compiler)."""
+    if gate.shape != up.shape:
+        return None
+    gates, ups = _token_rows(gate, up), _token_rows(up, gate)
+    library = _prefill_library() if gates is not None and ups is not None else None
+    if library is None:
+        return None
+    out = torch.empty(gate.shape, dtype=torch.bfloat16)
+    status = library.prefill_silu_mul_bf16(
+        gates.data_ptr(), gates.stride(0), ups.data_ptr(), ups.stride(0), out.data_ptr(), gate.shape[-1],
+        gates.shape[0], gate.shape[-1], torch.get_num_threads(),
+    )
+    if status:
+        raise RuntimeError(f"prefill_silu_mul: the kernel refused a shape it was checked to take ({status})")
+    return out
+
+
+def prefill_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """transformers' `apply_rotary_pos_emb(q, k, cos, sin)` for bfloat16 q [B, H, n, D] and k [B, H_kv, n, D] (two or
+    more tokens, CPU, rows of D contiguous) with cos and sin [B or 1, n, D], in one pass a tensor
+    (`kernels/prefill_rotary.c`): bitwise transformers' result, laid out as the projections were ([B, n, H, D] in
+    memory). None where it does not take the call (another dtype or device, one token, other shapes, no
+    AVX512-BF16 or no compiler)."""
+    if not all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in (q, k, cos, sin)):
+        return None
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape or cos.stride() != sin.stride():
+        return None
+    batch, heads, n, d = q.shape
+    if (
+        n < 2
+        or k.shape[0] != batch
+        or k.shape[2:] != (n, d)
+        or cos.shape[0] not in (1, batch)
+        or cos.shape[1:] != (n, d)
+        or any(t.stride(-1) != 1 for t in (q, k, cos))
+        or not (2 <= d <= 256 and d % 2 == 0)
+    ):
+        return None
+    library = _prefill_library()
+    if library is None:
+        return None
+    kv_heads = k.shape[1]
+    q_out = torch.empty(batch, n, heads, d, dtype=torch.bfloat16).transpose(1, 2)
+    k_out = torch.empty(batch, n, kv_heads, d, dtype=torch.bfloat16).transpose(1, 2)
+    status = library.prefill_rotary_bf16(
+        q.data_ptr(), *q.stride()[:3], k.data_ptr(), *k.stride()[:3], cos.data_ptr(), sin.data_ptr(),
+        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), q_out.data_ptr(), *q_out.stride()[:3],
+        k_out.data_ptr(), *k_out.stride()[:3], batch, heads, kv_heads, n, d, torch.get_num_threads(),
+    )
+    if status:
+        raise RuntimeError(f"prefill_rotary: the kernel refused a shape it was checked to take ({status})")
+    return q_out, k_out
 
 
 def prefill_linear_available() -> bool:

@@ -36,7 +36,9 @@ from kvrag.model import (
     resolve_dtype,
     weights_id as default_weights_id,
 )
+from kvrag.mlp import use_prefill_mlps
 from kvrag.norm import use_prefill_norms
+from kvrag.rotary import use_prefill_rotary
 from kvrag.pipeline import Prefilled
 from kvrag.probe import Probe
 from kvrag.recompute import full_prefill
@@ -107,6 +109,8 @@ class KVModel:
         use_gqa_sdpa(model)  # sdpa without copying kv heads on CPU (`kvrag.attention`), bitwise the same
         use_prefill_linears(model)  # bfloat16 prefills' linear layers on the CPU's dot products (`kvrag.linear`)
         use_prefill_norms(model)  # and their RMSNorms in one pass (`kvrag.norm`)
+        use_prefill_rotary(model)  # and their rotary embeddings (`kvrag.rotary`), bitwise the same
+        use_prefill_mlps(model)  # and their MLPs' SiLU(gate) * up in one pass (`kvrag.mlp`)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.layout = layout or PromptLayout(tokenizer)

@@ -13,13 +13,12 @@ step.
 from __future__ import annotations
 
 import functools
-import importlib
-import inspect
 from typing import Any
 
 import torch
 
 from kvrag import ckernel
+from kvrag.swap import checked_subclass, swap
 
 # The norms taken: transformers' classes that copy llama's RMSNorm (each checked word for word when first taken,
 # so a transformers release that changes one leaves it as it is).
@@ -31,28 +30,21 @@ TAKEN = {
 }
 
 
-@functools.cache
-def prefill_class(name: str) -> type | None:
-    """`Prefill<name>`: the subclass of transformers' norm `name` whose forward runs the kernel; None where `name`
-    is not taken, or its forward is not llama's."""
-    if name not in TAKEN:
-        return None
-    base = getattr(importlib.import_module(TAKEN[name]), name)
-    llama = importlib.import_module(TAKEN["LlamaRMSNorm"]).LlamaRMSNorm
-    try:
-        if inspect.getsource(base.forward) != inspect.getsource(llama.forward):
-            return None
-    except (OSError, TypeError):  # no source to compare (an install of compiled files only): left as it is
-        return None
-
+def _forward(base: type) -> Any:
     def forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
         out = None
         if not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)):
             out = ckernel.prefill_rms_norm(hidden_states, self.weight, self.variance_epsilon)
         return out if out is not None else base.forward(self, hidden_states)
 
-    attributes = {"forward": forward, "__module__": __name__, "__qualname__": f"Prefill{name}"}
-    return type(f"Prefill{name}", (base,), attributes)
+    return forward
+
+
+@functools.cache
+def prefill_class(name: str) -> type | None:
+    """`Prefill<name>`: the subclass of transformers' norm `name` whose forward runs the kernel; None where `name`
+    is not taken, or its forward is not llama's."""
+    return checked_subclass(name, TAKEN, "LlamaRMSNorm", _forward, __name__)
 
 
 def __getattr__(name: str) -> type:
@@ -82,10 +74,4 @@ def use_prefill_norms(model: torch.nn.Module) -> int:
     ]
     if not norms or not ckernel.prefill_linear_available():
         return 0
-    taken = 0
-    for m in norms:
-        cls = prefill_class(type(m).__name__)
-        if cls is not None:
-            m.__class__ = cls
-            taken += 1
-    return taken
+    return swap(norms, prefill_class)

@@ -389,6 +389,29 @@ def test_the_bfloat16_prefill_kernel_is_as_close_to_float32_attention_as_torchs(
 
 
 @needs_bf16_kernel
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 2), (8, 1), (14, 2)])  # 8 and 7 a kv head: tiles of 3 keys
+def test_scores_that_rise_block_after_block_past_the_running_max_are_as_close_as_torchs(heads, kv_heads):
+    # each block of 64 keys scores higher than the one before: a little (its probabilities taken against the
+    # stale max, above 1), by more than 2^8 (a block that goes the usual way), and by more than float32's range
+    # (taken as they are, those probabilities would be infinite)
+    g = torch.Generator().manual_seed(11)
+    n, keys, d = 40, 64 * 12, 64
+    u = torch.randn(d, generator=g)
+    u /= u.norm()  # q . u is about 3 for every query: a key along u scores alike for all of them
+    q = torch.randn(1, heads, n, d, generator=g) + 3 * u
+    rise = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 40.0, 40.5, 41.0, 41.5, 400.0, 400.5, 401.0]).repeat_interleave(64)
+    k = torch.randn(1, kv_heads, keys, d, generator=g) + rise[:, None] * u
+    v = torch.randn(1, kv_heads, keys, d, generator=g)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    allowed = torch.ones(1, 1, n, keys, dtype=torch.bool)
+    got = ckernel.prefill_attention(q, k, v, None, d**-0.5)
+    want = _attention_reference(q, k, v, allowed)
+    torch_bf16 = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=d**-0.5, enable_gqa=True)
+    error, torch_error = ((x.float() - want).abs().max() for x in (got, torch_bf16.transpose(1, 2)))
+    assert error <= 1.5 * torch_error + 1e-3
+
+
+@needs_bf16_kernel
 def test_the_bfloat16_prefill_kernel_refuses_what_it_does_not_compute():
     q = torch.randn(1, 4, 8, 64).bfloat16()
     k = v = torch.randn(1, 2, 20, 64).bfloat16()

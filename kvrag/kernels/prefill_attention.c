@@ -13,6 +13,10 @@
  *   maxima and sums are vertical: no lane sums anywhere.
  * - Probabilities go to bfloat16 pairs of adjacent keys, values to words of two adjacent keys' elements (once a
  *   call, shared by every task of a kv head), and O^T += V^T P^T runs on the same instruction.
+ * - Past a task's first block, while no score passes its row's running max by more than 2^LEAD, a block's
+ *   probabilities are made in its score tiles against that max as it stands (a probability may exceed 1), so
+ *   the block needs no pass to find its max and no second read of its scores; else the block goes the usual
+ *   way. In a 4k `target_recompute` forward this took the attention's first token 4 ms sooner (paired).
  * - Sums are in float32 (scores, softmax, the weighted values); the probabilities are rounded to bfloat16
  *   before the weighted sum, as torch's bfloat16 flash attention rounds them.
  * - A mask, boolean (true: attend) or additive with only 0 and the lowest value (as kvrag's and transformers'
@@ -34,23 +38,21 @@
 #define MAXG 8      /* query heads a kv head */
 #define MAXD 128    /* head size */
 #define NEG (-1.0e30f) /* a score no token may see (finite: the file is compiled with -ffast-math) */
+#define LEAD 8.0f      /* how far above its row's running max (in powers of 2) a score may be taken as it is */
 
-/* exp(x) for finite x <= 0, float32, to about 4e-5 relative (below -100 it is about 0): 2^n p(r) with r = x - n ln 2
- * and p the degree-4 Taylor polynomial. The probabilities are rounded to bfloat16 (2^-9 relative) next, so a
- * closer exp would buy nothing, and each degree costs a multiply-add on the pipes the dot products need. */
-static inline __m512 exp512_finite(__m512 x) {
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), x);
-    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 24), _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+/* 2^x for x <= 0, float32, to about 8e-5 relative: 2^n p(r) with n = round(x), r = x - n in [-1/2, 1/2] and p the
+ * degree-3 polynomial nearest 2^r in relative error. The probabilities are rounded to bfloat16 (2^-9 relative)
+ * next, so a closer one would buy nothing. Any x <= 0 is taken: from -2^23 down, r is 0 and 2^n is 0 (so a key
+ * no token may see, a score of NEG, gets 0). The scores stay as the dot products give them: the scale and the
+ * change of base are one multiply-add with the subtraction of the max, x = s c - m c. */
+static inline __m512 exp2_512(__m512 x) {
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.05508868f), _mm512_set1_ps(0.24260405f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.69327624f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.99992894f));
     return _mm512_scalef_ps(p, n);
 }
-
-/* exp512_finite for any x <= 0: the lowest score (NEG, a key no token may see) less a maximum would leave the
- * reduction r meaningless, so x is held at -100 first */
-static inline __m512 exp512(__m512 x) { return exp512_finite(_mm512_max_ps(x, _mm512_set1_ps(-100.0f))); }
 
 static const int mask_bytes[] = {1, 1, 2, 4}; /* a mask element: none, bool, bfloat16, float32 */
 
@@ -138,6 +140,9 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
      * for the next block's keys while it computes this one (30 tokens over 8,000 keys, 30 layers: 31-32 ms against
      * 34-35). With many, every task of a kv head reads the keys again, from the cache, and the requests only cost. */
     const int streamed = (n + QT - 1) / QT <= 4;
+    const __mmask16 live = i0 + QT <= n ? 0xffff : (__mmask16)((1u << (n - i0)) - 1); /* the lanes of real tokens */
+    const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);                     /* x = s c - m c, base 2 */
+    const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3f803f80);
     for (long j0 = 0; j0 < T; j0 += KB) {
         int len = T - j0 < KB ? (int)(T - j0) : KB;
         if (streamed && j0 + KB < T) {
@@ -178,6 +183,20 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
         uint16_t every = 0xffff; /* the tokens that see every key of the block */
         for (int j = 0; j < KB; j++) every &= valid[j];
         const int full = every == 0xffff;
+        /* Once every token of the task has seen a key, a block's probabilities are taken in its score tiles, against
+         * the rows' running maxima as they stand, while the tiles' scores are still in registers: no pass to find
+         * the block's max, no second read of its scores. A probability may then be above 1, up to 2^LEAD; a
+         * score further above its row's max sends the block the usual way (its max found first, from the scores
+         * kept), which also runs the first blocks and every block of tiles with an odd number of keys. */
+        int early = RK % 2 == 0;
+        __m512 lim[MAXG], stale[MAXG], mass[MAXG];
+        for (int g = 0; g < G; g++) {
+            early &= _mm512_mask_cmp_ps_mask(live, m[g], _mm512_set1_ps(0.5f * NEG), _CMP_GT_OQ) == live;
+            lim[g] = _mm512_add_ps(m[g], _mm512_div_ps(_mm512_set1_ps(LEAD), c));
+            stale[g] = _mm512_maskz_mul_ps(live, m[g], c); /* a padded lane: 0, so its probabilities stay finite */
+            mass[g] = _mm512_setzero_ps();
+        }
+        __mmask16 over = 0;
         /* S^T = K Q^T, RK keys a tile */
         for (int j = 0; j < KB; j += RK) {
             __m512 acc[16][MAXG];
@@ -198,56 +217,73 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
             }
             for (int r = 0; r < RK && j + r < KB; r++)
                 for (int g = 0; g < G; g++)
-                    s[j + r][g] = _mm512_mask_mul_ps(_mm512_set1_ps(NEG), valid[j + r], acc[r][g],
-                                                     _mm512_set1_ps(scale));
+                    s[j + r][g] = full ? acc[r][g] : _mm512_mask_mov_ps(_mm512_set1_ps(NEG), valid[j + r], acc[r][g]);
+            if (early)
+                for (int r = 0; r + 1 < RK && j + r + 1 < KB; r += 2)
+                    for (int g = 0; g < G; g++) {
+                        const __m512 a = s[j + r][g], b = s[j + r + 1][g];
+                        over |= _mm512_mask_cmp_ps_mask(live, a, lim[g], _CMP_GT_OQ);
+                        over |= _mm512_mask_cmp_ps_mask(live, b, lim[g], _CMP_GT_OQ);
+                        const __m512i w = pairs(exp2_512(_mm512_fmsub_ps(a, c, stale[g])),
+                                                exp2_512(_mm512_fmsub_ps(b, c, stale[g])));
+                        pw[(j + r) / 2][g] = w;
+                        mass[g] = _mm512_dpbf16_ps(mass[g], (__m512bh)w, ones);
+                    }
         }
         /* online softmax, a row a lane */
-        for (int g = 0; g < G; g++) {
-            /* a row that has seen no key yet stays at NEG (alpha 1 over nothing); at its first key, alpha is 0 */
-            /* four running maxima, not one: one max a key in a single chain waits on each max's latency (a max
-             * is exact, so the result is the same) */
-            __m512 top = m[g], t1 = s[0][g], t2 = s[1][g], t3 = s[2][g];
-            for (int j = 3; j < KB - 1; j += 4) {
-                top = _mm512_max_ps(top, s[j][g]);
-                t1 = _mm512_max_ps(t1, s[j + 1][g]);
-                t2 = _mm512_max_ps(t2, s[j + 2][g]);
-                t3 = _mm512_max_ps(t3, s[j + 3][g]);
+        if (early && !over) /* the probabilities are made and the maxima stay: only the sums grow */
+            for (int g = 0; g < G; g++) l[g] = _mm512_add_ps(l[g], mass[g]);
+        else
+            for (int g = 0; g < G; g++) {
+                /* a row that has seen no key yet stays at NEG (alpha 1 over nothing); at its first key, alpha is 0 */
+                /* four running maxima, not one: one max a key in a single chain waits on each max's latency (a max
+                 * is exact, so the result is the same) */
+                __m512 top = m[g], t1 = s[0][g], t2 = s[1][g], t3 = s[2][g];
+                for (int j = 3; j < KB - 1; j += 4) {
+                    top = _mm512_max_ps(top, s[j][g]);
+                    t1 = _mm512_max_ps(t1, s[j + 1][g]);
+                    t2 = _mm512_max_ps(t2, s[j + 2][g]);
+                    t3 = _mm512_max_ps(t3, s[j + 3][g]);
+                }
+                top = _mm512_max_ps(_mm512_max_ps(top, s[KB - 1][g]), _mm512_max_ps(t1, _mm512_max_ps(t2, t3)));
+                /* past the first blocks a row's max rarely grows (most rows' largest score is an early key) */
+                const __mmask16 grew = _mm512_cmp_ps_mask(top, m[g], _CMP_GT_OQ);
+                const __m512 shift = _mm512_mul_ps(top, c);
+                /* 1 exactly where the max stayed: there x = m c - round(m c) is the product's rounding error, which
+                 * at NEG (a row that has seen no key) is large, of either sign */
+                const __m512 alpha = grew ? _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew,
+                                                               exp2_512(_mm512_fmsub_ps(m[g], c, shift)))
+                                          : _mm512_set1_ps(1.0f);
+                m[g] = top;
+                /* the mass of what the weighted sum uses: the rounded probabilities, summed by the instruction the
+                 * weighted sum runs on (a pair times (1, 1)), so it counts exactly what that sum counts */
+                __m512 sum = _mm512_setzero_ps(), sum2 = _mm512_setzero_ps();
+                if (full) /* every score of the block is a finite score: no floor, no mask */
+                    for (int j = 0; j < KB; j += 4) {
+                        __m512i w = pairs(exp2_512(_mm512_fmsub_ps(s[j][g], c, shift)),
+                                          exp2_512(_mm512_fmsub_ps(s[j + 1][g], c, shift)));
+                        __m512i w2 = pairs(exp2_512(_mm512_fmsub_ps(s[j + 2][g], c, shift)),
+                                           exp2_512(_mm512_fmsub_ps(s[j + 3][g], c, shift)));
+                        pw[j / 2][g] = w;
+                        pw[j / 2 + 1][g] = w2;
+                        sum = _mm512_dpbf16_ps(sum, (__m512bh)w, ones);
+                        sum2 = _mm512_dpbf16_ps(sum2, (__m512bh)w2, ones);
+                    }
+                else
+                    for (int j = 0; j < KB; j += 2) {
+                        __m512 p0 = _mm512_maskz_mov_ps(valid[j], exp2_512(_mm512_fmsub_ps(s[j][g], c, shift)));
+                        __m512 p1 = _mm512_maskz_mov_ps(valid[j + 1], exp2_512(_mm512_fmsub_ps(s[j + 1][g], c, shift)));
+                        __m512i w = pairs(p0, p1);
+                        pw[j / 2][g] = w;
+                        sum = _mm512_dpbf16_ps(sum, (__m512bh)w, ones);
+                    }
+                sum = _mm512_add_ps(sum, sum2);
+                if (grew) {
+                    l[g] = _mm512_fmadd_ps(l[g], alpha, sum);
+                    for (int d = 0; d < D; d++) o[d][g] = _mm512_mul_ps(o[d][g], alpha);
+                } else /* alpha is 1 in every lane: the rescale would change nothing */
+                    l[g] = _mm512_add_ps(l[g], sum);
             }
-            top = _mm512_max_ps(_mm512_max_ps(top, s[KB - 1][g]), _mm512_max_ps(t1, _mm512_max_ps(t2, t3)));
-            /* past the first blocks a row's max rarely grows (most rows' largest score is an early key) */
-            const __mmask16 grew = _mm512_cmp_ps_mask(top, m[g], _CMP_GT_OQ);
-            __m512 alpha = grew ? exp512(_mm512_sub_ps(m[g], top)) : _mm512_set1_ps(1.0f), shift = top;
-            m[g] = top;
-            /* the mass of what the weighted sum uses: the rounded probabilities, summed by the instruction the
-             * weighted sum runs on (a pair times (1, 1)), so it counts exactly what that sum counts */
-            const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3f803f80);
-            __m512 sum = _mm512_setzero_ps(), sum2 = _mm512_setzero_ps();
-            if (full) /* every score of the block is a finite score: no floor, no mask */
-                for (int j = 0; j < KB; j += 4) {
-                    __m512i w = pairs(exp512_finite(_mm512_sub_ps(s[j][g], shift)),
-                                      exp512_finite(_mm512_sub_ps(s[j + 1][g], shift)));
-                    __m512i w2 = pairs(exp512_finite(_mm512_sub_ps(s[j + 2][g], shift)),
-                                       exp512_finite(_mm512_sub_ps(s[j + 3][g], shift)));
-                    pw[j / 2][g] = w;
-                    pw[j / 2 + 1][g] = w2;
-                    sum = _mm512_dpbf16_ps(sum, (__m512bh)w, ones);
-                    sum2 = _mm512_dpbf16_ps(sum2, (__m512bh)w2, ones);
-                }
-            else
-                for (int j = 0; j < KB; j += 2) {
-                    __m512 p0 = _mm512_maskz_mov_ps(valid[j], exp512(_mm512_sub_ps(s[j][g], shift)));
-                    __m512 p1 = _mm512_maskz_mov_ps(valid[j + 1], exp512(_mm512_sub_ps(s[j + 1][g], shift)));
-                    __m512i w = pairs(p0, p1);
-                    pw[j / 2][g] = w;
-                    sum = _mm512_dpbf16_ps(sum, (__m512bh)w, ones);
-                }
-            sum = _mm512_add_ps(sum, sum2);
-            if (grew) {
-                l[g] = _mm512_fmadd_ps(l[g], alpha, sum);
-                for (int d = 0; d < D; d++) o[d][g] = _mm512_mul_ps(o[d][g], alpha);
-            } else /* alpha is 1 in every lane: the rescale would change nothing */
-                l[g] = _mm512_add_ps(l[g], sum);
-        }
         /* O^T += V^T P^T, DT dims a tile: whole tiles (a constant count, so their accumulators stay in
          * registers), then what is left of the head */
         int d0 = 0;
