@@ -10,13 +10,12 @@ The kernel rounds where torch rounds; its exp is not torch's, so an output can d
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from kvrag import ckernel
-from kvrag.swap import checked_subclass, swap
+from kvrag.swap import classes, swap
 
 # The MLPs taken: transformers' classes that copy llama's (each checked word for word when first taken, so a
 # transformers release that changes one leaves it as it is).
@@ -40,19 +39,10 @@ def _forward(base: type) -> Any:
     return forward
 
 
-@functools.cache
-def prefill_class(name: str) -> type | None:
-    """`Prefill<name>`: the subclass of transformers' MLP `name` whose forward runs the kernel; None where `name`
-    is not taken, or its forward is not llama's."""
-    return checked_subclass(name, TAKEN, "LlamaMLP", _forward, __name__)
-
-
-def __getattr__(name: str) -> type:
-    """The classes by name, where an unpickler looks them up (a model saved whole loads in a fresh process)."""
-    cls = prefill_class(name.removeprefix("Prefill")) if name.startswith("Prefill") else None
-    if cls is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return cls
+# `prefill_class(name)`: `Prefill<name>`, the subclass of transformers' MLP `name` whose forward runs the kernel (None
+# where `name` is not taken, or its forward is not llama's); `__getattr__`: the classes by name, where an unpickler
+# looks them up (a model saved whole loads in a fresh process)
+prefill_class, __getattr__ = classes(TAKEN, "LlamaMLP", _forward, __name__)
 
 
 def use_prefill_mlps(model: torch.nn.Module) -> int:

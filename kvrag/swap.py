@@ -6,6 +6,7 @@ that makes it, which also looks it up by that name for an unpickler (a model sav
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterable
@@ -42,3 +43,28 @@ def swap(modules: Iterable[torch.nn.Module], prefill_class: Callable[[str], type
             m.__class__ = cls
             taken += 1
     return taken
+
+
+def by_name(name: str, prefill_class: Callable[[str], type | None], module: str) -> type:
+    """`Prefill<...>` by its name, for a module's `__getattr__` (where an unpickler looks a class up: a model saved
+    whole loads in a fresh process); AttributeError for any other name."""
+    cls = prefill_class(name.removeprefix("Prefill")) if name.startswith("Prefill") else None
+    if cls is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    return cls
+
+
+def classes(
+    taken: dict[str, str], reference: str, forward: Callable[[type], Callable[..., Any]], module: str
+) -> tuple[Callable[[str], type | None], Callable[[str], type]]:
+    """What a kvrag module that swaps transformers' classes defines: its `prefill_class(name)` (`checked_subclass`,
+    made once a name) and its module `__getattr__` (`by_name`)."""
+
+    @functools.cache
+    def prefill_class(name: str) -> type | None:
+        return checked_subclass(name, taken, reference, forward, module)
+
+    def module_getattr(name: str) -> type:
+        return by_name(name, prefill_class, module)
+
+    return prefill_class, module_getattr
