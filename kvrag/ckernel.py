@@ -547,6 +547,8 @@ def _prefill_library() -> ctypes.CDLL | None:
     library.prefill_linear_bf16.argtypes = [pointer, long, long, long, pointer, long, pointer, pointer, long, pointer]
     library.prefill_linear_bf16.argtypes += [int_]
     library.prefill_linear_bf16.restype = ctypes.c_int
+    library.prefill_linear_one_bf16.argtypes = [pointer, long, pointer, long, pointer, pointer, int_]
+    library.prefill_linear_one_bf16.restype = ctypes.c_int
     library.prefill_linear_scratch.argtypes = [long, long]
     library.prefill_linear_scratch.restype = long
     library.prefill_rms_norm_bf16.argtypes = [pointer, long, pointer, pointer, long, long, long, ctypes.c_float, int_]
@@ -560,9 +562,9 @@ def _prefill_library() -> ctypes.CDLL | None:
     return library
 
 
-def _token_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+def _token_rows(x: torch.Tensor, weight: torch.Tensor, least: int = 2) -> torch.Tensor | None:
     """x [..., D] as its tokens' rows [tokens, D] where a prefill kernel takes x with this weight: both bfloat16 on
-    CPU, D the weight's last size, two or more tokens, each row contiguous; else None."""
+    CPU, D the weight's last size, `least` tokens or more, each row contiguous; else None."""
     if (
         x.device.type != "cpu"
         or x.dtype != torch.bfloat16
@@ -574,7 +576,7 @@ def _token_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     ):
         return None
     rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.shape[0] >= 2 and rows.stride(-1) == 1 else None
+    return rows if rows.shape[0] >= least and rows.stride(-1) == 1 else None
 
 
 def prefill_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -671,11 +673,12 @@ _scratch = _Scratch()
 
 
 def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """`F.linear(x, weight, bias)` for bfloat16 x [..., K] of two or more tokens and weight [N, K] on CPU, on the
-    CPU's bfloat16 dot products (`kernels/prefill_linear.c`): float32 sums, rounded once. A token's outputs are
-    bitwise the same whatever the other tokens. None where it does not take the call (another dtype or device,
-    one token, an odd K, a weight whose rows are not contiguous, no AVX512-BF16 or no compiler)."""
-    rows = _token_rows(x, weight)
+    """`F.linear(x, weight, bias)` for bfloat16 x [..., K] and weight [N, K] on CPU, on the CPU's bfloat16 dot
+    products (`kernels/prefill_linear.c`): float32 sums, rounded once. A token's outputs are bitwise the same
+    whatever the other tokens, one token alone included (its own product, the outputs across the lanes: a
+    prefill's last token through the output head). None where it does not take the call (another dtype or
+    device, an odd K, a weight whose rows are not contiguous, no AVX512-BF16 or no compiler)."""
+    rows = _token_rows(x, weight, least=1)
     if (
         rows is None
         or weight.dim() != 2
@@ -691,11 +694,19 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if library is None:
         return None
     M, (N, K) = rows.shape[0], weight.shape
+    bias32 = bias.float().contiguous() if bias is not None else None
+    out = torch.empty((*x.shape[:-1], N), dtype=torch.bfloat16)
+    if M == 1:
+        status = library.prefill_linear_one_bf16(
+            rows.data_ptr(), K, weight.data_ptr(), N, bias32.data_ptr() if bias32 is not None else None,
+            out.data_ptr(), torch.get_num_threads(),
+        )
+        if status:
+            raise RuntimeError(f"prefill_linear: the kernel refused a shape it was checked to take ({status})")
+        return out
     size = library.prefill_linear_scratch(M, K)
     if _scratch.buffer.numel() < size:
         _scratch.buffer = torch.empty(size, dtype=torch.int32)
-    bias32 = bias.float().contiguous() if bias is not None else None
-    out = torch.empty((*x.shape[:-1], N), dtype=torch.bfloat16)
     status = library.prefill_linear_bf16(
         rows.data_ptr(),
         M,

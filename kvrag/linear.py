@@ -3,9 +3,11 @@
 torch's bfloat16 matmul runs a prefill's products, a few hundred tokens by a layer's weight, well below what the
 CPU's bfloat16 dot-product instruction gives (docs/performance.md, "Five rounds at 4k, and where the forward
 goes"). A model kvrag loads on CPU with bfloat16 weights has its plain `nn.Linear` modules made `PrefillLinear`:
-the same module (its weight and bias, its state dict, `isinstance(m, nn.Linear)`), whose forward sends a product
-of two or more tokens to the kernel and everything else (one token, float32, another device, autograd) to
-`F.linear`.
+the same module (its weight and bias, its state dict, `isinstance(m, nn.Linear)`), whose forward sends a
+bfloat16 product on CPU to the kernel and everything else (float32, another device, autograd) to `F.linear`. One
+token (a prefill's last token through the output head, a step of a decoder kvrag's C step does not take) runs as
+its own product, the weight read once at about the memory's speed: 1.0 ms for the embedded model's output head
+against torch's 2.3 (docs/performance.md).
 
 The kernel sums every output in the same order whatever the number of tokens, so a token's outputs are bitwise
 the same alone or among others: a chunk's KV encoded at ingest and the same tokens in a full prefill go
@@ -22,7 +24,7 @@ from kvrag import ckernel
 
 
 class PrefillLinear(torch.nn.Linear):
-    """`nn.Linear` whose bfloat16 products of two or more tokens on CPU run on kvrag's kernel."""
+    """`nn.Linear` whose bfloat16 products on CPU run on kvrag's kernel."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's own argument name)
         out = None

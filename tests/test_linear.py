@@ -23,7 +23,10 @@ def _error(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
 
 
 @needs_kernel
-@pytest.mark.parametrize("m, n, k", [(2, 8, 2), (17, 13, 64), (50, 192, 576), (175, 576, 1536), (300, 40, 96)])
+@pytest.mark.parametrize(
+    "m, n, k",
+    [(2, 8, 2), (17, 13, 64), (50, 192, 576), (175, 576, 1536), (300, 40, 96), (1, 8, 2), (1, 1539, 576), (1, 70, 18)],
+)
 @pytest.mark.parametrize("biased", [False, True])
 def test_the_kernel_is_as_close_to_the_exact_product_as_torch(m, n, k, biased):
     g = torch.Generator().manual_seed(m + n + k)
@@ -49,12 +52,18 @@ def test_a_tokens_outputs_are_bitwise_the_same_whatever_the_other_tokens():
     # torch's own product gives no such promise; the kernel does (a chunk encoded alone, then in a full prefill)
     shuffled = torch.randperm(200, generator=g)
     assert torch.equal(ckernel.prefill_linear(x[shuffled], w, None), whole[shuffled])
+    # one token alone (its own product, a prefill's last token through the output head): the same sums
+    for i in (0, 57, 199):
+        assert torch.equal(ckernel.prefill_linear(x[i : i + 1], w, None), whole[i : i + 1])
+    short, rows, bias = x[:5, :18], w[:70, :18].contiguous(), torch.randn(70, generator=g).to(torch.bfloat16)  # partial blocks
+    together = ckernel.prefill_linear(short, rows, bias)
+    assert all(torch.equal(ckernel.prefill_linear(short[i : i + 1], rows, bias), together[i : i + 1]) for i in range(5))
 
 
 def test_what_the_kernel_does_not_take_goes_back_to_the_caller():
     w = torch.randn(8, 6, dtype=torch.bfloat16)
     assert ckernel.prefill_linear(torch.randn(4, 6), w.float(), None) is None  # float32
-    assert ckernel.prefill_linear(torch.randn(1, 6, dtype=torch.bfloat16), w, None) is None  # one token
+    assert ckernel.prefill_linear(torch.randn(1, 6), w.float(), None) is None  # float32, one token
     assert ckernel.prefill_linear(torch.randn(4, 5, dtype=torch.bfloat16), w[:, :5], None) is None  # odd K, strided
     assert ckernel.prefill_linear(torch.randn(4, 12, dtype=torch.bfloat16)[:, ::2], w, None) is None  # strided x
     assert ckernel.prefill_linear(torch.randn(4, 6, dtype=torch.bfloat16), w, torch.randn(8)) is None  # float32 bias

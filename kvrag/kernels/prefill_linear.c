@@ -196,6 +196,49 @@ int prefill_linear_bf16(const uint16_t *x, long M, long K, long ldx, const uint1
     return 0;
 }
 
+/* One token: out [N] = x [K] w^T + bias, each output the same sum in the same order as the panels give it (one
+ * float32 accumulator, the word pairs in turn on the same instruction: a token's outputs bitwise the same alone as
+ * among others). The outputs run across the lanes instead of the tokens: a task is 4 x 16 rows, 16 words of each
+ * row at a time transposed in registers, four independent chains. It reads the weight once, as it is stored. */
+#define GR 4 /* groups of 16 rows a task */
+int prefill_linear_one_bf16(const uint16_t *x, long K, const uint16_t *w, long N, const float *bias, uint16_t *out,
+                            int threads) {
+    if (N < 1 || K < 2 || K % 2) return -1;
+    const long half = K / 2, tasks = (N + 16 * GR - 1) / (16 * GR);
+    const uint32_t *xw = (const uint32_t *)x, *ww = (const uint32_t *)w;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long t = 0; t < tasks; t++) {
+        const long n0 = t * 16 * GR;
+        __m512 acc[GR];
+        for (int g = 0; g < GR; g++) acc[g] = _mm512_setzero_ps();
+        for (long kk = 0; kk < half; kk += 16) {
+            const long cols = min_l(16, half - kk);
+            const __mmask16 load = (__mmask16)((1u << cols) - 1);
+            for (int g = 0; g < GR; g++) {
+                __m512i r[16];
+                for (int l = 0; l < 16; l++) /* the same rows' next line, two steps ahead */
+                    _mm_prefetch((const char *)(ww + min_l(n0 + 16 * g + l, N - 1) * half + kk + 32), _MM_HINT_T0);
+                for (int l = 0; l < 16; l++) {
+                    const long n = n0 + 16 * g + l;
+                    r[l] = n < N ? _mm512_maskz_loadu_epi32(load, ww + n * half + kk) : _mm512_setzero_si512();
+                }
+                transpose16(r); /* r[c] lane l: row n0 + 16 g + l, word kk + c */
+                for (long c = 0; c < cols; c++)
+                    acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)r[c], (__m512bh)_mm512_set1_epi32((int)xw[kk + c]));
+            }
+        }
+        for (int g = 0; g < GR; g++) {
+            const long first = n0 + 16 * g;
+            if (first >= N) break;
+            const __mmask16 live = N - first >= 16 ? 0xffff : (__mmask16)((1u << (N - first)) - 1);
+            __m512 v = acc[g];
+            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, bias + first));
+            _mm256_mask_storeu_epi16(out + first, live, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+    return 0;
+}
+
 int prefill_linear_available(void) { return 1; }
 
 #else
@@ -203,6 +246,10 @@ int prefill_linear_available(void) { return 1; }
 long prefill_linear_scratch(long M, long K) { return 0; }
 int prefill_linear_bf16(const uint16_t *x, long M, long K, long ldx, const uint16_t *w, long N, const float *bias,
                         uint16_t *out, long ldo, uint32_t *packed, int threads) {
+    return -1;
+}
+int prefill_linear_one_bf16(const uint16_t *x, long K, const uint16_t *w, long N, const float *bias, uint16_t *out,
+                            int threads) {
     return -1;
 }
 int prefill_linear_available(void) { return 0; }
