@@ -38,12 +38,12 @@ from kvrag.model import (
 )
 from kvrag.mlp import use_prefill_mlps
 from kvrag.norm import use_prefill_norms
-from kvrag.rotary import use_prefill_rotary
 from kvrag.pipeline import Prefilled
 from kvrag.probe import Probe
 from kvrag.recompute import full_prefill
 from kvrag.request import Request
 from kvrag.rope import Repositioner
+from kvrag.rotary import use_prefill_rotary
 from kvrag.timing import Phases
 
 

@@ -22,8 +22,9 @@ from kvrag import ckernel
 HOOK = "rotary_pos_emb"  # the name transformers gives the function among a module's `_kernel_funcs`
 
 
-def prefill_forward(self: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def prefill_forward(
+    self: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of a module's rotary handle: the kernel where it takes the call, else transformers' own."""
     out = None
     if not (args or kwargs.get("unsqueeze_dim", 1) != 1 or (torch.is_grad_enabled() and q.requires_grad)):

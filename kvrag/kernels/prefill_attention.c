@@ -142,6 +142,7 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
     const int streamed = (n + QT - 1) / QT <= 4;
     const __mmask16 live = i0 + QT <= n ? 0xffff : (__mmask16)((1u << (n - i0)) - 1); /* the lanes of real tokens */
     const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);                     /* x = s c - m c, base 2 */
+    const __m512 lead = _mm512_set1_ps(LEAD / (scale * 1.44269504088896341f));        /* LEAD in the scores' units */
     const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3f803f80);
     for (long j0 = 0; j0 < T; j0 += KB) {
         int len = T - j0 < KB ? (int)(T - j0) : KB;
@@ -192,7 +193,7 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
         __m512 lim[MAXG], stale[MAXG], mass[MAXG];
         for (int g = 0; g < G; g++) {
             early &= _mm512_mask_cmp_ps_mask(live, m[g], _mm512_set1_ps(0.5f * NEG), _CMP_GT_OQ) == live;
-            lim[g] = _mm512_add_ps(m[g], _mm512_div_ps(_mm512_set1_ps(LEAD), c));
+            lim[g] = _mm512_add_ps(m[g], lead);
             stale[g] = _mm512_maskz_mul_ps(live, m[g], c); /* a padded lane: 0, so its probabilities stay finite */
             mass[g] = _mm512_setzero_ps();
         }
