@@ -10,11 +10,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include "bf16.h"
 
-static inline __m512 load16(const uint16_t *p, __mmask16 live) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16));
-}
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 /* out [rows][dim] (rows ldo apart) = RMSNorm(x [rows][dim], rows ldx apart) with weight w [dim]; 0, or -1. */
 int prefill_rms_norm_bf16(const uint16_t *x, long ldx, const uint16_t *w, uint16_t *out, long ldo, long rows,

@@ -14,11 +14,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include "bf16.h"
 
-static inline __m512 load(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 static inline __m512 rounded(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
 
@@ -38,13 +36,13 @@ static void rotate(const uint16_t *x, long sx_b, long sx_h, long sx_n, const uin
         uint16_t *o = out + b * so_b + h * so_h + t * so_n;
         for (int c = 0; c < half; c += 16) {
             const __mmask16 m = half - c >= 16 ? 0xffff : (__mmask16)((1u << (half - c)) - 1);
-            const __m512 x1 = load(xr + c, m), x2 = load(xr + half + c, m);
+            const __m512 x1 = load16(xr + c, m), x2 = load16(xr + half + c, m);
             /* first half: x1 cos - x2 sin; second half: x2 cos + x1 sin (a product of -x2 is minus x2's product) */
-            const __m512 a = rounded(_mm512_mul_ps(x1, load(cr + c, m)));
-            const __m512 s = rounded(_mm512_mul_ps(x2, load(sr + c, m)));
+            const __m512 a = rounded(_mm512_mul_ps(x1, load16(cr + c, m)));
+            const __m512 s = rounded(_mm512_mul_ps(x2, load16(sr + c, m)));
             store(o + c, m, _mm512_sub_ps(a, s));
-            const __m512 a2 = rounded(_mm512_mul_ps(x2, load(cr + half + c, m)));
-            const __m512 s2 = rounded(_mm512_mul_ps(x1, load(sr + half + c, m)));
+            const __m512 a2 = rounded(_mm512_mul_ps(x2, load16(cr + half + c, m)));
+            const __m512 s2 = rounded(_mm512_mul_ps(x1, load16(sr + half + c, m)));
             store(o + half + c, m, _mm512_add_ps(a2, s2));
         }
     }

@@ -13,11 +13,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include "bf16.h"
 
-static inline __m512 load16(const uint16_t *p, __mmask16 live) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16));
-}
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 /* exp(x) in float32 to about an ulp: 2^n e^r with r = x - n ln 2 in two parts and e^r = 1 + r + r^2 P(r), P of
  * degree 5 (Cephes' expf). Held in [-104, 89] first: below, exp is 0; above, the scaling makes it infinite, as
