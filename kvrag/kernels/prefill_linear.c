@@ -25,6 +25,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 #define NR 8      /* weight rows a task */
@@ -33,30 +35,6 @@
 #define L2_BYTES (512 * 1024) /* laid-out tokens a block: half of a core's L2 here */
 
 static inline long min_l(long a, long b) { return a < b ? a : b; }
-
-/* A 16 x 16 block of 32-bit words transposed in registers: r[c] lane l becomes what r[l] lane c was. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int i = 0; i < 2; i++)
-        for (int c = 0; c < 4; c++) {
-            t[8 * i + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0x88);
-            t[8 * i + 4 + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0xdd);
-        }
-    for (int c = 0; c < 8; c++) {
-        r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
-        r[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd);
-    }
-}
 
 /* Tokens m0 + i0 .. m0 + i0 + 15 of x (`live` of them real, zeros after), words k0 .. k1 - 1, into a panel laid out
  * as words [K/2][width]: 16 x 16 blocks transposed in registers. */
