@@ -425,6 +425,42 @@ def test_the_bfloat16_prefill_kernel_refuses_what_it_does_not_compute():
 
 
 @needs_bf16_kernel
+@pytest.mark.parametrize(
+    "value, hides",
+    [
+        (0.0, False),
+        (-0.0, False),
+        (-1.0003e30, True),  # the least bfloat16 at or above 1e30, negated
+        (-3.3895e38, True),  # bfloat16's lowest
+        (float("-inf"), True),
+        (-9.953e29, None),  # the bfloat16 just short of -1e30: a bias, refused
+        (-2.0, None),
+        (1e30, None),
+        (float("inf"), None),
+        (float("nan"), None),
+        ("-nan", None),  # a NaN with the sign bit set (bits 0xffc0)
+        (1e-40, None),  # a subnormal
+    ],
+)
+def test_a_bfloat16_mask_is_read_as_a_boolean_one_or_refused(value, hides):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 20, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 2, 150, 64, generator=g).bfloat16() for _ in range(2))
+    mask = torch.zeros(1, 1, 20, 150, dtype=torch.bfloat16)
+    if value == "-nan":
+        mask.view(torch.int16)[0, 0, 3:9, 40:110] = -64
+    else:
+        mask[0, 0, 3:9, 40:110] = value  # across a block's edge (64) and both 32-key halves of a block
+    got = ckernel.prefill_attention(q, k, v, mask, 0.125)
+    if hides is None:
+        assert got is None
+        return
+    allowed = torch.ones(1, 1, 20, 150, dtype=torch.bool)
+    allowed[0, 0, 3:9, 40:110] = not hides
+    assert got is not None and torch.equal(got, ckernel.prefill_attention(q, k, v, allowed, 0.125))
+
+
+@needs_bf16_kernel
 def test_a_token_that_sees_no_key_gets_zeros_and_the_others_are_untouched():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 4, 20, 64, generator=g).bfloat16()

@@ -11,7 +11,8 @@
  * whose loads are twice as many a slot, it made no difference), and each key's load asks for its slot's value,
  * so the block's values stream in with its keys rather than after them (the kernel alone over 30 layers of 4,184
  * slots, 3 kv heads of 3 query heads, from memory: 4.7 against 4.9 ms, medians of 9 runs alternated with the
- * kernel before it; a step of the whole model spends about a third of its time here at 4k).
+ * kernel before it; a step of the whole model spends about a third of its time here at 4k). Where the CPU has
+ * AVX512-BF16, a bfloat16 block's scores run on its bfloat16 dot products instead (`block_dot_bf16`, below).
  */
 #include <math.h>
 #include <stdint.h>

@@ -63,10 +63,25 @@ static inline uint64_t row_bits(const uint8_t *row, int kind, int len, int *odd)
     __mmask64 live = len == KB ? ~0ull : ((1ull << len) - 1);
     if (kind == 1) return _mm512_mask_test_epi8_mask(live, _mm512_maskz_loadu_epi8(live, row), _mm512_set1_epi8((char)0xff));
     uint64_t bits = 0;
+    if (kind == 2) { /* bfloat16, 32 a vector, on the bits: 0 is +-0; -1e30 or lower is the sign and a magnitude from
+                      * 0x714a (the least bfloat16 at or above 1e30) to 0x7f80 (infinity; above it, NaN) */
+        const __m512i magnitude = _mm512_set1_epi16(0x7fff), sign = _mm512_set1_epi16((short)0x8000);
+        for (int c = 0; c < len; c += 32) {
+            const __mmask32 part = (__mmask32)(live >> c);
+            const __m512i x = _mm512_maskz_loadu_epi16(part, (const uint16_t *)row + c);
+            const __m512i m = _mm512_and_si512(x, magnitude);
+            const __mmask32 seen = _mm512_mask_cmpeq_epi16_mask(part, m, _mm512_setzero_si512());
+            const __mmask32 hidden = _mm512_mask_test_epi16_mask(part, x, sign) &
+                                     _mm512_cmpge_epu16_mask(m, _mm512_set1_epi16(0x714a)) &
+                                     _mm512_cmple_epu16_mask(m, _mm512_set1_epi16(0x7f80));
+            if ((__mmask32)(seen | hidden) != part) __atomic_store_n(odd, 1, __ATOMIC_RELAXED);
+            bits |= (uint64_t)seen << c;
+        }
+        return bits;
+    }
     for (int c = 0; c < len; c += 16) {
         __mmask16 part = (__mmask16)(live >> c);
-        __m512 x = kind == 2 ? _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(part, (const uint16_t *)row + c))
-                             : _mm512_maskz_loadu_ps(part, (const float *)row + c);
+        __m512 x = _mm512_maskz_loadu_ps(part, (const float *)row + c); /* float32 */
         __mmask16 seen = _mm512_mask_cmp_ps_mask(part, x, _mm512_setzero_ps(), _CMP_EQ_OQ);
         __mmask16 hidden = _mm512_mask_cmp_ps_mask(part, x, _mm512_set1_ps(-1.0e30f), _CMP_LE_OQ);
         if ((__mmask16)(seen | hidden) != part) __atomic_store_n(odd, 1, __ATOMIC_RELAXED);
