@@ -40,7 +40,7 @@ from kvrag.embed import Embedder
 from kvrag.encode import _batches, encode_chunks, prefix_cache
 from kvrag.engine import KVRAG
 from kvrag.kvmodel import KVModel
-from kvrag.recompute import causal_mask, stitch_cache, stitch_layout
+from kvrag.recompute import causal_mask, stitch_cache, stitch_layout, stitched_forward
 from kvrag.roofline import Machine, forward_cost
 from kvrag.store import DiskStore, MemoryStore, TieredStore
 from kvrag.strategies import BUILTIN_STRATEGIES
@@ -171,14 +171,7 @@ class _Context:
             cache = built.refilled(filled)  # the room's slots are written again each run
             _sync(self.device)
             t0 = time.perf_counter()
-            kv.model(
-                input_ids=input_ids,
-                position_ids=positions,
-                attention_mask=mask,
-                **with_cache(self.kv.model, cache),
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            stitched_forward(kv.model, cache, input_ids, positions, mask)  # the forward the engine runs
             _sync(self.device)
             return time.perf_counter() - t0
 

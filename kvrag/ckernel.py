@@ -58,7 +58,10 @@ SOURCES = tuple(
 # never need it
 PREFILL_SOURCES = tuple(
     Path(__file__).with_name("kernels") / name
-    for name in ("prefill_attention.c", "prefill_linear.c", "prefill_norm.c", "prefill_rotary.c", "prefill_silu.c")
+    for name in (
+        "prefill_attention.c", "prefill_linear.c", "prefill_norm.c", "prefill_rotary.c", "prefill_silu.c",
+        "prefill_layers.c",
+    )
 )
 BLOCK = 256  # the kernel's block of cache slots
 MAX_TOKENS = 8  # tokens one call of the C decode step takes (`DecodeStep.steps`)
@@ -559,6 +562,9 @@ def _prefill_library() -> ctypes.CDLL | None:
     library.prefill_rotary_bf16.restype = ctypes.c_int
     library.prefill_silu_mul_bf16.argtypes = [pointer, long, pointer, long, pointer, long, long, long, int_]
     library.prefill_silu_mul_bf16.restype = ctypes.c_int
+    library.prefill_layers_bf16.argtypes = [pointer, pointer, pointer, long, long, pointer, long, pointer, pointer]
+    library.prefill_layers_bf16.argtypes += [pointer, pointer, int_]
+    library.prefill_layers_bf16.restype = ctypes.c_int
     return library
 
 
@@ -655,6 +661,54 @@ def prefill_rotary(
     if status:
         raise RuntimeError(f"prefill_rotary: the kernel refused a shape it was checked to take ({status})")
     return q_out, k_out
+
+
+def prefill_layers_available() -> bool:
+    """Whether `prefill_layers` runs here (a CPU with AVX512-BF16 and a compiler that built it)."""
+    library = _prefill_library()
+    return library is not None and bool(library.prefill_layers_available())
+
+
+def prefill_layers(
+    step: DecodeStep,
+    tokens: list[int],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    filled: int,
+) -> torch.Tensor | None:
+    """A bfloat16 prefill of `tokens` (two or more) through every layer of the C step's model and its head, in one
+    call (`kernels/prefill_layers.c`): the last token's logits [V] bfloat16. Token i's key and value go to slot
+    filled + i of each layer's keys and values ([H_kv, capacity, d] bfloat16, contiguous), it sits at the rotary
+    rows cos[i], sin[i] ([n, d] bfloat16), and it sees the slots mask row i allows ([1, 1, n, filled + n] bfloat16,
+    0 or the lowest value). None where it does not take the call (no kernel, another dtype or shape, a mask with
+    other values, a model with q/k norms), the filled slots as they were (the room past them may have been written).
+    """
+    library = _prefill_library()
+    arrays = step._arrays(keys, values) if library is not None else None
+    n = len(tokens)
+    rows = (n, step.head_dim)
+    if (
+        arrays is None
+        or step.dtype != torch.bfloat16
+        or n < 2
+        or filled + n > keys[0].shape[1]
+        or any(t.shape != rows or t.dtype != torch.bfloat16 or not t.is_contiguous() for t in (cos, sin))
+        or mask.shape != (1, 1, n, filled + n)
+        or mask.dtype != torch.bfloat16
+        or not mask.is_contiguous()
+    ):
+        return None
+    logits = torch.empty(step.vocab, dtype=torch.bfloat16)
+    status = library.prefill_layers_bf16(
+        ctypes.byref(step.model), arrays[0], arrays[1], keys[0].shape[1], filled, (ctypes.c_long * n)(*tokens), n,
+        cos.data_ptr(), sin.data_ptr(), mask.data_ptr(), logits.data_ptr(), torch.get_num_threads(),
+    )
+    if status == -1:
+        raise MemoryError("prefill_layers: no memory for the forward's scratch")
+    return logits if status == 0 else None
 
 
 def prefill_linear_available() -> bool:

@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvrag import ckernel
+from kvrag import ckernel, cprefill
 from kvrag.compat import with_cache
 from kvrag.kv import ChunkKV
 from kvrag.rope import Repositioner
@@ -358,16 +358,9 @@ def recompute(
         input_ids = torch.cat((ctx_ids[layout.selected], suffix)).view(1, -1)  # [1, Q]
         mask = causal_mask(layout.key_positions, layout.query_positions, prefix.keys.dtype)  # [1, 1, Q, K]
     with phase(phases, "forward"):
-        out = model(
-            input_ids=input_ids,
-            position_ids=layout.query_positions.view(1, -1),
-            attention_mask=mask,
-            **with_cache(model, cache),
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            **forward_kwargs,
+        logits, out = stitched_forward(
+            model, cache, input_ids, layout.query_positions.view(1, -1), mask, logits_to_keep, **forward_kwargs
         )
-        logits = out.logits[0].float()
     return Prefill(
         logits=logits,
         cache=cache,
@@ -376,6 +369,55 @@ def recompute(
         attentions=getattr(out, "attentions", None),
         key_positions=layout.key_positions,
     )
+
+
+def stitched_forward(
+    model: torch.nn.Module,
+    cache: DynamicCache,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    logits_to_keep: int = 1,
+    **forward_kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    """The forward of a stitched prefill's new tokens ([1, Q], at `positions`, under the 4-D `mask`) over `cache`:
+    the last `logits_to_keep` tokens' logits [logits_to_keep, V] float32 and the model's output (None where the
+    whole forward ran in one C call, `kvrag.cprefill`: one token's logits and no extra outputs asked for)."""
+    if logits_to_keep == 1 and not forward_kwargs:
+        logits = _forward_in_c(model, cache, input_ids, positions, mask)
+        if logits is not None:
+            return logits, None
+    out = model(
+        input_ids=input_ids,
+        position_ids=positions,
+        attention_mask=mask,
+        **with_cache(model, cache),
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
+        **forward_kwargs,
+    )
+    return out.logits[0].float(), out
+
+
+def _forward_in_c(
+    model: torch.nn.Module, cache: DynamicCache, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor | None:
+    """The forward's last-token logits [1, V] through `kvrag.cprefill` (a bfloat16 model on CPU, the whole forward in
+    one C call, bitwise the model's), the cache's views grown over the tokens it wrote; None where it does not take
+    the call."""
+    layers = cache.layers
+    if not layers or not all(isinstance(layer, GrowingLayer) and layer.keys.shape[0] == 1 for layer in layers):
+        return None
+    filled, n = layers[0].keys.shape[-2], input_ids.shape[-1]
+    if not all(layer.keys.shape[-2] == filled and layer._in_room(filled + n) for layer in layers):
+        return None
+    keys = [layer._keys[0] for layer in layers]
+    values = [layer._values[0] for layer in layers]
+    logits = cprefill.forward(model, keys, values, filled, input_ids, positions, mask)
+    if logits is not None:
+        for layer in layers:
+            layer.keys, layer.values = layer._keys[:, :, : filled + n], layer._values[:, :, : filled + n]
+    return logits
 
 
 @torch.inference_mode()

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "step_model.h"
 #include "vectors.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -33,16 +34,6 @@ void decode_attention_f32_queries(const float *queries, const float *keys, const
 void decode_attention_bf16_queries(const float *queries, const uint16_t *keys, const uint16_t *values, long stride,
                                    int hkv, int G, int D, long n, int K, float *outs, float *part, int threads);
 
-struct layer_weights { /* one decoder layer, in the model's dtype; q_norm, k_norm and qkv_bias may be NULL */
-    const void *norm_in, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *norm_post, *gate_up, *down;
-};
-
-struct step_model {
-    long layers, dim, ffn, heads, kv_heads, head_dim, vocab, bf16;
-    double eps, scale;
-    const void *embed, *norm, *lm_head;    /* [V, D], [D], [V, D] */
-    const struct layer_weights *layer;     /* [layers] */
-};
 
 static inline float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 

@@ -1,0 +1,123 @@
+"""A bfloat16 prefill's whole forward in one C call on CPU (`kernels/prefill_layers.c`), where the model's own
+forward would run kvrag's kernels module by module.
+
+A model kvrag loads on CPU with bfloat16 weights already runs its prefill's norms, products, rotations, attention
+and SiLU in kvrag's C kernels (`kvrag.linear`, `kvrag.norm`, `kvrag.rotary`, `kvrag.attention`, `kvrag.mlp`);
+what is left around them is transformers' forward in Python, about a dozen module calls a layer and torch's
+small operations (the residual sums, the cache's write), while the second core waits. `forward` runs the same
+kernels in the same order from C over the decoder's weights (`kvrag.fastdecode`: q, k and v stacked in one
+product, gate and up in another), so its logits and the cache it writes are the model forward's, bit for bit
+(tested on llama, mistral and qwen2). It takes the call only where that holds: a llama, mistral or qwen2 model
+whose every module is the one kvrag made (any other, or a hook anywhere, and the model's forward runs), one
+prompt of two or more tokens, a cache with room for them, kvrag's own additive mask, the last token's logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvrag import attention, ckernel, fastdecode, mlp, norm, rotary
+from kvrag.linear import PrefillLinear
+
+# The decoder layers taken, by class name: those whose forward is llama's (norm, attention, residual, norm, MLP,
+# residual), with no q/k norm (qwen3's runs through the model's forward).
+TAKEN = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+def forward(
+    model: torch.nn.Module,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    filled: int,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor | None:
+    """The last token's logits [1, V] float32 of the model's forward over `input_ids` ([1, n]) at `position_ids`
+    under `mask` ([1, 1, n, filled + n]) with a cache whose layers' keys and values are `keys[l]`, `values[l]`
+    ([H_kv, capacity, d], the first `filled` slots filled), the tokens' keys and values written into slots
+    filled.. as that forward writes them; None where this path does not take the call (then the caller runs the
+    model's forward; the filled slots are as they were, the room past them may have been written)."""
+    taken = _step(model)
+    if taken is None:
+        return None
+    decoder, step = taken
+    n = input_ids.shape[-1]
+    if not (
+        input_ids.shape == (1, n)
+        and n >= 2
+        and position_ids.shape == (1, n)
+        and mask.dtype == torch.bfloat16
+        and mask.shape == (1, 1, n, filled + n)
+        and mask.is_contiguous()
+        and len(keys) == len(values) == step.model.layers
+        and keys[0].dim() == 3
+        and filled + n <= keys[0].shape[1]
+    ):
+        return None
+    ids = input_ids[0].tolist()
+    if not all(0 <= t < step.vocab for t in ids):
+        return None
+    probe = decoder.embed[:1][None]  # the rotary module reads only its dtype and device
+    cos, sin = model.model.rotary_emb(probe, position_ids)  # the model's own rows, its scaling included
+    logits = ckernel.prefill_layers(step, ids, cos[0].contiguous(), sin[0].contiguous(), mask, keys, values, filled)
+    return logits.float()[None] if logits is not None else None
+
+
+def _step(model: torch.nn.Module) -> tuple[fastdecode.FastDecoder, ckernel.DecodeStep] | None:
+    """The model's decoder and its C step's weights where this path takes the model as it is now; else None."""
+    first = next(model.parameters(), None)
+    if (
+        first is None
+        or first.dtype != torch.bfloat16
+        or first.device.type != "cpu"
+        or torch.is_grad_enabled()
+        or getattr(model.config, "_attn_implementation", None) != attention.GQA_SDPA
+        or not ckernel.prefill_layers_available()
+    ):
+        return None
+    decoder = fastdecode.decoder_of(model)
+    step = decoder.native if decoder is not None else None
+    if decoder is None or step is None or step.dtype != torch.bfloat16 or not _kernels_throughout(model):
+        return None
+    return decoder, step
+
+
+def _kernels_throughout(model: torch.nn.Module) -> bool:
+    """Whether the model's forward would run kvrag's kernels everywhere this path runs them, and nothing else: every
+    module the one kvrag made, no hook anywhere."""
+    from torch.nn.modules import module as torch_module
+
+    if any(
+        hooks
+        for hooks in (
+            torch_module._global_forward_hooks,
+            torch_module._global_forward_pre_hooks,
+            torch_module._global_backward_hooks,
+            torch_module._global_backward_pre_hooks,
+        )
+    ):
+        return False
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return False
+    inner = model.model
+    if not (norm.is_prefill_norm(inner.norm) and type(model.lm_head) is PrefillLinear):
+        return False
+    for layer in inner.layers:
+        attn, block = layer.self_attn, layer.mlp
+        handle = attn.__dict__.get("_kernel_funcs", {}).get(rotary.HOOK)
+        if not (
+            type(layer).__name__ in TAKEN
+            and norm.is_prefill_norm(layer.input_layernorm)
+            and norm.is_prefill_norm(layer.post_attention_layernorm)
+            and type(block) is mlp.prefill_class(type(block).__name__.removeprefix("Prefill"))
+            and all(type(getattr(attn, name, None)) is PrefillLinear for name in ATTENTION_LINEARS)
+            and all(type(getattr(block, name, None)) is PrefillLinear for name in MLP_LINEARS)
+            and getattr(getattr(handle, "forward", None), "__func__", None) is rotary.prefill_forward
+        ):
+            return False
+    return True

@@ -1,0 +1,125 @@
+"""A bfloat16 prefill's whole forward in one C call (`kvrag.cprefill`, `kernels/prefill_layers.c`): bitwise the
+model's own forward over kvrag's kernels, and only where that holds."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny import tiny_config, tiny_model
+from transformers import AutoModelForCausalLM
+
+from kvrag import ckernel, cprefill
+from kvrag.attention import use_gqa_sdpa
+from kvrag.encode import encode_chunks, encode_prefix
+from kvrag.linear import use_prefill_linears
+from kvrag.mlp import use_prefill_mlps
+from kvrag.norm import use_prefill_norms
+from kvrag.recompute import recompute
+from kvrag.rope import Repositioner
+from kvrag.rotary import use_prefill_rotary
+
+needs_kernel = pytest.mark.skipif(not ckernel.prefill_layers_available(), reason="no AVX512-BF16 CPU or no compiler")
+
+
+def _kvrag_model(arch: str) -> torch.nn.Module:
+    """A tiny bfloat16 model whose head size the prefill attention kernel takes (32), with every module kvrag makes
+    on loading it (as `KVModel` does)."""
+    torch.manual_seed(0)
+    config = tiny_config(arch, hidden_size=128, head_dim=32, intermediate_size=176, num_hidden_layers=3)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval().to(torch.bfloat16)
+    use_gqa_sdpa(model)
+    use_prefill_linears(model)
+    use_prefill_norms(model)
+    use_prefill_rotary(model)
+    use_prefill_mlps(model)
+    return model
+
+
+def _prefill(model, selected, monkeypatch, in_c: bool, order=(2, 0, 1)):
+    """A stitched prefill through `recompute`, the C forward on or off: its logits, its cache, whether C was asked
+    and gave the logits (a list: one entry a call), and the cache object."""
+    ids = torch.randint(0, 200, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    prefix = encode_prefix(model, ids[:4])
+    chunks = encode_chunks(model, prefix, [ids[4:90], ids[90:160], ids[160:280]])
+    calls = []
+    with monkeypatch.context() as patch:
+        run = ckernel.prefill_layers if in_c else (lambda *a: None)
+
+        def counted(*args):
+            out = run(*args)
+            calls.append(out is not None)  # True: the C forward gave the logits
+            return out
+
+        patch.setattr(ckernel, "prefill_layers", counted)
+        out = recompute(model, Repositioner(model), prefix, chunks, list(order), selected, ids[280:], room=6)
+    cache = torch.stack([torch.cat([layer.keys, layer.values], -1) for layer in out.cache.layers])
+    return out.logits, cache, calls, out.cache
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize(
+    "selected",
+    [
+        {0: torch.arange(86)},  # one whole chunk recomputed, as `target_recompute` does (moved last: order 2, 0, 1)
+        {0: torch.tensor([2, 5, 40]), 2: torch.arange(0, 120, 7)},  # scattered tokens: a mask with holes
+        {},  # the suffix alone, as `reuse`
+    ],
+)
+def test_the_forward_in_c_is_the_models_forward_bit_for_bit(arch, selected, monkeypatch):
+    model = _kvrag_model(arch)
+    want_logits, want_cache, calls, _ = _prefill(model, selected, monkeypatch, in_c=False)
+    got_logits, got_cache, calls, cache = _prefill(model, selected, monkeypatch, in_c=True)
+    assert calls == [True]  # the C forward ran and gave the logits
+    assert torch.equal(got_logits, want_logits)
+    assert torch.equal(got_cache, want_cache)  # every layer's keys and values, the new tokens' included
+    assert cache.get_seq_length() == want_cache.shape[-2]
+
+
+@needs_kernel
+def test_what_the_forward_in_c_does_not_take_runs_the_models_forward(monkeypatch):
+    selected = {0: torch.arange(86)}
+    # a model with q/k norms (qwen3): its forward, never the C call
+    qwen3 = _kvrag_model("qwen3")
+    logits, _, calls, _ = _prefill(qwen3, selected, monkeypatch, in_c=True)
+    assert not any(calls) and logits.isfinite().all()
+    model = _kvrag_model("llama")
+    want, _, _, _ = _prefill(model, selected, monkeypatch, in_c=False)
+    # a hook on any module: the model's forward, which calls it
+    seen = []
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *a: seen.append(1))
+    logits, _, calls, _ = _prefill(model, selected, monkeypatch, in_c=True)
+    handle.remove()
+    assert not any(calls) and seen and torch.equal(logits, want)
+    # a module that is not the one kvrag made (a linear back to torch's): the model's forward
+    proj = model.model.layers[0].self_attn.o_proj
+    proj.__class__ = torch.nn.Linear
+    _, _, calls, _ = _prefill(model, selected, monkeypatch, in_c=True)
+    assert not any(calls)
+    # float32: the model's forward
+    logits32, _, calls, _ = _prefill(copy.deepcopy(tiny_model("llama")), selected, monkeypatch, in_c=True)
+    assert not any(calls) and logits32.isfinite().all()
+
+
+@needs_kernel
+def test_a_mask_with_a_bias_is_refused_and_the_filled_slots_are_untouched():
+    model = _kvrag_model("llama")
+    from kvrag.fastdecode import decoder_of
+
+    step = decoder_of(model).native
+    layers, heads, d = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
+    assert d == 32
+    keys = [torch.randn(heads, 40, d).bfloat16() for _ in range(layers)]
+    values = [torch.randn(heads, 40, d).bfloat16() for _ in range(layers)]
+    before = [t.clone() for t in keys + values]
+    cos, sin = (torch.randn(5, d).bfloat16() for _ in range(2))
+    mask = torch.zeros(1, 1, 5, 25, dtype=torch.bfloat16)
+    mask[0, 0, 2, 3] = -1.0  # a bias, not a mask
+    assert ckernel.prefill_layers(step, [1, 2, 3, 4, 5], cos, sin, mask, keys, values, 20) is None
+    assert all(torch.equal(a[:, :20], b[:, :20]) for a, b in zip(keys + values, before))
+    mask[0, 0, 2, 3] = 0
+    logits = ckernel.prefill_layers(step, [1, 2, 3, 4, 5], cos, sin, mask, keys, values, 20)
+    assert logits is not None and logits.shape == (model.config.vocab_size,) and logits.isfinite().all()
+    assert cprefill.forward(model, keys, values, 38, torch.tensor([[1, 2, 3]]), torch.tensor([[38, 39, 40]]), mask) is None
