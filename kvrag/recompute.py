@@ -1,4 +1,5 @@
-"""The one primitive: recompute a token set S against a stitched cache, through the model's public forward.
+"""The one primitive: recompute a token set S against a stitched cache, through the model's public forward (for a
+bfloat16 model on CPU, where it holds bit for bit, the same forward in one C call: `kvrag.cprefill`).
 
 The stitched sequence is prefix + chunks in `order` + suffix, logical positions 0..N-1. Tokens outside S
 keep their stored KV, re-positioned by one rotation; S and the suffix go in as new input with their true
