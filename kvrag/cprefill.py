@@ -7,7 +7,7 @@ what is left around them is transformers' forward in Python, about a dozen modul
 small operations (the residual sums, the cache's write), while the second core waits. `forward` runs the same
 kernels in the same order from C over the decoder's weights (`kvrag.fastdecode`: q, k and v stacked in one
 product, gate and up in another), so its logits and the cache it writes are the model forward's, bit for bit
-(tested on llama, mistral and qwen2). It takes the call only where that holds: a llama, mistral or qwen2 model
+(tested on llama, mistral, qwen2 and qwen3). It takes the call only where that holds: a llama, mistral, qwen2 or qwen3 model
 whose every module is the one kvrag made (any other, or a hook anywhere, and the model's forward runs), one
 prompt of two or more tokens, a cache with room for them, kvrag's own additive mask, the last token's logits.
 """
@@ -22,8 +22,8 @@ from kvrag import attention, ckernel, fastdecode, mlp, norm, rotary
 from kvrag.linear import PrefillLinear
 
 # The decoder layers taken, by class name: those whose forward is llama's (norm, attention, residual, norm, MLP,
-# residual), with no q/k norm (qwen3's runs through the model's forward).
-TAKEN = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+# residual), qwen3's with its q/k norms over each head.
+TAKEN = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
@@ -118,6 +118,9 @@ def _kernels_throughout(model: torch.nn.Module) -> bool:
             and all(type(getattr(attn, name, None)) is PrefillLinear for name in ATTENTION_LINEARS)
             and all(type(getattr(block, name, None)) is PrefillLinear for name in MLP_LINEARS)
             and getattr(getattr(handle, "forward", None), "__func__", None) is rotary.prefill_forward
+            and all(
+                norm.is_prefill_norm(getattr(attn, name)) for name in ("q_norm", "k_norm") if hasattr(attn, name)
+            )
         ):
             return False
     return True

@@ -58,10 +58,10 @@ int prefill_layers_bf16(const struct step_model *m, void *const *keys, void *con
                         const uint16_t *mask, uint16_t *logits, int threads) {
     const long D = m->dim, F = m->ffn, H = m->heads, Hkv = m->kv_heads, d = m->head_dim, T = filled + n;
     const long rows = (H + 2 * Hkv) * d; /* q, k and v of a token */
-    if (!m->bf16 || n < 2 || T > capacity || m->layer[0].q_norm) return -2;
+    if (!m->bf16 || n < 2 || T > capacity) return -2;
     const long widest = rows > 2 * F ? rows : 2 * F, deepest = F > H * d ? (F > D ? F : D) : (H * d > D ? H * d : D);
     const long scratch = prefill_linear_scratch(n, deepest);
-    uint16_t *x = malloc(sizeof(uint16_t) * n * (2 * D + widest + 2 * H * d + F + D));
+    uint16_t *x = malloc(sizeof(uint16_t) * n * (2 * D + widest + 2 * H * d + F + (H + Hkv) * d));
     uint32_t *packed = malloc(sizeof(uint32_t) * scratch);
     float *bias = malloc(sizeof(float) * rows);
     if (!x || !packed || !bias) {
@@ -71,6 +71,7 @@ int prefill_layers_bf16(const struct step_model *m, void *const *keys, void *con
         return -1;
     }
     uint16_t *h = x + n * D, *wide = h + n * D, *q = wide + n * widest, *att = q + n * H * d, *act = att + n * H * d;
+    uint16_t *qn = act + n * F, *kn = qn + n * H * d; /* q [n, H, d] and k [n, Hkv, d], where there are q/k norms */
     int status = 0;
     for (long i = 0; i < n; i++) memcpy(x + i * D, (const uint16_t *)m->embed + tokens[i] * D, sizeof(uint16_t) * D);
     for (long l = 0; l < m->layers && !status; l++) {
@@ -83,9 +84,21 @@ int prefill_layers_bf16(const struct step_model *m, void *const *keys, void *con
                 memcpy(bias + r, &u, 4);
             }
         prefill_linear_bf16(h, n, D, D, w->qkv, rows, w->qkv_bias ? bias : NULL, wide, rows, packed, threads);
-        /* q rotated into [n, H, d]; k rotated straight into the cache's slots; v copied there */
-        prefill_rotary_bf16(wide, 0, d, rows, wide + H * d, 0, d, rows, cos, sin, 0, d, q, 0, d, H * d,
-                            kc + filled * d, 0, capacity * d, d, 1, H, Hkv, n, (int)d, threads);
+        /* q rotated into [n, H, d]; k rotated straight into the cache's slots; v copied there. With q/k norms
+         * (qwen3), each head's q and k normalized first, as the model's norm modules do over [n, heads, d]. */
+        const uint16_t *qs = wide, *ks = wide + H * d;
+        long q_stride = rows, k_stride = rows;
+        if (w->q_norm) {
+            for (long i = 0; i < n; i++) {
+                memcpy(qn + i * H * d, wide + i * rows, sizeof(uint16_t) * H * d);
+                memcpy(kn + i * Hkv * d, wide + i * rows + H * d, sizeof(uint16_t) * Hkv * d);
+            }
+            prefill_rms_norm_bf16(qn, d, w->q_norm, qn, d, n * H, d, (float)m->eps, threads);
+            prefill_rms_norm_bf16(kn, d, w->k_norm, kn, d, n * Hkv, d, (float)m->eps, threads);
+            qs = qn, ks = kn, q_stride = H * d, k_stride = Hkv * d;
+        }
+        prefill_rotary_bf16(qs, 0, d, q_stride, ks, 0, d, k_stride, cos, sin, 0, d, q, 0, d, H * d, kc + filled * d,
+                            0, capacity * d, d, 1, H, Hkv, n, (int)d, threads);
         for (long k = 0; k < Hkv; k++)
             for (long i = 0; i < n; i++)
                 memcpy(vc + (k * capacity + filled + i) * d, wide + i * rows + (H + Hkv + k) * d, sizeof(uint16_t) * d);
