@@ -40,7 +40,7 @@ from kvrag.embed import Embedder
 from kvrag.encode import _batches, encode_chunks, prefix_cache
 from kvrag.engine import KVRAG
 from kvrag.kvmodel import KVModel
-from kvrag.recompute import causal_mask, stitch_cache, stitch_layout, stitched_forward
+from kvrag.recompute import stitch_cache, stitch_layout, stitched_forward
 from kvrag.roofline import Machine, forward_cost
 from kvrag.store import DiskStore, MemoryStore, TieredStore
 from kvrag.strategies import BUILTIN_STRATEGIES
@@ -152,7 +152,9 @@ class _Context:
 
         Everything else is prepared beforehand: the reused KV re-positioned into a stitched cache with room for
         the new tokens (the cache the engine's forward runs on: the new tokens' KV is written into the room, no
-        layer's KV is copied), the 4-D mask, ids and positions; each run starts from the same filled slots.
+        layer's KV is copied), ids and positions; each run starts from the same filled slots. The forward is the
+        engine's (`stitched_forward`: in one C call where it takes the model, else the model's own with its 4-D
+        mask made as the engine makes it).
         """
         kv, n = self.kv, len(self.chunks)
         order = [*range(1, n), 0] if recompute_target else list(range(n))
@@ -163,15 +165,14 @@ class _Context:
         built = stitch_cache(kv.repositioner, kv.prefix, self.chunks, order, S, layout, room=len(new_ids))
         filled = built.layers[0].keys.shape[-2]
         input_ids = torch.tensor([new_ids], device=self.device)
-        positions = layout.query_positions.view(1, -1)
-        mask = causal_mask(layout.key_positions, layout.query_positions, kv.prefix.keys.dtype)
 
         @torch.inference_mode()
         def run() -> float:
             cache = built.refilled(filled)  # the room's slots are written again each run
             _sync(self.device)
             t0 = time.perf_counter()
-            stitched_forward(kv.model, cache, input_ids, positions, mask)  # the forward the engine runs
+            # the forward the engine runs (the 4-D mask made in it, as the engine makes it, where the model's runs)
+            stitched_forward(kv.model, cache, input_ids, layout.query_positions, layout.key_positions)
             _sync(self.device)
             return time.perf_counter() - t0
 

@@ -563,7 +563,7 @@ def _prefill_library() -> ctypes.CDLL | None:
     library.prefill_silu_mul_bf16.argtypes = [pointer, long, pointer, long, pointer, long, long, long, int_]
     library.prefill_silu_mul_bf16.restype = ctypes.c_int
     library.prefill_layers_bf16.argtypes = [pointer, pointer, pointer, long, long, pointer, long, pointer, pointer]
-    library.prefill_layers_bf16.argtypes += [pointer, pointer, int_]
+    library.prefill_layers_bf16.argtypes += [pointer, pointer, pointer, int_]
     library.prefill_layers_bf16.restype = ctypes.c_int
     return library
 
@@ -674,18 +674,18 @@ def prefill_layers(
     tokens: list[int],
     cos: torch.Tensor,
     sin: torch.Tensor,
-    mask: torch.Tensor,
+    key_positions: torch.Tensor,
+    query_positions: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     filled: int,
 ) -> torch.Tensor | None:
     """A bfloat16 prefill of `tokens` (two or more) through every layer of the C step's model and its head, in one
-    call (`kernels/prefill_layers.c`): the last token's logits [V] bfloat16. Token i's key and value go to slot
-    filled + i of each layer's keys and values ([H_kv, capacity, d] bfloat16, contiguous), it sits at the rotary
-    rows cos[i], sin[i] ([n, d] bfloat16), and it sees the slots mask row i allows ([1, 1, n, filled + n] bfloat16,
-    0 or the lowest value). None where it does not take the call (no kernel, another dtype or shape, a mask with
-    other values, a model with q/k norms), the filled slots as they were (the room past them may have been written).
-    """
+    call (`kernels/prefill_layers.c`): the last token's logits [V] bfloat16. Token i sits at logical position
+    query_positions[i] with the rotary rows cos[i], sin[i] ([n, d] bfloat16), its key and value go to slot
+    filled + i of each layer's keys and values ([H_kv, capacity, d] bfloat16, contiguous), and it sees the slots j
+    whose logical position key_positions[j] is at most its own (the mask `kvrag.recompute.causal_mask` makes; both
+    int64, key_positions [filled + n]). None where it does not take the call (no kernel, another dtype or shape)."""
     library = _prefill_library()
     arrays = step._arrays(keys, values) if library is not None else None
     n = len(tokens)
@@ -696,15 +696,16 @@ def prefill_layers(
         or n < 2
         or filled + n > keys[0].shape[1]
         or any(t.shape != rows or t.dtype != torch.bfloat16 or not t.is_contiguous() for t in (cos, sin))
-        or mask.shape != (1, 1, n, filled + n)
-        or mask.dtype != torch.bfloat16
-        or not mask.is_contiguous()
+        or key_positions.shape != (filled + n,)
+        or query_positions.shape != (n,)
+        or any(t.dtype != torch.int64 or not t.is_contiguous() for t in (key_positions, query_positions))
     ):
         return None
     logits = torch.empty(step.vocab, dtype=torch.bfloat16)
     status = library.prefill_layers_bf16(
         ctypes.byref(step.model), arrays[0], arrays[1], keys[0].shape[1], filled, (ctypes.c_long * n)(*tokens), n,
-        cos.data_ptr(), sin.data_ptr(), mask.data_ptr(), logits.data_ptr(), torch.get_num_threads(),
+        cos.data_ptr(), sin.data_ptr(), key_positions.data_ptr(), query_positions.data_ptr(), logits.data_ptr(),
+        torch.get_num_threads(),
     )
     if status == -1:
         raise MemoryError("prefill_layers: no memory for the forward's scratch")

@@ -34,14 +34,15 @@ def forward(
     values: list[torch.Tensor],
     filled: int,
     input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    mask: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
 ) -> torch.Tensor | None:
-    """The last token's logits [1, V] float32 of the model's forward over `input_ids` ([1, n]) at `position_ids`
-    under `mask` ([1, 1, n, filled + n]) with a cache whose layers' keys and values are `keys[l]`, `values[l]`
-    ([H_kv, capacity, d], the first `filled` slots filled), the tokens' keys and values written into slots
-    filled.. as that forward writes them; None where this path does not take the call (then the caller runs the
-    model's forward; the filled slots are as they were, the room past them may have been written)."""
+    """The last token's logits [1, V] float32 of the model's forward over `input_ids` ([1, n]) at the logical
+    positions `query_positions` ([n]), each token seeing the keys whose logical position (`key_positions`,
+    [filled + n]) is at most its own (`kvrag.recompute.causal_mask`), with a cache whose layers' keys and values are
+    `keys[l]`, `values[l]` ([H_kv, capacity, d], the first `filled` slots filled), the tokens' keys and values
+    written into slots filled.. as that forward writes them; None where this path does not take the call (then the
+    caller runs the model's forward; the filled slots are as they were, the room past them may have been written)."""
     taken = _step(model)
     if taken is None:
         return None
@@ -50,10 +51,8 @@ def forward(
     if not (
         input_ids.shape == (1, n)
         and n >= 2
-        and position_ids.shape == (1, n)
-        and mask.dtype == torch.bfloat16
-        and mask.shape == (1, 1, n, filled + n)
-        and mask.is_contiguous()
+        and query_positions.shape == (n,)
+        and key_positions.shape == (filled + n,)
         and len(keys) == len(values) == step.model.layers
         and keys[0].dim() == 3
         and filled + n <= keys[0].shape[1]
@@ -63,8 +62,11 @@ def forward(
     if not all(0 <= t < step.vocab for t in ids):
         return None
     probe = decoder.embed[:1][None]  # the rotary module reads only its dtype and device
-    cos, sin = model.model.rotary_emb(probe, position_ids)  # the model's own rows, its scaling included
-    logits = ckernel.prefill_layers(step, ids, cos[0].contiguous(), sin[0].contiguous(), mask, keys, values, filled)
+    cos, sin = model.model.rotary_emb(probe, query_positions.view(1, -1))  # the model's own rows, scaling included
+    logits = ckernel.prefill_layers(
+        step, ids, cos[0].contiguous(), sin[0].contiguous(), key_positions.contiguous(),
+        query_positions.contiguous(), keys, values, filled,
+    )
     return logits.float()[None] if logits is not None else None
 
 

@@ -327,7 +327,8 @@ def recompute(
         suffix_ids: the suffix's token ids, always computed.
         logits_to_keep: how many last positions' logits to return.
         room: cache slots kept free for tokens decoded after the prompt (more are added when needed).
-        phases: where to record re-positioning, cache assembly and mask, and forward times (opt-in).
+        phases: where to record re-positioning, cache assembly (the ids) and forward times (opt-in; the 4-D mask,
+            where the model's forward needs one, is made in the forward's).
         workspace: where the cache's buffers come from; the caller gives them back when done with the cache.
         key_scale: chunk index -> factor on that chunk's reused keys (an attention temperature; see Plan).
         forward_kwargs: passed to the model's forward (e.g. output_attentions).
@@ -357,10 +358,9 @@ def recompute(
     with phase(phases, "cache assembly and mask"):
         ctx_ids = torch.cat([chunks[c].token_ids for c in order]).to(device)
         input_ids = torch.cat((ctx_ids[layout.selected], suffix)).view(1, -1)  # [1, Q]
-        mask = causal_mask(layout.key_positions, layout.query_positions, prefix.keys.dtype)  # [1, 1, Q, K]
-    with phase(phases, "forward"):
+    with phase(phases, "forward"):  # the 4-D mask made in it where the model's forward runs
         logits, out = stitched_forward(
-            model, cache, input_ids, layout.query_positions.view(1, -1), mask, logits_to_keep, **forward_kwargs
+            model, cache, input_ids, layout.query_positions, layout.key_positions, logits_to_keep, **forward_kwargs
         )
     return Prefill(
         logits=logits,
@@ -376,22 +376,25 @@ def stitched_forward(
     model: torch.nn.Module,
     cache: DynamicCache,
     input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    mask: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
     logits_to_keep: int = 1,
     **forward_kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
-    """The forward of a stitched prefill's new tokens ([1, Q], at `positions`, under the 4-D `mask`) over `cache`:
-    the last `logits_to_keep` tokens' logits [logits_to_keep, V] float32 and the model's output (None where the
-    whole forward ran in one C call, `kvrag.cprefill`: one token's logits and no extra outputs asked for)."""
+    """The forward of a stitched prefill's new tokens ([1, Q], at logical `query_positions`) over `cache`, whose
+    keys sit at logical `key_positions` (each token sees those at or before its own: `causal_mask`): the last
+    `logits_to_keep` tokens' logits [logits_to_keep, V] float32 and the model's output (None where the whole
+    forward ran in one C call, `kvrag.cprefill`: one token's logits and no extra outputs asked for; no mask is
+    made then)."""
     if logits_to_keep == 1 and not forward_kwargs:
-        logits = _forward_in_c(model, cache, input_ids, positions, mask)
+        logits = _forward_in_c(model, cache, input_ids, query_positions, key_positions)
         if logits is not None:
             return logits, None
+    dtype = cache.layers[0].keys.dtype if cache.layers else next(model.parameters()).dtype
     out = model(
         input_ids=input_ids,
-        position_ids=positions,
-        attention_mask=mask,
+        position_ids=query_positions.view(1, -1),
+        attention_mask=causal_mask(key_positions, query_positions, dtype),
         **with_cache(model, cache),
         use_cache=True,
         logits_to_keep=logits_to_keep,
@@ -401,7 +404,11 @@ def stitched_forward(
 
 
 def _forward_in_c(
-    model: torch.nn.Module, cache: DynamicCache, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    model: torch.nn.Module,
+    cache: DynamicCache,
+    input_ids: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
 ) -> torch.Tensor | None:
     """The forward's last-token logits [1, V] through `kvrag.cprefill` (a bfloat16 model on CPU, the whole forward in
     one C call, bitwise the model's), the cache's views grown over the tokens it wrote; None where it does not take
@@ -414,7 +421,7 @@ def _forward_in_c(
         return None
     keys = [layer._keys[0] for layer in layers]
     values = [layer._values[0] for layer in layers]
-    logits = cprefill.forward(model, keys, values, filled, input_ids, positions, mask)
+    logits = cprefill.forward(model, keys, values, filled, input_ids, query_positions, key_positions)
     if logits is not None:
         for layer in layers:
             layer.keys, layer.values = layer._keys[:, :, : filled + n], layer._values[:, :, : filled + n]

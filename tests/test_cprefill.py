@@ -104,7 +104,7 @@ def test_what_the_forward_in_c_does_not_take_runs_the_models_forward(monkeypatch
 
 
 @needs_kernel
-def test_a_mask_with_a_bias_is_refused_and_the_filled_slots_are_untouched():
+def test_the_c_call_takes_positions_and_refuses_what_it_does_not_compute():
     model = _kvrag_model("llama")
     from kvrag.fastdecode import decoder_of
 
@@ -115,11 +115,18 @@ def test_a_mask_with_a_bias_is_refused_and_the_filled_slots_are_untouched():
     values = [torch.randn(heads, 40, d).bfloat16() for _ in range(layers)]
     before = [t.clone() for t in keys + values]
     cos, sin = (torch.randn(5, d).bfloat16() for _ in range(2))
-    mask = torch.zeros(1, 1, 5, 25, dtype=torch.bfloat16)
-    mask[0, 0, 2, 3] = -1.0  # a bias, not a mask
-    assert ckernel.prefill_layers(step, [1, 2, 3, 4, 5], cos, sin, mask, keys, values, 20) is None
-    assert all(torch.equal(a[:, :20], b[:, :20]) for a, b in zip(keys + values, before))
-    mask[0, 0, 2, 3] = 0
-    logits = ckernel.prefill_layers(step, [1, 2, 3, 4, 5], cos, sin, mask, keys, values, 20)
+    key_positions, query_positions = torch.arange(25), torch.arange(20, 25)
+    logits = ckernel.prefill_layers(step, [1, 2, 3, 4, 5], cos, sin, key_positions, query_positions, keys, values, 20)
     assert logits is not None and logits.shape == (model.config.vocab_size,) and logits.isfinite().all()
-    assert cprefill.forward(model, keys, values, 38, torch.tensor([[1, 2, 3]]), torch.tensor([[38, 39, 40]]), mask) is None
+    assert all(torch.equal(a[:, :20], b[:, :20]) for a, b in zip(keys + values, before))  # the filled slots kept
+    assert all(not torch.equal(a[:, 20:25], b[:, 20:25]) for a, b in zip(keys + values, before))  # the new written
+    refused = [
+        ([1], cos[:1], sin[:1], key_positions[:21], query_positions[:1]),  # one token: the decode step's
+        ([1, 2, 3, 4, 5], cos, sin, key_positions.int(), query_positions),  # positions not int64
+        ([1, 2, 3, 4, 5], cos.float(), sin.float(), key_positions, query_positions),  # rotary rows not bfloat16
+        ([1, 2, 3, 4, 5], cos, sin, key_positions[:24], query_positions),  # a key without its position
+    ]
+    for tokens, c, s_, k, q in refused:
+        assert ckernel.prefill_layers(step, tokens, c, s_, k, q, keys, values, 20) is None
+    assert ckernel.prefill_layers(step, [1, 2, 3, 4, 5], cos, sin, torch.arange(41), torch.arange(36, 41), keys,
+                                  values, 36) is None  # no room for five tokens past slot 36

@@ -23,7 +23,9 @@
  *   masks are), is read once a call into a bit a key, and a task turns its tokens' bits into one 16-bit lane
  *   mask a key (or, with `causal` and no mask, token i of n sees keys up to T - n + i); a block of 64 keys that
  *   no token of the task may see is skipped (half the work of a causal prefill). Any other additive value is
- *   refused (-2) before any attention is computed.
+ *   refused (-2) before any attention is computed. The bits can also be given (`prefill_attention_seen_bf16`):
+ *   the whole forward in C (prefill_layers.c) makes them once for every layer from the tokens' logical positions
+ *   (`prefill_attention_position_bits`), where a mask would be made and read again in each layer.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -350,6 +352,57 @@ static void pack_values(const uint16_t *values, long sk_h, long sk_t, long T, in
     }
 }
 
+/* The attention given which keys each token sees (`seen`, a bit a key: [n][ceil(T / KB)], or NULL: `causal` or every
+ * key). 0, -1 for a shape it does not take, -3 where memory ran out. */
+int prefill_attention_seen_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys, const uint16_t *values,
+                                long sk_h, long sk_t, const uint64_t *seen, int causal, uint16_t *out, long n, long T,
+                                int H, int Hkv, int D, float scale, int threads) {
+    const int G = H / Hkv;
+    if (G < 1 || G > MAXG || G * Hkv != H || D % 32 || D > MAXD) return -1;
+    const long nb = (T + KB - 1) / KB;
+    uint32_t *packed = malloc(sizeof(uint32_t) * Hkv * nb * (KB / 2) * D);
+    if (!packed) return -3;
+    pack_values(values, sk_h, sk_t, T, Hkv, D, packed, threads);
+    const long blocks = (n + QT - 1) / QT, tasks = Hkv * blocks;
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
+    for (long t = 0; t < tasks; t++) {
+        long h = t % Hkv, i0 = (t / Hkv) * QT;
+#define ARGS q, sq_h, sq_n, keys, sk_h, sk_t, packed, seen, causal, out, n, T, H, h, i0, scale
+        switch (G) { /* G a constant in each: the tiles' accumulators stay in registers */
+        case 1: task(ARGS, 1, D); break;
+        case 2: task(ARGS, 2, D); break;
+        case 3: task(ARGS, 3, D); break;
+        case 4: task(ARGS, 4, D); break;
+        case 5: task(ARGS, 5, D); break;
+        case 6: task(ARGS, 6, D); break;
+        case 7: task(ARGS, 7, D); break;
+        default: task(ARGS, 8, D); break;
+        }
+#undef ARGS
+    }
+    free(packed);
+    return 0;
+}
+
+/* Which keys each token sees where token i sits at query_pos[i] and key j at key_pos[j]: key j is seen iff
+ * key_pos[j] <= query_pos[i] (the mask kvrag.recompute.causal_mask makes, as bits): seen [n][ceil(T / KB)]. */
+void prefill_attention_position_bits(const long *key_pos, long T, const long *query_pos, long n, uint64_t *seen,
+                                     int threads) {
+    const long nb = (T + KB - 1) / KB;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long r = 0; r < n * nb; r++) {
+        const long i = r / nb, j0 = (r % nb) * KB, len = T - j0 < KB ? T - j0 : KB;
+        const __m512i at = _mm512_set1_epi64(query_pos[i]);
+        uint64_t bits = 0;
+        for (long c = 0; c < len; c += 8) {
+            const __mmask8 live = len - c >= 8 ? 0xff : (__mmask8)((1u << (len - c)) - 1);
+            const __m512i k = _mm512_maskz_loadu_epi64(live, key_pos + j0 + c);
+            bits |= (uint64_t)_mm512_mask_cmple_epi64_mask(live, k, at) << c;
+        }
+        seen[r] = bits;
+    }
+}
+
 int prefill_attention_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys, const uint16_t *values,
                            long sk_h, long sk_t, const uint8_t *mask, int kind, long sm, int causal, uint16_t *out,
                            long n, long T, int H, int Hkv, int D, float scale, int threads) {
@@ -357,12 +410,7 @@ int prefill_attention_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16
     if (G < 1 || G > MAXG || G * Hkv != H || D % 32 || D > MAXD || kind < 0 || kind > 3 || (kind && !mask)) return -1;
     const long nb = (T + KB - 1) / KB;
     uint64_t *seen = kind ? malloc(sizeof(uint64_t) * n * nb) : NULL;
-    uint32_t *packed = malloc(sizeof(uint32_t) * Hkv * nb * (KB / 2) * D);
-    if (!packed || (kind && !seen)) {
-        free(seen);
-        free(packed);
-        return -3;
-    }
+    if (kind && !seen) return -3;
     if (kind) { /* the mask read once, a bit a key; every kv head's tasks share it */
         _Pragma("omp parallel for schedule(static) num_threads(threads)")
         for (long r = 0; r < n * nb; r++) {
@@ -370,29 +418,11 @@ int prefill_attention_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16
             seen[r] = row_bits(mask + (i * sm + j0) * mask_bytes[kind], kind, T - j0 < KB ? (int)(T - j0) : KB, &odd);
         }
     }
-    if (!odd) {
-        pack_values(values, sk_h, sk_t, T, Hkv, D, packed, threads);
-        long blocks = (n + QT - 1) / QT, tasks = Hkv * blocks;
-        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
-        for (long t = 0; t < tasks; t++) {
-            long h = t % Hkv, i0 = (t / Hkv) * QT;
-#define ARGS q, sq_h, sq_n, keys, sk_h, sk_t, packed, seen, causal, out, n, T, H, h, i0, scale
-            switch (G) { /* G a constant in each: the tiles' accumulators stay in registers */
-            case 1: task(ARGS, 1, D); break;
-            case 2: task(ARGS, 2, D); break;
-            case 3: task(ARGS, 3, D); break;
-            case 4: task(ARGS, 4, D); break;
-            case 5: task(ARGS, 5, D); break;
-            case 6: task(ARGS, 6, D); break;
-            case 7: task(ARGS, 7, D); break;
-            default: task(ARGS, 8, D); break;
-            }
-#undef ARGS
-        }
-    }
+    /* -2: a mask value neither 0 nor the lowest (found before any attention was computed) */
+    const int status = odd ? -2 : prefill_attention_seen_bf16(q, sq_h, sq_n, keys, values, sk_h, sk_t, seen, causal,
+                                                               out, n, T, H, Hkv, D, scale, threads);
     free(seen);
-    free(packed);
-    return odd ? -2 : 0; /* -2: a mask value neither 0 nor the lowest (found before any attention was computed) */
+    return status;
 }
 
 int prefill_attention_available(void) { return 1; }
@@ -404,6 +434,15 @@ int prefill_attention_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16
                            long n, long T, int H, int Hkv, int D, float scale, int threads) {
     return -1;
 }
+
+int prefill_attention_seen_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys, const uint16_t *values,
+                                long sk_h, long sk_t, const uint64_t *seen, int causal, uint16_t *out, long n, long T,
+                                int H, int Hkv, int D, float scale, int threads) {
+    return -1;
+}
+
+void prefill_attention_position_bits(const long *key_pos, long T, const long *query_pos, long n, uint64_t *seen,
+                                     int threads) {}
 
 int prefill_attention_available(void) { return 0; }
 

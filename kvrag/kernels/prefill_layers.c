@@ -20,9 +20,11 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
-int prefill_attention_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys, const uint16_t *values,
-                           long sk_h, long sk_t, const uint8_t *mask, int kind, long sm, int causal, uint16_t *out,
-                           long n, long T, int H, int Hkv, int D, float scale, int threads);
+int prefill_attention_seen_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys, const uint16_t *values,
+                                long sk_h, long sk_t, const uint64_t *seen, int causal, uint16_t *out, long n, long T,
+                                int H, int Hkv, int D, float scale, int threads);
+void prefill_attention_position_bits(const long *key_pos, long T, const long *query_pos, long n, uint64_t *seen,
+                                     int threads);
 int prefill_linear_bf16(const uint16_t *x, long M, long K, long ldx, const uint16_t *w, long N, const float *bias,
                         uint16_t *out, long ldo, uint32_t *packed, int threads);
 int prefill_linear_one_bf16(const uint16_t *x, long K, const uint16_t *w, long N, const float *bias, uint16_t *out,
@@ -47,15 +49,14 @@ static void residual(uint16_t *x, const uint16_t *y, long count, int threads) {
     }
 }
 
-/* The logits [V] (bfloat16, as the model's head gives them) of the last of n >= 2 tokens at the positions whose
- * rotary rows are cos[i], sin[i] ([n][head_dim]). Token i's key and value go to slot filled + i of each layer's
- * keys[l], values[l] ([kv_heads, capacity, head_dim] bfloat16, rows contiguous), and it attends to slots
- * 0..filled + n - 1 as mask row i allows (bfloat16 [n][filled + n], 0 or the lowest value: the forward's own mask).
- * 0; -1 where scratch memory ran out; -2 for a model or shape it does not take; a kernel's refusal (-2: a mask
- * value other than 0 and the lowest, found before the first layer's attention) as -3. */
+/* The logits [V] (bfloat16, as the model's head gives them) of the last of n >= 2 tokens at logical positions
+ * query_pos[i], whose rotary rows are cos[i], sin[i] ([n][head_dim]). Token i's key and value go to slot filled + i
+ * of each layer's keys[l], values[l] ([kv_heads, capacity, head_dim] bfloat16, rows contiguous), and it attends to
+ * the slots j < filled + n whose logical position key_pos[j] is at most its own (the forward's mask, as bits, made
+ * once for every layer). 0; -1 where scratch memory ran out; -2 for a model or shape it does not take. */
 int prefill_layers_bf16(const struct step_model *m, void *const *keys, void *const *values, long capacity,
                         long filled, const long *tokens, long n, const uint16_t *cos, const uint16_t *sin,
-                        const uint16_t *mask, uint16_t *logits, int threads) {
+                        const long *key_pos, const long *query_pos, uint16_t *logits, int threads) {
     const long D = m->dim, F = m->ffn, H = m->heads, Hkv = m->kv_heads, d = m->head_dim, T = filled + n;
     const long rows = (H + 2 * Hkv) * d; /* q, k and v of a token */
     if (!m->bf16 || n < 2 || T > capacity) return -2;
@@ -64,12 +65,15 @@ int prefill_layers_bf16(const struct step_model *m, void *const *keys, void *con
     uint16_t *x = malloc(sizeof(uint16_t) * n * (2 * D + widest + 2 * H * d + F + (H + Hkv) * d));
     uint32_t *packed = malloc(sizeof(uint32_t) * scratch);
     float *bias = malloc(sizeof(float) * rows);
-    if (!x || !packed || !bias) {
+    uint64_t *seen = malloc(sizeof(uint64_t) * n * ((T + 63) / 64));
+    if (!x || !packed || !bias || !seen) {
         free(x);
         free(packed);
         free(bias);
+        free(seen);
         return -1;
     }
+    prefill_attention_position_bits(key_pos, T, query_pos, n, seen, threads);
     uint16_t *h = x + n * D, *wide = h + n * D, *q = wide + n * widest, *att = q + n * H * d, *act = att + n * H * d;
     uint16_t *qn = act + n * F, *kn = qn + n * H * d; /* q [n, H, d] and k [n, Hkv, d], where there are q/k norms */
     int status = 0;
@@ -102,8 +106,8 @@ int prefill_layers_bf16(const struct step_model *m, void *const *keys, void *con
         for (long k = 0; k < Hkv; k++)
             for (long i = 0; i < n; i++)
                 memcpy(vc + (k * capacity + filled + i) * d, wide + i * rows + (H + Hkv + k) * d, sizeof(uint16_t) * d);
-        status = prefill_attention_bf16(q, d, H * d, kc, vc, capacity * d, d, (const uint8_t *)mask, 2, T, 0, att, n,
-                                        T, (int)H, (int)Hkv, (int)d, (float)m->scale, threads);
+        status = prefill_attention_seen_bf16(q, d, H * d, kc, vc, capacity * d, d, seen, 0, att, n, T, (int)H,
+                                             (int)Hkv, (int)d, (float)m->scale, threads);
         if (status) break;
         prefill_linear_bf16(att, n, H * d, H * d, w->o, D, NULL, h, D, packed, threads);
         residual(x, h, n * D, threads);
@@ -120,7 +124,8 @@ int prefill_layers_bf16(const struct step_model *m, void *const *keys, void *con
     free(x);
     free(packed);
     free(bias);
-    return status == -2 ? -3 : status == -3 ? -1 : status ? -2 : 0; /* the attention's: -1 shape, -2 mask, -3 memory */
+    free(seen);
+    return status == -3 ? -1 : status ? -2 : 0; /* the attention's: -1 shape, -3 memory */
 }
 
 int prefill_layers_available(void) { return 1; }
@@ -129,7 +134,7 @@ int prefill_layers_available(void) { return 1; }
 
 int prefill_layers_bf16(const struct step_model *m, void *const *keys, void *const *values, long capacity,
                         long filled, const long *tokens, long n, const uint16_t *cos, const uint16_t *sin,
-                        const uint16_t *mask, uint16_t *logits, int threads) {
+                        const long *key_pos, const long *query_pos, uint16_t *logits, int threads) {
     return -2;
 }
 
