@@ -7,9 +7,11 @@ what is left around them is transformers' forward in Python, about a dozen modul
 small operations (the residual sums, the cache's write), while the second core waits. `forward` runs the same
 kernels in the same order from C over the decoder's weights (`kvrag.fastdecode`: q, k and v stacked in one
 product, gate and up in another), so its logits and the cache it writes are the model forward's, bit for bit
-(tested on llama, mistral, qwen2 and qwen3). It takes the call only where that holds: a llama, mistral, qwen2 or qwen3 model
-whose every module is the one kvrag made (any other, or a hook anywhere, and the model's forward runs), one
-prompt of two or more tokens, a cache with room for them, kvrag's own additive mask, the last token's logits.
+(tested on llama, mistral, qwen2 and qwen3). It takes the call only where that holds: a llama, mistral, qwen2 or
+qwen3 model whose every module is the one kvrag made (any other, or a hook anywhere, and the model's forward
+runs), one prompt of two or more tokens, a cache with room for them, the last token's logits. It takes the tokens'
+logical positions where the model's forward takes kvrag's 4-D mask (`kvrag.recompute.causal_mask`, made from
+the same positions): which keys each token sees is worked out once, in C, for every layer.
 """
 
 from __future__ import annotations

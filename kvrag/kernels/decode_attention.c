@@ -185,7 +185,8 @@ static inline __attribute__((always_inline)) void block_dot_bf16(const float *co
         for (int g = 0; g < G; g++) weight[g] = _mm512_set1_ps(scores[g][t - t0]);
         for (int c = 0; c < pairs; c++) {
             const __m512i x = _mm512_loadu_si512(v + 32 * c);
-            const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), o = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+            const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+            const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(x, high));
             for (int g = 0; g < G; g++) {
                 even[g][c] = _mm512_fmadd_ps(weight[g], e, even[g][c]);
                 odd[g][c] = _mm512_fmadd_ps(weight[g], o, odd[g][c]);
