@@ -685,7 +685,8 @@ def prefill_layers(
     query_positions[i] with the rotary rows cos[i], sin[i] ([n, d] bfloat16), its key and value go to slot
     filled + i of each layer's keys and values ([H_kv, capacity, d] bfloat16, contiguous), and it sees the slots j
     whose logical position key_positions[j] is at most its own (the mask `kvrag.recompute.causal_mask` makes; both
-    int64, key_positions [filled + n]). None where it does not take the call (no kernel, another dtype or shape)."""
+    int64, key_positions [filled + n]). None where it does not take the call (no kernel, another dtype or shape, a
+    token outside the vocabulary, a cache of other layers or without room)."""
     library = _prefill_library()
     arrays = step._arrays(keys, values) if library is not None else None
     n = len(tokens)
@@ -694,7 +695,8 @@ def prefill_layers(
         arrays is None
         or step.dtype != torch.bfloat16
         or n < 2
-        or filled + n > keys[0].shape[1]
+        or not all(0 <= t < step.vocab for t in tokens)
+        or not 0 <= filled <= keys[0].shape[1] - n
         or any(t.shape != rows or t.dtype != torch.bfloat16 or not t.is_contiguous() for t in (cos, sin))
         or key_positions.shape != (filled + n,)
         or query_positions.shape != (n,)

@@ -49,24 +49,12 @@ def forward(
     if taken is None:
         return None
     decoder, step = taken
-    n = input_ids.shape[-1]
-    if not (
-        input_ids.shape == (1, n)
-        and n >= 2
-        and query_positions.shape == (n,)
-        and key_positions.shape == (filled + n,)
-        and len(keys) == len(values) == step.model.layers
-        and keys[0].dim() == 3
-        and filled + n <= keys[0].shape[1]
-    ):
-        return None
-    ids = input_ids[0].tolist()
-    if not all(0 <= t < step.vocab for t in ids):
-        return None
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or query_positions.shape != input_ids.shape[1:]:
+        return None  # one prompt; the rest is the C call's to check
     probe = decoder.embed[:1][None]  # the rotary module reads only its dtype and device
     cos, sin = model.model.rotary_emb(probe, query_positions.view(1, -1))  # the model's own rows, scaling included
     logits = ckernel.prefill_layers(
-        step, ids, cos[0].contiguous(), sin[0].contiguous(), key_positions.contiguous(),
+        step, input_ids[0].tolist(), cos[0].contiguous(), sin[0].contiguous(), key_positions.contiguous(),
         query_positions.contiguous(), keys, values, filled,
     )
     return logits.float()[None] if logits is not None else None

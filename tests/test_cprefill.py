@@ -125,6 +125,7 @@ def test_the_c_call_takes_positions_and_refuses_what_it_does_not_compute():
         ([1, 2, 3, 4, 5], cos, sin, key_positions.int(), query_positions),  # positions not int64
         ([1, 2, 3, 4, 5], cos.float(), sin.float(), key_positions, query_positions),  # rotary rows not bfloat16
         ([1, 2, 3, 4, 5], cos, sin, key_positions[:24], query_positions),  # a key without its position
+        ([1, 2, 3, 4, model.config.vocab_size], cos, sin, key_positions, query_positions),  # past the vocabulary
     ]
     for tokens, c, s_, k, q in refused:
         assert ckernel.prefill_layers(step, tokens, c, s_, k, q, keys, values, 20) is None
