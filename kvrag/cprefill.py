@@ -74,14 +74,16 @@ def _step(model: torch.nn.Module) -> tuple[fastdecode.FastDecoder, ckernel.Decod
         return None
     decoder = fastdecode.decoder_of(model)
     step = decoder.native if decoder is not None else None
-    if decoder is None or step is None or step.dtype != torch.bfloat16 or not _kernels_throughout(model):
+    if decoder is None or step is None or step.dtype != torch.bfloat16 or not _kernels_throughout(model, decoder):
         return None
     return decoder, step
 
 
-def _kernels_throughout(model: torch.nn.Module) -> bool:
+def _kernels_throughout(model: torch.nn.Module, decoder: fastdecode.FastDecoder) -> bool:
     """Whether the model's forward would run kvrag's kernels everywhere this path runs them, and nothing else: every
-    module the one kvrag made, no hook anywhere."""
+    module the one kvrag made, no hook anywhere. The modules' classes, in one walk over the model, are checked
+    against the last classes that passed (kept on the decoder): the walk and the hooks at every prefill, the
+    classes one by one only when they changed."""
     from torch.nn.modules import module as torch_module
 
     if any(
@@ -94,14 +96,32 @@ def _kernels_throughout(model: torch.nn.Module) -> bool:
         )
     ):
         return False
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
-        return False
+    classes, stack = [], [model]
+    while stack:  # every module, as `modules()` walks them, without its generators
+        m = stack.pop()
+        if m._forward_hooks or m._forward_pre_hooks:
+            return False
+        classes.append(type(m))
+        stack.extend(child for child in m._modules.values() if child is not None)
+    if tuple(classes) != getattr(decoder, "_prefill_classes", None):
+        if not _kvrag_modules(model):
+            return False
+        decoder._prefill_classes = tuple(classes)  # type: ignore[attr-defined]
+    for layer in model.model.layers:  # the rotary handles are no modules: checked each time
+        handle = layer.self_attn.__dict__.get("_kernel_funcs", {}).get(rotary.HOOK)
+        if getattr(getattr(handle, "forward", None), "__func__", None) is not rotary.prefill_forward:
+            return False
+    return True
+
+
+def _kvrag_modules(model: torch.nn.Module) -> bool:
+    """Whether every module of the forward is the one kvrag made (its class): the decoder layers taken, kvrag's
+    norms, MLPs and linears."""
     inner = model.model
     if not (norm.is_prefill_norm(inner.norm) and type(model.lm_head) is PrefillLinear):
         return False
     for layer in inner.layers:
         attn, block = layer.self_attn, layer.mlp
-        handle = attn.__dict__.get("_kernel_funcs", {}).get(rotary.HOOK)
         if not (
             type(layer).__name__ in TAKEN
             and norm.is_prefill_norm(layer.input_layernorm)
@@ -109,7 +129,6 @@ def _kernels_throughout(model: torch.nn.Module) -> bool:
             and type(block) is mlp.prefill_class(type(block).__name__.removeprefix("Prefill"))
             and all(type(getattr(attn, name, None)) is PrefillLinear for name in ATTENTION_LINEARS)
             and all(type(getattr(block, name, None)) is PrefillLinear for name in MLP_LINEARS)
-            and getattr(getattr(handle, "forward", None), "__func__", None) is rotary.prefill_forward
             and all(
                 norm.is_prefill_norm(getattr(attn, name)) for name in ("q_norm", "k_norm") if hasattr(attn, name)
             )

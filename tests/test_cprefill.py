@@ -10,7 +10,7 @@ import torch
 from tiny import tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
 
-from kvrag import ckernel, cprefill
+from kvrag import ckernel, cprefill, rotary
 from kvrag.attention import use_gqa_sdpa
 from kvrag.encode import encode_chunks, encode_prefix
 from kvrag.linear import use_prefill_linears
@@ -93,6 +93,15 @@ def test_what_the_forward_in_c_does_not_take_runs_the_models_forward(monkeypatch
     logits, _, calls, _ = _prefill(model, selected, monkeypatch, in_c=True)
     handle.remove()
     assert not any(calls) and seen and torch.equal(logits, want)
+    # a rotary handle back to transformers' function: the model's forward
+    handle = model.model.layers[2].self_attn._kernel_funcs[rotary.HOOK]
+    kernel_forward = handle.forward
+    del handle.forward
+    _, _, calls, _ = _prefill(model, selected, monkeypatch, in_c=True)
+    assert not any(calls)
+    handle.forward = kernel_forward
+    _, _, calls, _ = _prefill(model, selected, monkeypatch, in_c=True)
+    assert calls == [True]  # all as kvrag made it again: the C call
     # a module that is not the one kvrag made (a linear back to torch's): the model's forward
     proj = model.model.layers[0].self_attn.o_proj
     proj.__class__ = torch.nn.Linear
