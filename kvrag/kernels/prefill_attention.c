@@ -12,7 +12,8 @@
  *   with the 16 tokens across the lanes. Each lane then holds one query row, so the softmax's running
  *   maxima and sums are vertical: no lane sums anywhere.
  * - Probabilities go to bfloat16 pairs of adjacent keys, values to words of two adjacent keys' elements (once a
- *   call, shared by every task of a kv head), and O^T += V^T P^T runs on the same instruction.
+ *   call, or a block at a time by the task that reads it where few tasks read each: pack_values), and
+ *   O^T += V^T P^T runs on the same instruction.
  * - Past a task's first block, while no score passes its row's running max by more than 2^LEAD, a block's
  *   probabilities are made in its score tiles against that max as it stands (a probability may exceed 1), so
  *   the block needs no pass to find its max and no second read of its scores; else the block goes the usual
@@ -99,6 +100,42 @@ static inline __m512i pairs(__m512 a, __m512 b) {
     return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
+/* A block's values as words of two adjacent keys, what the weighted sum's dot products take: vw[p * D + d] =
+ * (v[2p, d], v[2p + 1, d]), zero for the keys past the block's `len` (a zero probability times a NaN is a NaN). */
+static inline __attribute__((always_inline)) void pack_block(const uint16_t *vh, long sk_t, int len, int D,
+                                                             uint32_t *vw) {
+    /* word i of the result: (a[i], b[i]) for i < 16 (low_half) or for 16 <= i < 32 (high_half) */
+    const __m512i low_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                              6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high_half = _mm512_add_epi16(low_half, _mm512_set1_epi16(16));
+    for (int p = 0; p < KB / 2; p++) {
+        const __mmask32 a_live = 2 * p < len ? ~0u : 0, b_live = 2 * p + 1 < len ? ~0u : 0;
+        for (int d = 0; d < D; d += 32) {
+            const __m512i a = _mm512_maskz_loadu_epi16(a_live, vh + 2 * p * sk_t + d);
+            const __m512i b = _mm512_maskz_loadu_epi16(b_live, vh + (2 * p + 1) * sk_t + d);
+            _mm512_storeu_si512(vw + p * D + d, _mm512_permutex2var_epi16(a, low_half, b));
+            _mm512_storeu_si512(vw + p * D + d + 16, _mm512_permutex2var_epi16(a, high_half, b));
+        }
+    }
+}
+
+/* Every block's values packed once a call, [Hkv, ceil(T / KB) KB / 2, D] words, where many tasks read each block
+ * (many query tokens); with few (a question over a cache: STREAMED) each task packs the blocks it reads on its
+ * stack as it goes, and the values are read once, straight from the cache (a pass over all of them first, written
+ * out and read again, took 8-9% of a question's forward over 8,000 cached tokens; with 200 query tokens, 13 tasks
+ * a kv head packing each block again cost 3% of the attention instead). */
+#define STREAMED 4 /* query blocks (of QT tokens) up to which each task packs its own */
+static void pack_values(const uint16_t *values, long sk_h, long sk_t, long T, int Hkv, int D, uint32_t *packed,
+                        int threads) {
+    const long nb = (T + KB - 1) / KB;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long r = 0; r < Hkv * nb; r++) {
+        const long h = r / nb, j0 = (r % nb) * KB;
+        pack_block(values + h * sk_h + j0 * sk_t, sk_t, T - j0 < KB ? (int)(T - j0) : KB, D,
+                   packed + r * (KB / 2) * D);
+    }
+}
+
 /* O^T [d0, d0 + dn) += V^T P^T over one block of keys: o [dim][g], pw [key pair][g], vw [key pair][D] (words) */
 static inline __attribute__((always_inline)) void pv_tile(__m512 o[][MAXG], __m512i pw[][MAXG], const uint32_t *vw,
                                                           int D, int d0, const int dn, const int G) {
@@ -118,12 +155,12 @@ static inline __attribute__((always_inline)) void pv_tile(__m512 o[][MAXG], __m5
 }
 
 /* One task: kv head h, query tokens i0 .. i0 + QT - 1 (those past n are computed and not written).
- * q [H, n, D] (strides sq_h, sq_n), keys [Hkv, T, D] (strides sk_h, sk_t), packed: the values as words of two
- * adjacent keys [Hkv, ceil(T / KB) KB / 2, D], seen: a mask's bits [n, ceil(T / KB)] (bit j: key j of the
+ * q [H, n, D] (strides sq_h, sq_n), keys and values [Hkv, T, D] (strides sk_h, sk_t), packed: the values as
+ * pack_values lays them out, or NULL (the task packs each block it reads), seen: a mask's bits [n, ceil(T / KB)] (bit j: key j of the
  * block) or NULL, out [n, H, D] contiguous. */
 static inline __attribute__((always_inline)) void task(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys,
-                                                       long sk_h, long sk_t, const uint32_t *packed,
-                                                       const uint64_t *seen, int causal, uint16_t *out,
+                                                       long sk_h, long sk_t, const uint16_t *values,
+                                                       const uint32_t *packed, const uint64_t *seen, int causal, uint16_t *out,
                                                        long n, long T, int H, long h, long i0, float scale,
                                                        const int G, const int D) {
     const int RK = G == 1 ? 16 : G == 2 ? 12 : G == 3 ? 8 : G == 4 ? 6 : G <= 6 ? 4 : 3; /* keys a score tile */
@@ -151,22 +188,26 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
             qt[k][g] = _mm512_loadu_si512(lane);
         }
     }
-    const uint16_t *kh = keys + h * sk_h;
+    const uint16_t *kh = keys + h * sk_h, *vh = values + h * sk_h;
     const long blocks = (T + KB - 1) / KB;
+    uint32_t own[KB / 2 * MAXD] __attribute__((aligned(64))); /* a block's values as words, where packed is NULL */
     /* With few query tokens (a question over a cache) each key is read by a task or two, from memory: a task asks
      * for the next block's keys while it computes this one (30 tokens over 8,000 keys, 30 layers: 31-32 ms against
      * 34-35). With many, every task of a kv head reads the keys again, from the cache, and the requests only cost. */
-    const int streamed = (n + QT - 1) / QT <= 4;
+    const int streamed = (n + QT - 1) / QT <= STREAMED;
     const __mmask16 live = i0 + QT <= n ? 0xffff : (__mmask16)((1u << (n - i0)) - 1); /* the lanes of real tokens */
     const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);                     /* x = s c - m c, base 2 */
     const __m512 lead = _mm512_set1_ps(LEAD / (scale * 1.44269504088896341f));        /* LEAD in the scores' units */
     const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3f803f80);
     for (long j0 = 0; j0 < T; j0 += KB) {
         int len = T - j0 < KB ? (int)(T - j0) : KB;
-        if (streamed && j0 + KB < T) {
-            const char *next = (const char *)(kh + (j0 + KB) * sk_t);
+        if (streamed && j0 + KB < T) { /* the next block's keys, and its values where this task packs them */
+            const char *next = (const char *)(kh + (j0 + KB) * sk_t), *next_v = (const char *)(vh + (j0 + KB) * sk_t);
             const long bytes = (T - j0 - KB < KB ? T - j0 - KB : KB) * sk_t * 2;
-            for (long a = 0; a < bytes; a += 64) __builtin_prefetch(next + a);
+            for (long a = 0; a < bytes; a += 64) {
+                __builtin_prefetch(next + a);
+                if (!packed) __builtin_prefetch(next_v + a);
+            }
         }
         /* which tokens see which key of the block */
         uint16_t any = 0;
@@ -198,6 +239,8 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
             any = 0xffff;
         }
         if (!any) continue; /* no token of the task sees this block */
+        const uint32_t *vw = packed ? packed + (h * blocks * (KB / 2) + j0 / 2) * D : own;
+        if (!packed) pack_block(vh + j0 * sk_t, sk_t, len, D, own);
         uint16_t every = 0xffff; /* the tokens that see every key of the block */
         for (int j = 0; j < KB; j++) every &= valid[j];
         const int full = every == 0xffff;
@@ -305,7 +348,6 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
         /* O^T += V^T P^T, DT dims a tile: whole tiles (a constant count, so their accumulators stay in
          * registers), then what is left of the head */
         int d0 = 0;
-        const uint32_t *vw = packed + (h * blocks * (KB / 2) + j0 / 2) * D;
         for (; d0 + DT <= D; d0 += DT) pv_tile(o, pw, vw, D, d0, DT, G);
         if (d0 < D) pv_tile(o, pw, vw, D, d0, D - d0, G);
     }
@@ -328,30 +370,6 @@ static inline __attribute__((always_inline)) void task(const uint16_t *q, long s
     }
 }
 
-/* The values as words of two adjacent keys, once a call (every task of a kv head reads them):
- * packed[(h * P + p) * D + d] = (v[h, 2p, d], v[h, 2p + 1, d]), P = KB / 2 a block of keys, and zero for the keys
- * past T: a block's weighted sum reads all of it, and a zero probability times a NaN would still be a NaN. */
-static void pack_values(const uint16_t *values, long sk_h, long sk_t, long T, int Hkv, int D, uint32_t *packed,
-                        int threads) {
-    const long P = (T + KB - 1) / KB * (KB / 2);
-    /* word i of the result: (a[i], b[i]) for i < 16 (low_half) or for 16 <= i < 32 (high_half) */
-    const __m512i low_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                              6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i high_half = _mm512_add_epi16(low_half, _mm512_set1_epi16(16));
-    const uint16_t zero_row[MAXD] = {0};
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (long r = 0; r < Hkv * P; r++) {
-        long h = r / P, p = r % P;
-        const uint16_t *v0 = 2 * p < T ? values + h * sk_h + 2 * p * sk_t : zero_row;
-        const uint16_t *v1 = 2 * p + 1 < T ? values + h * sk_h + (2 * p + 1) * sk_t : zero_row;
-        for (int d = 0; d < D; d += 32) {
-            __m512i a = _mm512_loadu_si512(v0 + d), b = _mm512_loadu_si512(v1 + d);
-            _mm512_storeu_si512(packed + r * D + d, _mm512_permutex2var_epi16(a, low_half, b));
-            _mm512_storeu_si512(packed + r * D + d + 16, _mm512_permutex2var_epi16(a, high_half, b));
-        }
-    }
-}
-
 /* The attention given which keys each token sees (`seen`, a bit a key: [n][ceil(T / KB)], or NULL: `causal` or every
  * key). 0, -1 for a shape it does not take, -3 where memory ran out. */
 int prefill_attention_seen_bf16(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys, const uint16_t *values,
@@ -359,15 +377,17 @@ int prefill_attention_seen_bf16(const uint16_t *q, long sq_h, long sq_n, const u
                                 int H, int Hkv, int D, float scale, int threads) {
     const int G = H / Hkv;
     if (G < 1 || G > MAXG || G * Hkv != H || D % 32 || D > MAXD) return -1;
-    const long nb = (T + KB - 1) / KB;
-    uint32_t *packed = malloc(sizeof(uint32_t) * Hkv * nb * (KB / 2) * D);
-    if (!packed) return -3;
-    pack_values(values, sk_h, sk_t, T, Hkv, D, packed, threads);
     const long blocks = (n + QT - 1) / QT, tasks = Hkv * blocks;
+    uint32_t *packed = NULL;
+    if (blocks > STREAMED) {
+        packed = malloc(sizeof(uint32_t) * Hkv * ((T + KB - 1) / KB) * (KB / 2) * D);
+        if (!packed) return -3;
+        pack_values(values, sk_h, sk_t, T, Hkv, D, packed, threads);
+    }
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
     for (long t = 0; t < tasks; t++) {
         long h = t % Hkv, i0 = (t / Hkv) * QT;
-#define ARGS q, sq_h, sq_n, keys, sk_h, sk_t, packed, seen, causal, out, n, T, H, h, i0, scale
+#define ARGS q, sq_h, sq_n, keys, sk_h, sk_t, values, packed, seen, causal, out, n, T, H, h, i0, scale
         switch (G) { /* G a constant in each: the tiles' accumulators stay in registers */
         case 1: task(ARGS, 1, D); break;
         case 2: task(ARGS, 2, D); break;
