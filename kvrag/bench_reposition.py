@@ -32,14 +32,14 @@ ARMS = ("one C stitch", "torch passes")
 @contextlib.contextmanager
 def _arm(name: str) -> Iterator[None]:
     """The engine as this arm runs it, put back afterwards."""
-    stitch, rotate = ckernel.stitch, ckernel.rotate_keys
+    plan, rotate = ckernel.stitch_plan, ckernel.rotate_keys
     try:
         if name == ARMS[1]:  # neither the one-call stitch nor the C rotation it falls back to
-            ckernel.stitch = lambda *args: False  # type: ignore[assignment]
+            ckernel.stitch_plan = lambda *args: None  # type: ignore[assignment]
             ckernel.rotate_keys = lambda *args: False  # type: ignore[assignment]
         yield
     finally:
-        ckernel.stitch, ckernel.rotate_keys = stitch, rotate  # type: ignore[assignment]
+        ckernel.stitch_plan, ckernel.rotate_keys = plan, rotate  # type: ignore[assignment]
 
 
 def reposition_benchmark(

@@ -60,7 +60,7 @@ PREFILL_SOURCES = tuple(
     Path(__file__).with_name("kernels") / name
     for name in (
         "prefill_attention.c", "prefill_linear.c", "prefill_norm.c", "prefill_rotary.c", "prefill_silu.c",
-        "prefill_layers.c",
+        "prefill_layers.c", "rotate_keys.c",  # the last for the stitch the whole forward runs a layer at a time
     )
 )
 BLOCK = 256  # the kernel's block of cache slots
@@ -135,7 +135,7 @@ def _library() -> ctypes.CDLL | None:
     for name in _STITCHES.values():
         function = getattr(library, name)
         function.argtypes = [pointer] * 7 + [ctypes.c_long] * 2 + [ctypes.c_int] * 3 + [pointer] * 2
-        function.argtypes += [ctypes.c_long] * 2 + [ctypes.c_int]
+        function.argtypes += [ctypes.c_long] * 3 + [ctypes.c_int] * 2
         function.restype = ctypes.c_int
     library.decode_steps.argtypes = [pointer, pointer, pointer, ctypes.c_long, pointer, ctypes.c_long, pointer]
     library.decode_steps.argtypes += [pointer, ctypes.c_long, pointer, ctypes.c_int]
@@ -260,18 +260,69 @@ def rotate_keys(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: t
     return True
 
 
-def stitch(
+class Stitch:
+    """A stitch checked and laid out for the C kernel (`stitch_plan`), not yet written: `run` writes every layer now;
+    `prefill_layers` takes it instead and writes each layer's slots just before that layer's attention. `written`
+    says whether either has."""
+
+    def __init__(
+        self,
+        out_keys: torch.Tensor,
+        out_values: torch.Tensor,
+        pieces: list[tuple[torch.Tensor, torch.Tensor, int, bool]],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        self.out_keys, self.out_values, self.pieces, self.cos, self.sin = out_keys, out_values, pieces, cos, sin
+        self.written = False
+        count = len(pieces)
+        pointers = ctypes.c_void_p * count
+        # the C arguments after the layout: sources, slots, counts, rotated flags, angles, how many
+        self.arguments = (
+            pointers(*(k.data_ptr() for k, _, _, _ in pieces)),
+            pointers(*(v.data_ptr() for _, v, _, _ in pieces)),
+            (ctypes.c_long * count)(*(slot for _, _, slot, _ in pieces)),
+            (ctypes.c_long * count)(*(k.shape[2] for k, _, _, _ in pieces)),
+            (ctypes.c_int * count)(*(int(rotated) for _, _, _, rotated in pieces)),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            count,
+        )
+
+    def run(self) -> None:
+        """Every layer's slots written, in one call (the cache's lines streamed out: nothing reads them soon)."""
+        library = _library()
+        layers, heads, _, d = self.out_keys.shape
+        status = getattr(library, _STITCHES[self.out_keys.dtype])(
+            *self.arguments,
+            layers * heads,
+            d,
+            self.out_values.shape[3],
+            self.cos.shape[1],
+            self.out_keys.data_ptr(),
+            self.out_values.data_ptr(),
+            self.out_keys.stride(1),
+            self.out_values.stride(1),
+            0,
+            1,
+            torch.get_num_threads(),
+        )
+        if status:
+            raise RuntimeError(f"stitch: the kernel refused a shape it was checked to take ({status})")
+        self.written = True
+
+
+def stitch_plan(
     out_keys: torch.Tensor,
     out_values: torch.Tensor,
     pieces: list[tuple[torch.Tensor, torch.Tensor, int, bool]],
     cos: torch.Tensor,
     sin: torch.Tensor,
-) -> bool:
-    """Write every piece (keys [L, H_kv, m, D], values [L, H_kv, m, Dv], its first slot, whether its keys are
-    rotated) into a cache's keys and values ([L, H_kv, slots, D] views whose rows are evenly spaced) in one pass:
-    piece j's keys rotated by (cos[j], sin[j]) ([pieces, D_rot] float32, as `rotate_keys` rotates) or copied, its
-    values copied, the cache written with streaming stores. False, having written nothing, where the kernel does
-    not take these tensors."""
+) -> Stitch | None:
+    """Every piece (keys [L, H_kv, m, D], values [L, H_kv, m, Dv], its first slot, whether its keys are rotated) to
+    be written into a cache's keys and values ([L, H_kv, slots, D] views whose rows are evenly spaced): piece j's
+    keys rotated by (cos[j], sin[j]) ([pieces, D_rot] float32, as `rotate_keys` rotates) or copied, its values
+    copied. None where the kernel does not take these tensors."""
     dtype = out_keys.dtype
     if (
         not pieces
@@ -287,11 +338,11 @@ def stitch(
         or cos.shape[0] != len(pieces)
         or not all(t.dtype == torch.float32 and t.is_contiguous() for t in (cos, sin))
     ):
-        return False
+        return None
     layers, heads, slots, d = out_keys.shape
     dv, rot = out_values.shape[3], cos.shape[1]
     if d > MAX_HEAD_DIM or not 0 < rot <= d or rot % 2:
-        return False
+        return None
     for keys, values, slot, _ in pieces:
         m = keys.shape[2] if keys.dim() == 4 else -1
         if not (
@@ -303,32 +354,26 @@ def stitch(
             and 0 <= slot
             and slot + m <= slots
         ):
-            return False
-    library = _library()
-    if library is None:
+            return None
+    if _library() is None:
+        return None
+    return Stitch(out_keys, out_values, pieces, cos, sin)
+
+
+def stitch(
+    out_keys: torch.Tensor,
+    out_values: torch.Tensor,
+    pieces: list[tuple[torch.Tensor, torch.Tensor, int, bool]],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> bool:
+    """Write every piece into the cache now, in one pass (`stitch_plan` says what it takes; the cache written with
+    streaming stores). False, having written nothing, where the kernel does not take these tensors."""
+    plan = stitch_plan(out_keys, out_values, pieces, cos, sin)
+    if plan is None:
         return False
-    count = len(pieces)
-    pointers = ctypes.c_void_p * count
-    status = getattr(library, _STITCHES[dtype])(
-        pointers(*(k.data_ptr() for k, _, _, _ in pieces)),
-        pointers(*(v.data_ptr() for _, v, _, _ in pieces)),
-        (ctypes.c_long * count)(*(slot for _, _, slot, _ in pieces)),
-        (ctypes.c_long * count)(*(k.shape[2] for k, _, _, _ in pieces)),
-        (ctypes.c_int * count)(*(int(rotated) for _, _, _, rotated in pieces)),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        count,
-        layers * heads,
-        d,
-        dv,
-        rot,
-        out_keys.data_ptr(),
-        out_values.data_ptr(),
-        out_keys.stride(1),
-        out_values.stride(1),
-        torch.get_num_threads(),
-    )
-    return status == 0
+    plan.run()
+    return True
 
 
 def scratch_size(kv_heads: int, group: int, d: int, n: int) -> int:
@@ -563,7 +608,7 @@ def _prefill_library() -> ctypes.CDLL | None:
     library.prefill_silu_mul_bf16.argtypes = [pointer, long, pointer, long, pointer, long, long, long, int_]
     library.prefill_silu_mul_bf16.restype = ctypes.c_int
     library.prefill_layers_bf16.argtypes = [pointer, pointer, pointer, long, long, pointer, long, pointer, pointer]
-    library.prefill_layers_bf16.argtypes += [pointer, pointer, pointer, int_]
+    library.prefill_layers_bf16.argtypes += [pointer, pointer, pointer] + [pointer] * 7 + [long, int_, int_]
     library.prefill_layers_bf16.restype = ctypes.c_int
     return library
 
@@ -679,6 +724,7 @@ def prefill_layers(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     filled: int,
+    stitch: Stitch | None = None,
 ) -> torch.Tensor | None:
     """A bfloat16 prefill of `tokens` (two or more) through every layer of the C step's model and its head, in one
     call (`kernels/prefill_layers.c`): the last token's logits [V] bfloat16. Token i sits at logical position
@@ -686,7 +732,11 @@ def prefill_layers(
     filled + i of each layer's keys and values ([H_kv, capacity, d] bfloat16, contiguous), and it sees the slots j
     whose logical position key_positions[j] is at most its own (the mask `kvrag.recompute.causal_mask` makes; both
     int64, key_positions [filled + n]). None where it does not take the call (no kernel, another dtype or shape, a
-    token outside the vocabulary, a cache of other layers or without room)."""
+    token outside the vocabulary, a cache of other layers or without room).
+
+    `stitch`: the filled slots' stitch, not yet written (`stitch_plan` over these same layers): each layer's
+    written just before its attention, by the same kernel, and `stitch.written` set where the call is taken; where
+    it is not, the caller writes it (`stitch.run()`) before anything reads the cache."""
     library = _prefill_library()
     arrays = step._arrays(keys, values) if library is not None else None
     n = len(tokens)
@@ -703,15 +753,38 @@ def prefill_layers(
         or any(t.dtype != torch.int64 or not t.is_contiguous() for t in (key_positions, query_positions))
     ):
         return None
+    if stitch is not None and not _stitches_these(stitch, keys, values):
+        stitch.run()  # written first, the usual way
+        stitch = None
+    pieces = stitch.arguments if stitch is not None else (None,) * 7 + (0,)
+    rot = stitch.cos.shape[1] if stitch is not None else 0
     logits = torch.empty(step.vocab, dtype=torch.bfloat16)
     status = library.prefill_layers_bf16(
         ctypes.byref(step.model), arrays[0], arrays[1], keys[0].shape[1], filled, (ctypes.c_long * n)(*tokens), n,
         cos.data_ptr(), sin.data_ptr(), key_positions.data_ptr(), query_positions.data_ptr(), logits.data_ptr(),
-        torch.get_num_threads(),
+        *pieces, rot, torch.get_num_threads(),
     )
+    if stitch is not None and status == 0:
+        stitch.written = True  # where the call was refused part way, the caller writes it all (the same bytes)
     if status == -1:
         raise MemoryError("prefill_layers: no memory for the forward's scratch")
     return logits if status == 0 else None
+
+
+def _stitches_these(stitch: Stitch, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
+    """Whether `stitch` writes into exactly these layers' keys and values ([H_kv, capacity, d] each), a layer at a
+    time as the C forward calls it."""
+    out_keys, out_values = stitch.out_keys, stitch.out_values
+    return (
+        out_keys.dtype == torch.bfloat16
+        and out_keys.shape[0] == len(keys)
+        and out_keys.shape[1:] == keys[0].shape
+        and out_values.shape[1:] == values[0].shape
+        and out_keys.stride()[1:] == keys[0].stride()
+        and out_values.stride()[1:] == values[0].stride()
+        and all(out_keys[l].data_ptr() == k.data_ptr() for l, k in enumerate(keys))
+        and all(out_values[l].data_ptr() == v.data_ptr() for l, v in enumerate(values))
+    )
 
 
 def prefill_linear_available() -> bool:

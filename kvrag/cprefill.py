@@ -38,26 +38,35 @@ def forward(
     input_ids: torch.Tensor,
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
+    stitch: ckernel.Stitch | None = None,
 ) -> torch.Tensor | None:
     """The last token's logits [1, V] float32 of the model's forward over `input_ids` ([1, n]) at the logical
     positions `query_positions` ([n]), each token seeing the keys whose logical position (`key_positions`,
     [filled + n]) is at most its own (`kvrag.recompute.causal_mask`), with a cache whose layers' keys and values are
     `keys[l]`, `values[l]` ([H_kv, capacity, d], the first `filled` slots filled), the tokens' keys and values
     written into slots filled.. as that forward writes them; None where this path does not take the call (then the
-    caller runs the model's forward; the filled slots are as they were, the room past them may have been written)."""
+    caller runs the model's forward; the filled slots are as they were, the room past them may have been written).
+
+    `stitch`: the filled slots' stitch, not yet written (`kvrag.recompute.stitch_cache(deferred=True)`): the C call
+    writes each layer's just before its attention (`ckernel.prefill_layers`); where it is not taken the caller
+    writes it (`stitch.written` is False)."""
     taken = _step(model)
-    if taken is None:
-        return None
-    decoder, step = taken
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or query_positions.shape != input_ids.shape[1:]:
+    if taken is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or query_positions.shape != input_ids.shape[1:]:
         return None  # one prompt; the rest is the C call's to check
+    decoder, step = taken
     probe = decoder.embed[:1][None]  # the rotary module reads only its dtype and device
     cos, sin = model.model.rotary_emb(probe, query_positions.view(1, -1))  # the model's own rows, scaling included
     logits = ckernel.prefill_layers(
         step, input_ids[0].tolist(), cos[0].contiguous(), sin[0].contiguous(), key_positions.contiguous(),
-        query_positions.contiguous(), keys, values, filled,
+        query_positions.contiguous(), keys, values, filled, stitch,
     )
     return logits.float()[None] if logits is not None else None
+
+
+def may_take(cache: torch.Tensor) -> bool:
+    """Whether a forward over a cache like `cache` may run here in C (bfloat16 on a CPU with the kernel; the model
+    is checked at the call)."""
+    return cache.dtype == torch.bfloat16 and cache.device.type == "cpu" and ckernel.prefill_layers_available()
 
 
 def _step(model: torch.nn.Module) -> tuple[fastdecode.FastDecoder, ckernel.DecodeStep] | None:

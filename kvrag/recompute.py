@@ -142,6 +142,9 @@ class StitchedCache(DynamicCache):
         super().__init__()
         self.layers = [GrowingLayer(keys[i], values[i], length) for i in range(len(keys))]
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # flat storage lent by a Workspace
+        # the filled slots' stitch, where `stitch_cache(deferred=True)` left it for the forward to write: nothing
+        # reads the cache before `stitched_forward`, which writes it (in the C forward, a layer at a time)
+        self.pending: ckernel.Stitch | None = None
 
     def refilled(self, length: int) -> StitchedCache:
         """A cache over this one's buffers whose first `length` slots are filled (what was written past them is
@@ -211,6 +214,7 @@ def stitch_cache(
     phases: Phases | None = None,
     workspace: Workspace | None = None,
     key_scale: Mapping[int, float] | None = None,
+    deferred: bool = False,
 ) -> StitchedCache:
     """The reused KV (prefix, then the kept context tokens re-positioned) written once into a cache with `room` free slots.
 
@@ -219,6 +223,10 @@ def stitch_cache(
     `key_scale` multiplies a chunk's reused keys by a factor (an attention temperature on that chunk).
     On CPU the prefix and every piece go in one call of the C kernel (`ckernel.stitch`), timed as re-positioning
     (the values' copy included); elsewhere, or where it does not apply, a rotation a chunk then the copies.
+    `deferred`: where that C call applies it is prepared and not run, left as the cache's `pending` stitch for
+    `stitched_forward` to write (within its forward in C, a layer just before that layer's attention, which then
+    reads it from the caches rather than from memory); the caller then runs that forward before anything reads
+    the cache.
     """
     key_scale = key_scale or {}
     L, H, P, D = prefix.keys.shape
@@ -242,7 +250,10 @@ def stitch_cache(
             at += m
     with phase(phases, "re-positioning"):
         cos, sin = repositioner.angles(layout.shifts.to(keys.device))  # [C, D_rot]: one shift a chunk
-        one_pass = _stitch_in_one_pass(keys, values, prefix, chunks, pieces, cos, sin, key_scale)
+        plan = _stitch_in_one_pass(keys, values, prefix, chunks, pieces, cos, sin, key_scale)
+        if plan is not None and not deferred:
+            plan.run()
+        one_pass = plan is not None
         for j, (c, kept, at, m) in enumerate(pieces):
             if m and not one_pass:
                 src = chunks[c].keys if kept is None else chunks[c].keys[:, :, kept]
@@ -259,6 +270,7 @@ def stitch_cache(
                     values[:, 0, :, at : at + m].copy_(src)
         cache = StitchedCache(keys, values, n)
         cache.buffers = buffers
+        cache.pending = plan if deferred else None
         return cache
 
 
@@ -271,12 +283,12 @@ def _stitch_in_one_pass(
     cos: torch.Tensor,
     sin: torch.Tensor,
     key_scale: Mapping[int, float],
-) -> bool:
-    """The prefix and every kept piece written into the cache by one call of the C kernel (keys rotated, values
-    copied: `ckernel.stitch`); False, having written nothing, where it does not apply (then the caller's torch
-    path does it). A piece of a chunk's tokens (some recomputed) is gathered first."""
+) -> ckernel.Stitch | None:
+    """The prefix and every kept piece as one call of the C kernel (keys rotated, values copied: `ckernel.stitch_plan`),
+    prepared, not yet run; None where it does not apply (then the caller's torch path writes them). A piece of a
+    chunk's tokens (some recomputed) is gathered first."""
     if keys.device.type != "cpu" or any(key_scale.get(c, 1.0) != 1.0 for c, _, _, _ in pieces):
-        return False
+        return None
     parts, angles = [], []  # (keys, values, first slot, rotated), and the piece's (cos, sin)
     if len(prefix):
         parts.append((prefix.keys, prefix.values, 0, False))  # in place already: copied, not rotated
@@ -288,9 +300,9 @@ def _stitch_in_one_pass(
             parts.append((pk, pv, at, True))
             angles.append((cos[j], sin[j]))
     if not parts:
-        return False
+        return None
     stacked_cos, stacked_sin = (torch.stack(a) for a in zip(*angles))
-    return ckernel.stitch(keys[:, 0], values[:, 0], parts, stacked_cos, stacked_sin)
+    return ckernel.stitch_plan(keys[:, 0], values[:, 0], parts, stacked_cos, stacked_sin)
 
 
 def as_cache(keys: torch.Tensor, values: torch.Tensor, cache_class: type[DynamicCache] = DynamicCache) -> DynamicCache:
@@ -354,6 +366,8 @@ def recompute(
         phases=phases,
         workspace=workspace,
         key_scale=key_scale,
+        # where the forward below runs in C, the stitch is written within it, a layer at a time (timed there)
+        deferred=logits_to_keep == 1 and not forward_kwargs and cprefill.may_take(prefix.keys),
     )
     with phase(phases, "cache assembly and mask"):
         ctx_ids = torch.cat([chunks[c].token_ids for c in order]).to(device)
@@ -385,11 +399,13 @@ def stitched_forward(
     keys sit at logical `key_positions` (each token sees those at or before its own: `causal_mask`): the last
     `logits_to_keep` tokens' logits [logits_to_keep, V] float32 and the model's output (None where the whole
     forward ran in one C call, `kvrag.cprefill`: one token's logits and no extra outputs asked for; no mask is
-    made then)."""
+    made then). A stitch `cache` still owes (`stitch_cache(deferred=True)`) is written first, or by the C call a layer
+    at a time."""
     if logits_to_keep == 1 and not forward_kwargs:
         logits = _forward_in_c(model, cache, input_ids, query_positions, key_positions)
         if logits is not None:
             return logits, None
+    _settle(cache)
     dtype = cache.layers[0].keys.dtype if cache.layers else next(model.parameters()).dtype
     out = model(
         input_ids=input_ids,
@@ -401,6 +417,15 @@ def stitched_forward(
         **forward_kwargs,
     )
     return out.logits[0].float(), out
+
+
+def _settle(cache: DynamicCache) -> None:
+    """The stitch `cache` still owes (`stitch_cache(deferred=True)`), written where nothing has written it yet."""
+    pending = getattr(cache, "pending", None)
+    if pending is not None:
+        cache.pending = None
+        if not pending.written:
+            pending.run()
 
 
 def _forward_in_c(
@@ -421,7 +446,9 @@ def _forward_in_c(
         return None
     keys = [layer._keys[0] for layer in layers]
     values = [layer._values[0] for layer in layers]
-    logits = cprefill.forward(model, keys, values, filled, input_ids, query_positions, key_positions)
+    pending = getattr(cache, "pending", None)
+    logits = cprefill.forward(model, keys, values, filled, input_ids, query_positions, key_positions, pending)
+    _settle(cache)  # written by the C call where it was taken; else now
     if logits is not None:
         for layer in layers:
             layer.keys, layer.values = layer._keys[:, :, : filled + n], layer._values[:, :, : filled + n]

@@ -118,12 +118,12 @@ def test_the_reposition_benchmark_times_every_arm_and_puts_the_engine_back(monke
     from kvrag.bench_reposition import ARMS, reposition_benchmark
 
     calls = []
-    stitch = ckernel.stitch
-    monkeypatch.setattr(ckernel, "stitch", lambda *args: calls.append(1) or stitch(*args))
-    kernels, lines = (ckernel.rotate_keys, ckernel.stitch), []
+    plan = ckernel.stitch_plan
+    monkeypatch.setattr(ckernel, "stitch_plan", lambda *args: calls.append(1) or plan(*args))
+    kernels, lines = (ckernel.rotate_keys, ckernel.stitch_plan), []
     kv = KVModel(tiny_model("llama"), byte_tokenizer())
     result = reposition_benchmark(kv, context=300, runs=1, tokens=3, log=lines.append)
-    assert (ckernel.rotate_keys, ckernel.stitch) == kernels
+    assert (ckernel.rotate_keys, ckernel.stitch_plan) == kernels
     assert len(calls) == 4  # the C arm's two rounds of a first token and an answer; the torch arm's none
     assert list(result) == list(ARMS) and len(lines) == 3
     for row in result.values():

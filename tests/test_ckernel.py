@@ -212,11 +212,11 @@ def test_a_stitched_prefill_is_the_same_through_the_one_pass_kernel_and_through_
 
     with monkeypatch.context() as patch:
         calls = []
-        patch.setattr(ckernel, "stitch", lambda *a, _stitch=ckernel.stitch: calls.append(1) or _stitch(*a))
+        patch.setattr(ckernel, "stitch_plan", lambda *a, _plan=ckernel.stitch_plan: calls.append(1) or _plan(*a))
         fast = prefill()
     assert calls  # the kernel ran
     with monkeypatch.context() as patch:
-        patch.setattr(ckernel, "stitch", lambda *a: False)
+        patch.setattr(ckernel, "stitch_plan", lambda *a: None)
         slow = prefill()
     assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
 

@@ -39,11 +39,12 @@ def _kvrag_model(arch: str) -> torch.nn.Module:
 
 def _prefill(model, selected, monkeypatch, in_c: bool, order=(2, 0, 1)):
     """A stitched prefill through `recompute`, the C forward on or off: its logits, its cache, whether C was asked
-    and gave the logits (a list: one entry a call), and the cache object."""
+    and gave the logits (a list: one entry a call; where it did, whether it also wrote the stitch it was handed,
+    a layer at a time, rather than the stitch being written in one pass), and the cache object."""
     ids = torch.randint(0, 200, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     prefix = encode_prefix(model, ids[:4])
     chunks = encode_chunks(model, prefix, [ids[4:90], ids[90:160], ids[160:280]])
-    calls = []
+    calls, passes = [], []
     with monkeypatch.context() as patch:
         run = ckernel.prefill_layers if in_c else (lambda *a: None)
 
@@ -53,8 +54,11 @@ def _prefill(model, selected, monkeypatch, in_c: bool, order=(2, 0, 1)):
             return out
 
         patch.setattr(ckernel, "prefill_layers", counted)
+        patch.setattr(ckernel.Stitch, "run", lambda self, _run=ckernel.Stitch.run: passes.append(1) or _run(self))
         out = recompute(model, Repositioner(model), prefix, chunks, list(order), selected, ids[280:], room=6)
     cache = torch.stack([torch.cat([layer.keys, layer.values], -1) for layer in out.cache.layers])
+    if calls == [True]:
+        calls = [True, not passes]
     return out.logits, cache, calls, out.cache
 
 
@@ -72,7 +76,7 @@ def test_the_forward_in_c_is_the_models_forward_bit_for_bit(arch, selected, monk
     model = _kvrag_model(arch)
     want_logits, want_cache, calls, _ = _prefill(model, selected, monkeypatch, in_c=False)
     got_logits, got_cache, calls, cache = _prefill(model, selected, monkeypatch, in_c=True)
-    assert calls == [True]  # the C forward ran and gave the logits
+    assert calls == [True, True]  # the C forward ran, gave the logits and wrote the stitch a layer at a time
     assert torch.equal(got_logits, want_logits)
     assert torch.equal(got_cache, want_cache)  # every layer's keys and values, the new tokens' included
     assert cache.get_seq_length() == want_cache.shape[-2]
@@ -101,7 +105,7 @@ def test_what_the_forward_in_c_does_not_take_runs_the_models_forward(monkeypatch
     assert not any(calls)
     handle.forward = kernel_forward
     _, _, calls, _ = _prefill(model, selected, monkeypatch, in_c=True)
-    assert calls == [True]  # all as kvrag made it again: the C call
+    assert calls == [True, True]  # all as kvrag made it again: the C call
     # a module that is not the one kvrag made (a linear back to torch's): the model's forward
     proj = model.model.layers[0].self_attn.o_proj
     proj.__class__ = torch.nn.Linear

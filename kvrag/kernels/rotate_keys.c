@@ -70,7 +70,10 @@ ROTATE_KEYS(rotate_keys_bf16, uint16_t, rotate_token_bf16)
  *
  * Piece p: keys [rows, count[p], d] and values [rows, count[p], dv], contiguous, at keys_src[p], values_src[p];
  * written from slot[p] of every row of out_keys (a row every out_row_k elements, a slot every d) and out_values
- * (out_row_v, dv). cos, sin: [pieces, rot] float32 angles, used where rotate[p] is nonzero. */
+ * (out_row_v, dv). cos, sin: [pieces, rot] float32 angles, used where rotate[p] is nonzero. Rows row0.. of the
+ * pieces go to the cache's rows 0..rows - 1 (the whole forward in C stitches one layer at a time: its kv heads'
+ * rows). With `stream` 0 the cache is written with plain stores, for a reader that comes straight after (that
+ * forward's attention over the layer just written finds it in the caches, not in memory). */
 #define STITCH_TOKENS 32 /* keys rotated into a scratch block, then streamed out */
 #define STITCH_MAXD 256  /* the largest head the block holds */
 
@@ -86,6 +89,11 @@ static void stream_out(char *dst, const char *src, long bytes) {
     memcpy(dst, src, bytes);
 }
 
+static void write_out(void *dst, const void *src, long bytes, int stream) {
+    if (stream) stream_out((char *)dst, (const char *)src, bytes);
+    else memcpy(dst, src, bytes);
+}
+
 static void stream_fence(void) {
 #if defined(__AVX512F__)
     _mm_sfence(); /* the streamed lines are visible to every thread once the call returns */
@@ -95,29 +103,32 @@ static void stream_fence(void) {
 #define STITCH(NAME, T, ROTATE)                                                                                 \
     int NAME(const T *const *keys_src, const T *const *values_src, const long *slot, const long *count,          \
              const int *rotate, const float *cos, const float *sin, long pieces, long rows, int d, int dv,       \
-             int rot, T *out_keys, T *out_values, long out_row_k, long out_row_v, int threads) {                \
+             int rot, T *out_keys, T *out_values, long out_row_k, long out_row_v, long row0, int stream,          \
+             int threads) {                                                                                     \
         if (d > STITCH_MAXD || rot > d || rot % 2) return -1;                                                   \
         _Pragma("omp parallel num_threads(threads)") {                                                          \
             T block[STITCH_TOKENS * STITCH_MAXD];                                                               \
             _Pragma("omp for schedule(dynamic, 4) nowait")                                                      \
             for (long w = 0; w < rows * pieces; w++) {                                                          \
                 long r = w / pieces, p = w % pieces, m = count[p];                                             \
-                const T *k = keys_src[p] + r * m * d;                                                           \
+                const T *k = keys_src[p] + (row0 + r) * m * d;                                                  \
                 T *ko = out_keys + r * out_row_k + slot[p] * d;                                                 \
+                const float *c = cos + p * rot, *s = sin + p * rot;                                             \
                 if (!rotate[p])                                                                                 \
-                    stream_out((char *)ko, (const char *)k, sizeof(T) * m * d);                                 \
+                    write_out(ko, k, sizeof(T) * m * d, stream);                                                \
+                else if (!stream)                                                                               \
+                    for (long t = 0; t < m; t++) ROTATE(k + t * d, ko + t * d, c, s, d, rot);                   \
                 else                                                                                            \
                     for (long t0 = 0; t0 < m; t0 += STITCH_TOKENS) {                                            \
                         long n = m - t0 < STITCH_TOKENS ? m - t0 : STITCH_TOKENS;                               \
-                        const float *c = cos + p * rot, *s = sin + p * rot;                                     \
                         for (long t = 0; t < n; t++)                                                            \
                             ROTATE(k + (t0 + t) * d, block + t * d, c, s, d, rot);                              \
                         stream_out((char *)(ko + t0 * d), (const char *)block, sizeof(T) * n * d);              \
                     }                                                                                           \
-                stream_out((char *)(out_values + r * out_row_v + slot[p] * dv),                                 \
-                           (const char *)(values_src[p] + r * m * dv), sizeof(T) * m * dv);                     \
+                write_out(out_values + r * out_row_v + slot[p] * dv, values_src[p] + (row0 + r) * m * dv,       \
+                          sizeof(T) * m * dv, stream);                                                          \
             }                                                                                                   \
-            stream_fence();                                                                                     \
+            if (stream) stream_fence();                                                                         \
         }                                                                                                       \
         return 0;                                                                                               \
     }
