@@ -6,6 +6,7 @@ identifies them. It never runs a forward pass and knows nothing about prompts or
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -111,9 +112,15 @@ class ModelFingerprint:
 
     @property
     def digest(self) -> str:
-        """A hex sha256 over every field, stable across processes."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()
+        """A hex sha256 over every field, stable across processes (made once a fingerprint: every chunk's store key
+        starts from it)."""
+        return _digest(self)
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(fingerprint: ModelFingerprint) -> str:
+    blob = json.dumps(asdict(fingerprint), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()
 
 
 def fingerprint(model: torch.nn.Module, weights: str) -> ModelFingerprint:
