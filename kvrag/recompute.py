@@ -221,7 +221,7 @@ def stitch_cache(
     Each chunk's kept keys are rotated by its one shift straight into their slots, every layer and head in
     one pass; values are copied in. Nothing is concatenated, and the model's new tokens then go into the room.
     `key_scale` multiplies a chunk's reused keys by a factor (an attention temperature on that chunk).
-    On CPU the prefix and every piece go in one call of the C kernel (`ckernel.stitch`), timed as re-positioning
+    On CPU the prefix and every piece go in one call of the C kernel (`ckernel.stitch_plan`), timed as re-positioning
     (the values' copy included); elsewhere, or where it does not apply, a rotation a chunk then the copies.
     `deferred`: where that C call applies it is prepared and not run, left as the cache's `pending` stitch for
     `stitched_forward` to write (within its forward in C, a layer just before that layer's attention, which then
