@@ -156,12 +156,13 @@ static inline __attribute__((always_inline)) void pv_tile(__m512 o[][MAXG], __m5
 
 /* One task: kv head h, query tokens i0 .. i0 + QT - 1 (those past n are computed and not written).
  * q [H, n, D] (strides sq_h, sq_n), keys and values [Hkv, T, D] (strides sk_h, sk_t), packed: the values as
- * pack_values lays them out, or NULL (the task packs each block it reads), seen: a mask's bits [n, ceil(T / KB)] (bit j: key j of the
- * block) or NULL, out [n, H, D] contiguous. */
+ * pack_values lays them out, or NULL (the task packs each block it reads), seen: a mask's bits [n, ceil(T / KB)]
+ * (bit j: key j of the block) or NULL, out [n, H, D] contiguous. */
 static inline __attribute__((always_inline)) void task(const uint16_t *q, long sq_h, long sq_n, const uint16_t *keys,
                                                        long sk_h, long sk_t, const uint16_t *values,
-                                                       const uint32_t *packed, const uint64_t *seen, int causal, uint16_t *out,
-                                                       long n, long T, int H, long h, long i0, float scale,
+                                                       const uint32_t *packed, const uint64_t *seen, int causal,
+                                                       uint16_t *out, long n, long T, int H, long h, long i0,
+                                                       float scale,
                                                        const int G, const int D) {
     const int RK = G == 1 ? 16 : G == 2 ? 12 : G == 3 ? 8 : G == 4 ? 6 : G <= 6 ? 4 : 3; /* keys a score tile */
     const int DT = RK;                                                                   /* dims an output tile */
