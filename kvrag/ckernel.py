@@ -20,8 +20,9 @@ already loaded, so its threads are torch's. Where there is no compiler, or the b
 
 The rotation reads each stored key once and writes it once into its slot of the stitched cache (torch's
 elementwise passes read and write it three times); where the kernel is missing, re-positioning stays on torch.
-A stitch (`stitch`) writes the prefix and every chunk, keys rotated and values copied, in one call with
-streaming stores.
+A stitch (`stitch_plan`, then `Stitch.run`) writes the prefix and every chunk, keys rotated and values copied,
+in one call with streaming stores; the whole bfloat16 forward in C (`prefill_layers`) takes it instead and writes
+each layer's just before that layer's attention.
 
 A bfloat16 prefill's attention (`kernels/prefill_attention.c`, `prefill_attention`), its linear layers
 (`kernels/prefill_linear.c`, `prefill_linear`, which `kvrag.linear` calls) and its RMSNorms
@@ -358,22 +359,6 @@ def stitch_plan(
     if _library() is None:
         return None
     return Stitch(out_keys, out_values, pieces, cos, sin)
-
-
-def stitch(
-    out_keys: torch.Tensor,
-    out_values: torch.Tensor,
-    pieces: list[tuple[torch.Tensor, torch.Tensor, int, bool]],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> bool:
-    """Write every piece into the cache now, in one pass (`stitch_plan` says what it takes; the cache written with
-    streaming stores). False, having written nothing, where the kernel does not take these tensors."""
-    plan = stitch_plan(out_keys, out_values, pieces, cos, sin)
-    if plan is None:
-        return False
-    plan.run()
-    return True
 
 
 def scratch_size(kv_heads: int, group: int, d: int, n: int) -> int:

@@ -179,7 +179,10 @@ def test_the_one_pass_stitch_writes_what_the_rotation_and_copies_write_and_nothi
     keys = torch.full((3, 2, 200, 16), float("nan"), dtype=dtype)
     values = torch.full((3, 2, 200, 24), float("nan"), dtype=dtype)
     expected_keys, expected_values = keys.clone(), values.clone()
-    assert ckernel.stitch(keys, values, pieces, cos, sin)
+    plan = ckernel.stitch_plan(keys, values, pieces, cos, sin)
+    assert plan is not None and not plan.written
+    plan.run()
+    assert plan.written
     for j, (k, v, slot, rotated) in enumerate(pieces):
         m = k.shape[2]
         if rotated:
@@ -225,14 +228,14 @@ def test_what_the_one_pass_stitch_does_not_take_is_left_to_torch():
     pieces, _ = _pieces(torch.float32, 16, 16, torch.Generator().manual_seed(0))
     cos = sin = torch.ones(len(pieces), 16)
     keys, values = torch.zeros(3, 2, 200, 16), torch.zeros(3, 2, 200, 16)
-    assert not ckernel.stitch(keys.bfloat16(), values.bfloat16(), pieces, cos, sin)  # pieces not of its dtype
+    assert ckernel.stitch_plan(keys.bfloat16(), values.bfloat16(), pieces, cos, sin) is None  # pieces not of its dtype
     halves = [(k.half(), v.half(), at, rotated) for k, v, at, rotated in pieces]
-    assert not ckernel.stitch(keys.half(), values.half(), halves, cos, sin)  # float16
-    assert not ckernel.stitch(keys[:, :, :100], values[:, :, :100], pieces, cos, sin)  # past the cache's slots
-    assert not ckernel.stitch(keys, values, pieces, cos[:2], sin[:2])  # an angle short
-    assert not ckernel.stitch(keys.transpose(0, 1), values.transpose(0, 1), pieces, cos, sin)  # rows uneven
+    assert ckernel.stitch_plan(keys.half(), values.half(), halves, cos, sin) is None  # float16
+    assert ckernel.stitch_plan(keys[:, :, :100], values[:, :, :100], pieces, cos, sin) is None  # past the cache's slots
+    assert ckernel.stitch_plan(keys, values, pieces, cos[:2], sin[:2]) is None  # an angle short
+    assert ckernel.stitch_plan(keys.transpose(0, 1), values.transpose(0, 1), pieces, cos, sin) is None  # rows uneven
     strided = [(k.transpose(2, 3).contiguous().transpose(2, 3), v, s, r) for k, v, s, r in pieces]
-    assert not ckernel.stitch(keys, values, strided, cos, sin)
+    assert ckernel.stitch_plan(keys, values, strided, cos, sin) is None
     assert not keys.any() and not values.any()  # nothing written
 
 
