@@ -23,11 +23,11 @@ from kvrag.rotary import use_prefill_rotary
 needs_kernel = pytest.mark.skipif(not ckernel.prefill_layers_available(), reason="no AVX512-BF16 CPU or no compiler")
 
 
-def _kvrag_model(arch: str) -> torch.nn.Module:
-    """A tiny bfloat16 model whose head size the prefill attention kernel takes (32), with every module kvrag makes
-    on loading it (as `KVModel` does)."""
+def _kvrag_model(arch: str, head_dim: int = 32) -> torch.nn.Module:
+    """A tiny bfloat16 model whose head size the prefill attention kernel takes (32; not 48), with every module kvrag
+    makes on loading it (as `KVModel` does)."""
     torch.manual_seed(0)
-    config = tiny_config(arch, hidden_size=128, head_dim=32, intermediate_size=176, num_hidden_layers=3)
+    config = tiny_config(arch, hidden_size=128, head_dim=head_dim, intermediate_size=176, num_hidden_layers=3)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval().to(torch.bfloat16)
     use_gqa_sdpa(model)
     use_prefill_linears(model)
@@ -114,6 +114,17 @@ def test_what_the_forward_in_c_does_not_take_runs_the_models_forward(monkeypatch
     # float32: the model's forward
     logits32, _, calls, _ = _prefill(copy.deepcopy(tiny_model("llama")), selected, monkeypatch, in_c=True)
     assert not any(calls) and logits32.isfinite().all()
+
+
+@needs_kernel
+def test_a_c_call_refused_after_its_first_layer_leaves_the_whole_stitch_to_the_caller(monkeypatch):
+    # head size 48: the C forward is asked, writes layer 0's stitch, then its attention refuses the shape; the
+    # stitch is written whole and the model's forward runs: the same logits and cache as without the C call
+    model = _kvrag_model("llama", head_dim=48)
+    want_logits, want_cache, _, _ = _prefill(model, {0: torch.arange(86)}, monkeypatch, in_c=False)
+    got_logits, got_cache, calls, _ = _prefill(model, {0: torch.arange(86)}, monkeypatch, in_c=True)
+    assert calls == [False]  # asked, and it gave no logits
+    assert torch.equal(got_logits, want_logits) and torch.equal(got_cache, want_cache)
 
 
 @needs_kernel
