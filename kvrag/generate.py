@@ -186,7 +186,7 @@ class PromptLookup:
         self.ids = np.empty(len(context) + room + 1, dtype=np.int64)
         self.ids[: len(context)] = context
         self.size = len(context)
-        self.rate = 0.5  # before any guess: one draft (0.5 > COST), then what the answer shows
+        self.rate = 0.5  # before any guess: no draft (0.5 is under COST) until the lookup's guesses come right
 
     def push(self, token: int, guessed: int | None = None) -> None:
         """Append the answer's next token; `guessed`: what the lookup had drafted for it, if anything."""
