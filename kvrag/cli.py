@@ -15,11 +15,14 @@ from kvrag.errors import InvalidRequestError, KVRAGError
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default=None, help="Hugging Face model id or folder (default: embedded SmolLM2-135M-Instruct)"
+        "--model",
+        default=None,
+        help="a named model (`kvrag models`: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), a Hugging Face "
+        "model id or a folder (default: the embedded smollm2-135m)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
-    parser.add_argument("--cache-dir", default=None, help="where converted default weights are kept")
+    parser.add_argument("--cache-dir", default=None, help="where converted named models are kept")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
 
 
@@ -38,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvrag {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_demo, _add_ingest, _add_ask, _add_agree_and_tune, _add_bench, _add_study, _add_info, _add_gc):
+    adders = (_add_demo, _add_models, _add_ingest, _add_ask, _add_agree_and_tune, _add_bench, _add_study, _add_info, _add_gc)
+    for add in adders:
         add(sub)
     return parser
 
@@ -50,6 +54,14 @@ def _add_demo(sub: Any) -> None:
     _compile_arg(demo)
     demo.add_argument("--questions", type=int, default=3, help="how many bundled questions to ask (default 3)")
     demo.add_argument("--max-new-tokens", type=int, default=48)
+
+
+def _add_models(sub: Any) -> None:
+    """`kvrag models`."""
+    models = sub.add_parser("models", help="the models kvrag installs offline: size, installed or not, where, how")
+    models.add_argument("--cache-dir", default=None, help="where converted named models are kept")
+    models.add_argument("--json", action="store_true", help="one JSON object a model instead of a table")
+    models.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def _add_ingest(sub: Any) -> None:
@@ -333,6 +345,23 @@ def _demo(args: argparse.Namespace) -> None:
         compile_decode=args.compile_decode,
     )
     run_demo(load=load, questions=args.questions, max_new_tokens=args.max_new_tokens)
+
+
+def _models(args: argparse.Namespace) -> None:
+    from kvrag.catalog import MODELS, status
+
+    rows = [status(m, args.cache_dir) for m in MODELS.values()]
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return
+    print(f"{'name':<20}{'size':>6}  {'GGUF':>9}  {'installed':<10} {'converted':<10} where / how to install")
+    for row in rows:
+        where = row["converted"] or row["gguf"] if row["installed"] else f"`{row['install']}`"
+        print(
+            f"{row['name']:<20}{row['params']:>6}  {row['gguf_bytes'] / 1e6:>7.0f}MB  {'yes' if row['installed'] else 'no':<10} "
+            f"{'yes' if row['converted'] else 'no':<10} {where}"
+        )
 
 
 def _bench_ingest(args: argparse.Namespace) -> None:
@@ -635,7 +664,9 @@ def _bench(args: argparse.Namespace) -> None:
     quick = args.quick
     contexts = _csv(args.contexts or ("150,300" if quick else "1000,2000,4000,8000"), int, "--contexts")
     strategies = _csv(args.strategies, str, "--strategies") if args.strategies else list(BUILTIN_STRATEGIES)
-    for name in strategies:  # NAME or NAME:PICKER
+    for name in strategies:  # NAME, NAME:PICKER or default (the model's shipped default)
+        if name == "default":
+            continue
         strategy, _, picker = name.partition(":")
         get_strategy(strategy)
         if picker:
@@ -772,6 +803,7 @@ def _shard(spec: str | None) -> tuple[int, int]:
 
 COMMANDS = {
     "demo": _demo,
+    "models": _models,
     "bench-ingest": _bench_ingest,
     "bench-decode": _bench_decode,
     "bench-dtype": _bench_dtype,

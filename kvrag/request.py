@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kvrag.kv import ChunkKV
 
 DEFAULT_BUDGET = 0.05  # the budget a request runs with when neither it nor its default names one
+DEFAULT_STRATEGY = "default"  # the strategy name that asks for the default, as None does
 
 
 @dataclass(slots=True)
@@ -34,7 +35,7 @@ class Request:
 
     question: str
     chunks: list[str | ChunkKV] | None = None  # texts or ChunkKV, in the given order; None: not known yet
-    strategy: str | None = None  # a registered strategy; None: the index's tuned or the model's shipped default
+    strategy: str | None = None  # a registered strategy; None or "default": the index's tuned or the model's shipped one
     picker: str | None = None  # how a target strategy picks its target; None: the strategy's or the default's
     target: int | None = None  # index of the chunk known to hold the answer (studies; reported beside the pick)
     scores: list[float] | None = None  # one retrieval score a chunk
@@ -46,6 +47,8 @@ class Request:
         if not isinstance(self.question, str):
             raise InvalidRequestError(f"the question is a {type(self.question).__name__}: give a str")
         check_unicode(self.question, "the question")
+        if self.strategy == DEFAULT_STRATEGY:
+            self.strategy = None  # `with_default` fills it in
         if self.strategy is not None:
             get_strategy(self.strategy)
         if self.picker is not None:

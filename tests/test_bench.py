@@ -27,7 +27,7 @@ from kvrag.cli import main
 def test_quick_bench_writes_every_output(tmp_path, capsys):
     model = save_tiny(tmp_path / "model")
     out = tmp_path / "bench"
-    strategies = ["full_prefill", "reuse", "target_recompute", "target_only:likelihood"]
+    strategies = ["full_prefill", "reuse", "target_recompute", "target_only:likelihood", DEFAULT]
     code = main(["bench", "--quick", "--model", str(model), "--out", str(out), "--strategies", ",".join(strategies)])
     printed = capsys.readouterr().out
     assert code == 0 and "### Time to first token" in printed

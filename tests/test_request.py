@@ -71,6 +71,8 @@ def test_a_default_fills_only_what_the_request_left_out():
     picked = Request("q", picker="lexical").with_default(default)
     assert (picked.strategy, picked.picker, picked.budget) == ("target_only", "lexical", 0.2)
     assert Request("q").with_default(None).strategy is None  # the model's shipped default comes later
+    named = Request("q", strategy="default").with_default(default)  # "default" is a name for the same
+    assert (named.strategy, named.picker, named.budget) == ("target_only", "likelihood", 0.2)
 
 
 def test_scores_of_is_all_or_nothing():

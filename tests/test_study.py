@@ -265,6 +265,24 @@ def test_cli_study_on_a_user_file_writes_every_output_and_reruns_from_cache(tmp_
     assert json.loads((out / "results.json").read_text())["data"]["cached_items"] == 6
 
 
+def test_a_default_row_runs_the_models_shipped_default_beside_the_same_strategy_named(tmp_path, capsys) -> None:
+    from kvrag.defaults import RECIPE
+
+    model = save_tiny(tmp_path / "model")
+    out = tmp_path / "run"
+    args = ("--data", _user_file(tmp_path), "--out", out, "--model", model, "--pickers", "retriever", "--quiet")
+    code, err = _study(capsys, *args, "--strategies", "default,target_recompute,reuse")
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    assert RECIPE["strategy"] == "target_recompute"  # the tiny model's shipped default: the study's recipe
+    assert results["config"]["default"] == RECIPE
+    default, named = results["strategies"]["default = target_recompute @ 0.05"], None
+    named = results["strategies"]["target_recompute (retriever) @ 0.05"]
+    assert default["n"] == named["n"] == 6
+    records = [json.loads(line) for line in (out / "cache" / "records.jsonl").open()]
+    assert sum(r["default"] for r in records) == 6 and len(records) == 18  # its own records, not the named row's
+
+
 def test_cli_study_with_two_worker_processes_gives_the_records_of_one(tmp_path, capsys) -> None:
     model = save_tiny(tmp_path / "model")
     data = _user_file(tmp_path)

@@ -92,7 +92,7 @@ def run_study(
     from kvrag.study import report
 
     _check_jobs(items, jobs, worker_model, embedder)
-    config = config or StudyConfig()
+    config = (config or StudyConfig()).for_model(kv.fingerprint.weights)  # what a "default" row runs
     out = Path(out)
     threads = torch.get_num_threads()
     runner = StudyRunner(kv, embedder, config, out / "cache", part=part)

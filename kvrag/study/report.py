@@ -41,6 +41,7 @@ def _row_records(records: list[dict[str, Any]], row: Row) -> dict[str, dict[str,
         if r["strategy"] == row.strategy
         and r["picker"] == row.picker
         and bool(r.get("lead")) == row.lead
+        and bool(r.get("default")) == row.default
         and (budget_free or r["budget"] == row.budget)
     }
 
@@ -166,7 +167,8 @@ def report_rows(config: StudyConfig) -> list[Row]:
     rows: list[Row] = []
     for row in config.rows():
         budgets = [row.budget] if get_strategy(row.strategy).budgeted else config.budgets
-        rows += [Row(row.strategy, row.picker, float(b), row.lead) for b in budgets]
+        budgets = [row.budget] if row.default else budgets
+        rows += [Row(row.strategy, row.picker, float(b), row.lead, row.default) for b in budgets]
     return rows
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -28,6 +28,7 @@ from transformers import DynamicCache
 
 from kvrag.batch import PaddedBatch
 from kvrag.chunks import ChunkSource
+from kvrag.defaults import shipped_default
 from kvrag.errors import ContextOverflowError, InvalidRequestError
 from kvrag.kvmodel import DEFAULT_LEAD, KVModel
 from kvrag.pickers import get_picker
@@ -42,7 +43,9 @@ from kvrag.study.data import StudyItem
 from kvrag.study.metrics import correct, kl_topk, kv_distance, log_likelihood, normalize, token_f1, topk_logprobs
 
 # "name:picker" runs a target strategy with that picker only; a bare target strategy runs once per --pickers;
-# "name@lead" (after any picker) runs it over chunks encoded behind the neutral lead (KVModel(lead=...))
+# "name@lead" (after any picker) runs it over chunks encoded behind the neutral lead (KVModel(lead=...));
+# "default" runs the model's shipped default (kvrag.defaults), whatever it is for the model in use
+DEFAULT = "default"
 DEFAULT_STRATEGIES = (
     "full_prefill_top1",
     "full_prefill_top3",
@@ -67,11 +70,13 @@ class Row:
     picker: str | None
     budget: float
     lead: bool = False  # chunks encoded behind the neutral lead instead of right behind the prefix
+    default: bool = False  # the row named "default": the model's shipped default (strategy, picker, budget)
 
     @property
     def label(self) -> str:
         label = self.strategy + (f" ({self.picker})" if self.picker and self.strategy != "attention_select" else "")
-        return label + (" +lead" if self.lead else "")
+        label += " +lead" if self.lead else ""
+        return f"default = {label}" if self.default else label
 
 
 @dataclass(slots=True)
@@ -81,6 +86,13 @@ class StudyConfig:
     budgets: Sequence[float] = (0.05,)
     max_new_tokens: int = 32  # answers end at the first line break (see StudyRunner._generate)
     kl_top_k: int = 64
+    # What a row named "default" runs: the shipped default of the model in use ({strategy, picker, budget});
+    # `run_study` sets it from the model (`for_model`).
+    default: dict[str, Any] | None = None
+
+    def for_model(self, weights: str) -> StudyConfig:
+        """This config with `default` set to the shipped default of the model whose weights id is `weights`."""
+        return self if self.default is not None else replace(self, default=shipped_default(weights))
 
     def rows(self) -> list[Row]:
         """Every (strategy, picker, budget) to run: target strategies once per picker; budget-free ones once."""
@@ -88,6 +100,10 @@ class StudyConfig:
             get_picker(picker)
         rows = []
         for spec in self.strategies:
+            if spec == DEFAULT:
+                row = self._default_row()
+                rows += [row] if row not in rows else []
+                continue
             body, _, encoding = spec.partition("@")
             if encoding not in ("", "lead"):
                 raise InvalidRequestError(f"'{spec}': the only encoding a row may name is @lead")
@@ -108,6 +124,13 @@ class StudyConfig:
             new = [Row(name, p, float(b), lead) for p in pickers for b in budgets]
             rows += [row for row in new if row not in rows]
         return rows
+
+
+    def _default_row(self) -> Row:
+        if self.default is None:  # names checked before the model is known: the row is made once it is
+            return Row(DEFAULT, None, float(self.budgets[0]), default=True)
+        d = self.default
+        return Row(d["strategy"], d.get("picker"), float(d.get("budget") or self.budgets[0]), default=True)
 
 
 @dataclass(slots=True)
@@ -185,6 +208,8 @@ class StudyRunner:
         return digest(self.settings, item.to_dict())
 
     def record_key(self, item: StudyItem, row: Row) -> str:
+        if row.default:
+            return digest(self.item_key(item), row.strategy, row.picker, row.budget, "default")
         if row.lead:
             return digest(self.item_key(item), row.strategy, row.picker, row.budget, "lead")
         return digest(self.item_key(item), row.strategy, row.picker, row.budget)
@@ -432,6 +457,7 @@ class _ItemRun:
             "picker": row.picker,
             "budget": row.budget,
             "lead": row.lead,
+            "default": row.default,
             "own_order": order,
             "own_order_full_prefill_correct": ref.correct,
             "full_prefill_text": base.text,

@@ -11,7 +11,7 @@ KV_CACHE_BYTES = 1 << 30  # the paged KV of the in-process engine and the server
 
 @pytest.fixture(scope="session")
 def folder():
-    from kvrag.model import convert_default
+    from kvrag.catalog import convert_default
 
     return str(convert_default()[0])
 

@@ -93,14 +93,14 @@ def attach(
     if llm is None:
         from vllm import LLM
 
-        from kvrag.model import convert_default
+        from kvrag.catalog import resolve
 
         extra = store_config(rag.store, namespace=rag.namespace, password_file=password_file)
         if secret_file:
             extra["secret_file"] = str(secret_file)
         if memory_bytes:
             extra["memory_bytes"] = int(memory_bytes)
-        model = rag.model_source or str(convert_default()[0])
+        model = resolve(rag.model_source)  # a named model's converted folder; None: the embedded default's
         options = {"block_size": 32, "dtype": str(rag.kvmodel.model.dtype).removeprefix("torch."), **llm_options}
         llm = LLM(model=model, kv_transfer_config=connector_config(extra), **options)
     rag.executor = VLLMExecutor(rag.kvmodel, llm, rag.store, rag.namespace, secret=rag.secret)

@@ -62,11 +62,11 @@ def run(
     from kvrag import KVModel
     from kvrag.bench import context_texts
     from kvrag.chunks import ChunkSource
-    from kvrag.model import convert_default
+    from kvrag.catalog import resolve
     from kvrag.store import DiskStore
     from vllm_kvrag.executor import VLLMExecutor, connector_config
 
-    folder = folder or str(convert_default()[0])
+    folder = resolve(folder)  # a named model's converted folder; None: the embedded default's
     root = tempfile.mkdtemp(prefix="kvrag-bench-vllm-")
     kv = KVModel.from_pretrained(folder, dtype="float32")
     pool = context_texts(kv, max([*contexts, concurrent_context * max(concurrency, default=1) // 4]), chunk_tokens)
