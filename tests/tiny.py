@@ -32,6 +32,16 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {"rope_parameters": ROPE}),
     "qwen2": ("qwen2", {"rope_parameters": ROPE}),
     "qwen3": ("qwen3", {"rope_parameters": ROPE, "head_dim": 16}),
+    # the Qwen2.5-Coder 1.5B's attention shape in small: head dim 128, RoPE base 1e6, 2 query heads a KV head
+    "qwen2_hd128": (
+        "qwen2",
+        {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "hidden_size": 256,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        },
+    ),
     "mistral": ("mistral", {"rope_parameters": ROPE, "sliding_window": None}),
     "phi3": ("phi3", {"rope_parameters": {**ROPE, "partial_rotary_factor": 0.5}}),
     "phi3_full": ("phi3", {"rope_parameters": ROPE}),  # rotary over the whole head, as Phi-3-mini
