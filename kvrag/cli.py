@@ -266,6 +266,13 @@ def _add_study(sub: Any) -> None:
         help="compute nothing: write the results of the items whose every row is already in --out's cache",
     )
     _model_args(study)
+    compare = sub.add_parser(
+        "study-compare", help="several study runs side by side (e.g. one data set on several models), one column a run"
+    )
+    compare.add_argument("runs", nargs="+", type=Path, help="study --out folders (each holds results.json)")
+    compare.add_argument("--out", required=True, type=Path, help="where compare.md and compare_accuracy.png go")
+    compare.add_argument("--budget", type=float, default=0.05, help="the budget of budgeted rows (default 0.05)")
+    compare.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def _add_info(sub: Any) -> None:
@@ -362,6 +369,13 @@ def _models(args: argparse.Namespace) -> None:
             f"{row['name']:<20}{row['params']:>6}  {row['gguf_bytes'] / 1e6:>7.0f}MB  {'yes' if row['installed'] else 'no':<10} "
             f"{'yes' if row['converted'] else 'no':<10} {where}"
         )
+
+
+def _study_compare(args: argparse.Namespace) -> None:
+    from kvrag.study.compare import write
+
+    for path in write(args.runs, args.out, args.budget):
+        print(path)
 
 
 def _bench_ingest(args: argparse.Namespace) -> None:
@@ -810,6 +824,7 @@ COMMANDS = {
     "bench-vllm": _bench_vllm,
     "bench": _bench,
     "study": _study,
+    "study-compare": _study_compare,
     "ingest": _ingest,
     "info": _info,
     "gc": _gc,

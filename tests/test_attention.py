@@ -33,6 +33,9 @@ def _copies_kv_heads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_masked_forward_is_bitwise_sdpas_and_copies_no_kv_head(arch, dtype, monkeypatch):
+    # kvrag's bfloat16 prefill kernel (tested in test_ckernel.py, not bitwise by design) takes head sizes that are
+    # multiples of 32: here the sdpa path it would stand in for is tested
+    monkeypatch.setattr(ckernel, "prefill_attention", lambda *args: None)
     plain = copy.deepcopy(tiny_model(arch)).to(dtype)
     plain.set_attn_implementation("sdpa")
     fast = copy.deepcopy(plain)

@@ -283,6 +283,31 @@ def test_a_default_row_runs_the_models_shipped_default_beside_the_same_strategy_
     assert sum(r["default"] for r in records) == 6 and len(records) == 18  # its own records, not the named row's
 
 
+def test_study_compare_puts_runs_side_by_side(tmp_path, capsys) -> None:
+    model = save_tiny(tmp_path / "model")
+    data = _user_file(tmp_path)
+    for name, strategies in (("a", "default,reuse"), ("b", "reuse,full_prefill_top1")):
+        args = ("--data", data, "--out", tmp_path / name, "--model", model, "--strategies", strategies, "--quiet")
+        code, err = _study(capsys, *args)
+        assert code == 0, err
+    code = main(["study-compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")])
+    assert code == 0
+    text = (tmp_path / "cmp" / "compare.md").read_text()
+    assert (tmp_path / "cmp" / "compare_accuracy.png").read_bytes()[:4] == b"\x89PNG"
+    a = json.loads((tmp_path / "a" / "results.json").read_text())
+    section = text.split("## facts / all")[1].split("##")[0]
+    lines = {line.split("|")[1].strip(): line.split("|")[2:4] for line in section.splitlines() if line.startswith("| ")}
+    facts = next(g for g in a["groups"] if (g["family"], g["variant"]) == ("facts", "all"))
+    reuse = next(r for r in facts["rows"] if r["label"] == "reuse")
+    lo, hi = reuse["accuracy_ci"]
+    assert lines["reuse"][0].strip().startswith(f"{100 * reuse['accuracy']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}], ")
+    assert lines["default = target_recompute"][1].strip() == "-"  # run b has no default row
+    assert lines["full_prefill_top1"][0].strip() == "-" and "(n 3)" in lines["full_prefill_top1"][1]
+    assert "closed book" in lines and "full prefill" in lines
+    assert main(["study-compare", str(tmp_path / "missing"), "--out", str(tmp_path / "cmp")]) == 2
+    assert "not a study's results" in capsys.readouterr().err
+
+
 def test_cli_study_with_two_worker_processes_gives_the_records_of_one(tmp_path, capsys) -> None:
     model = save_tiny(tmp_path / "model")
     data = _user_file(tmp_path)

@@ -335,5 +335,10 @@ def _work(
 
 
 def _model_name(kv: Any) -> str:
+    from kvrag.catalog import MODELS
+
+    named = [m.name for m in MODELS.values() if m.weights == kv.fingerprint.weights]
+    if named:
+        return f"{named[0]} ({kv.fingerprint.dtype})"
     name = str(getattr(kv.model.config, "_name_or_path", "") or kv.fingerprint.weights)
     return Path(name).name if Path(name).exists() else name
