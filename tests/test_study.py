@@ -15,6 +15,7 @@ from kvrag.cli import main
 from kvrag.errors import DocumentError, InvalidRequestError, KVRAGError
 from kvrag.kvmodel import KVModel
 from kvrag.study import BUILTIN, StudyConfig, StudyRunner, builtin, load_items, load_jsonl, run_study
+from kvrag.study.data import MULTI, SINGLE, parse_item
 from kvrag.study.metrics import (
     bootstrap_diff,
     contains_answer,
@@ -30,7 +31,7 @@ from kvrag.study.metrics import (
 # -- generators ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.parametrize("name", SINGLE)
 def test_builtin_sets_are_deterministic_and_answerable_from_the_target_only(name: str) -> None:
     items = builtin(name, seed=3, limit=60)
     assert len(items) == 60
@@ -47,6 +48,68 @@ def test_builtin_sets_are_deterministic_and_answerable_from_the_target_only(name
                 assert not correct(chunk.text, item.answers), (item.id, chunk.id, item.answers)
         assert not correct(item.question, item.answers)
     assert len({i.target_index for i in items}) >= 6  # the target's place varies
+
+
+def _holders(item, text: str) -> list[str]:
+    return [c.id for c in item.chunks if contains_answer(c.text, text)]
+
+
+@pytest.mark.parametrize("name", MULTI)
+def test_multi_chunk_sets_need_every_target_and_hold_each_fact_in_one_chunk(name: str) -> None:
+    items = builtin(name, seed=3, limit=40)
+    assert len(items) == 40 and set(BUILTIN) >= set(MULTI)
+    assert [i.to_dict() for i in items] == [i.to_dict() for i in builtin(name, seed=3, limit=40)]
+    assert [i.question for i in items] != [i.question for i in builtin(name, seed=4, limit=40)]
+    assert len({i.id for i in items}) == len(items)
+    for item in items:
+        targets = item.target_ids
+        assert len(targets) == (3 if name == "lists" else 2) and 8 <= len(item.chunks) <= 10, item.id
+        assert item.target == targets[0] and parse_item(json.loads(json.dumps(item.to_dict()))) == item
+        gold = item.gold_text()
+        assert item.is_correct(gold) and not item.is_correct("I do not know.")
+        assert not item.is_correct(item.question)
+        if name == "compare":  # the winner's name in its own article only, the loser's in the other's only
+            (winner,), (loser,) = item.parts[0], item.excludes
+            won, lost = _holders(item, winner), _holders(item, loser)
+            assert len(won) == len(lost) == 1 and sorted(won + lost) == sorted(targets)
+            assert not item.is_correct(f"{winner} or {loser}")  # naming both is not an answer
+        elif name == "bridge":  # the answer in the second hop's chunk only; the link in both and nowhere else
+            (answer,) = item.parts[0]
+            assert _holders(item, answer) == targets[1:]
+            first, second = (next(c for c in item.chunks if c.id == t) for t in targets)
+            link = second.text.split(" ")  # the person's article names them; the first chunk names them too
+            assert any(contains_answer(first.text, " ".join(link[k : k + 2])) for k in range(len(link) - 1))
+        else:  # every part in exactly one chunk, each target holding one part
+            holders = [_holders(item, part[0]) for part in item.parts]
+            assert [h for h in holders] == [[t] for t in targets], (item.id, holders)
+            assert not item.is_correct(item.parts[0][0])  # one part alone is not the answer
+
+
+def test_a_multi_chunk_line_is_read_and_a_malformed_one_refused(tmp_path) -> None:
+    chunks = [{"id": k, "text": f"Fact {k}: the value of {k} is {v}."} for k, v in (("a", 11), ("b", 22), ("c", 33))]
+    good = {**_item(1, chunks=chunks), "targets": ["a", "c"], "answers_all": [["11"], ["33", "thirty-three"]]}
+    del good["target"], good["answers"]
+    lines = [
+        good,
+        {**good, "id": "q2", "targets": ["a", "zzz"]},
+        {**good, "id": "q3", "answers_all": [["11"], []]},
+        {**good, "id": "q4", "targets": ["a", "a"]},
+        {**good, "id": "q5", "target": "b"},
+        {**good, "id": "q6", "answers_all": "11"},
+        {**good, "id": "q7", "excludes": [3]},
+    ]
+    path = tmp_path / "multi.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    items, problems = load_jsonl(path)
+    (item,) = items
+    assert item.target == "a" and item.target_ids == ["a", "c"] and item.target_indices == [0, 2]
+    assert item.is_correct("11 and thirty-three") and not item.is_correct("only 11")
+    assert item.gold_text() == "11 and 33" and item.f1("11 and 33") == 1.0
+    expected = ["target 'zzz' is not the id", "part 1 holds no answer", "'targets' repeats", "'b' is not one of",
+                "'answers_all' must be a non-empty list", "'excludes' must be a list of strings"]
+    assert len(problems) == len(expected)
+    for problem, phrase in zip(problems, expected):
+        assert phrase in problem, problem
 
 
 def test_variants_pair_one_question_with_same_kind_and_mixed_distractors() -> None:

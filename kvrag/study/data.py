@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from kvrag.errors import DocumentError, InvalidRequestError
-from kvrag.study.metrics import contains_answer, normalize
+from kvrag.study.metrics import contains_answer, correct, normalize, token_f1
 from kvrag.synthetic import dialogue, encyclopedia
 
-BUILTIN = ("api_docs", "open_qa", "dialogue")
+SINGLE = ("api_docs", "open_qa", "dialogue")  # one chunk, one fact
+MULTI = ("api_pairs", "chat_pairs", "compare", "bridge", "lists")  # several chunks (kvrag.study.multi)
+BUILTIN = SINGLE + MULTI
 BUILTIN_LIMIT = 200  # items a built-in set gives when no limit is asked for (they are generated lazily)
 DEFAULT_CHUNKS = (8, 10)  # chunks a question: keeps contexts near 1,000-1,300 tokens on the default model
 _API_ENTRIES = Path(__file__).resolve().parent.parent / "data" / "python_docs" / "api_entries.jsonl"
@@ -34,21 +36,54 @@ class Chunk:
 
 @dataclass(slots=True)
 class StudyItem:
-    """One question over chunks in their stitched order."""
+    """One question over chunks in their stitched order.
+
+    A question may need several chunks (`targets`, every one needed) and several parts in its answer
+    (`answers_all`, every part needed); a one-chunk, one-part item leaves both empty and has `target`, `answers`.
+    """
 
     id: str  # unique in its file
     family: str  # data set or domain, e.g. "api_docs"; tables are per family
     question: str
-    answers: list[str]  # accepted answers; an output is right when it contains one (see metrics)
+    answers: list[str]  # accepted answers of a one-part answer; an output is right when it contains one
     chunks: list[Chunk]  # the stitched order
-    target: str  # id of the chunk that holds the answer
+    target: str  # id of the chunk that holds the answer (of several: the first of `targets`)
     variant: str = ""  # optional: distractor kind, e.g. "same" or "mixed"; tables are per family and variant
     kind: str = ""  # optional: question kind, e.g. "api/default"
     meta: dict[str, Any] = field(default_factory=dict)
+    targets: list[str] = field(default_factory=list)  # every chunk the answer needs; [] means [target]
+    answers_all: list[list[str]] = field(default_factory=list)  # each part's alternatives, all needed; [] = [answers]
+    excludes: list[str] = field(default_factory=list)  # an output holding any of these is wrong (a comparison's loser)
 
     @property
     def target_index(self) -> int:
         return next(i for i, c in enumerate(self.chunks) if c.id == self.target)
+
+    @property
+    def target_ids(self) -> list[str]:
+        """Every chunk the answer needs (one for a one-chunk item)."""
+        return self.targets or [self.target]
+
+    @property
+    def target_indices(self) -> list[int]:
+        where = {c.id: i for i, c in enumerate(self.chunks)}
+        return [where[t] for t in self.target_ids]
+
+    @property
+    def parts(self) -> list[list[str]]:
+        """The answer's parts, each a list of accepted alternatives."""
+        return self.answers_all or [self.answers]
+
+    def is_correct(self, output: str) -> bool:
+        """Every part present (any of its alternatives) and no excluded string."""
+        return all(correct(output, part) for part in self.parts) and not correct(output, self.excludes)
+
+    def gold_text(self) -> str:
+        """The gold answer as one text: the parts' first alternatives, joined with "and"."""
+        return " and ".join(part[0].strip() for part in self.parts)
+
+    def f1(self, output: str) -> float:
+        return token_f1(output, [self.gold_text()]) if self.answers_all else token_f1(output, self.answers)
 
     def to_dict(self) -> dict[str, Any]:
         row: dict[str, Any] = {
@@ -63,25 +98,74 @@ class StudyItem:
             row["variant"] = self.variant
         if self.kind:
             row["kind"] = self.kind
+        if self.targets:
+            row["targets"] = self.targets
+        if self.answers_all:
+            row["answers_all"] = self.answers_all
+        if self.excludes:
+            row["excludes"] = self.excludes
         return row
 
 
 # -- JSONL --------------------------------------------------------------------------------------------------
 
 
+def _strings(value: Any, key: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+        raise ValueError(f"'{key}' must be a list of strings")
+    return [a for a in value if normalize(a)]
+
+
+def _answer_fields(row: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]:
+    """(answers, answers_all, excludes) of a row: `answers` or `answers_all` (a list of parts), or both."""
+    parts: list[list[str]] = []
+    if "answers_all" in row:
+        if not isinstance(row["answers_all"], list) or not row["answers_all"]:
+            raise ValueError("'answers_all' must be a non-empty list of parts, each a list of accepted strings")
+        for n, part in enumerate(row["answers_all"]):
+            kept = _strings(part, f"answers_all[{n}]")
+            if not kept:
+                raise ValueError(f"'answers_all' part {n} holds no answer with a letter or digit in it")
+            parts.append(kept)
+    if "answers" in row or not parts:
+        answers = _strings(row.get("answers"), "answers")
+        if not answers:
+            raise ValueError("'answers' holds no answer with a letter or digit in it")
+    else:
+        answers = parts[0] if len(parts) == 1 else [" and ".join(part[0] for part in parts)]
+    excludes = _strings(row.get("excludes", []), "excludes")
+    return answers, parts, excludes
+
+
+def _target_fields(row: dict[str, Any], ids: list[str]) -> tuple[str, list[str]]:
+    """(target, targets): `target`, `targets` (every chunk needed), or both (then target is one of targets)."""
+    targets: list[str] = []
+    if "targets" in row:
+        raw = row["targets"]
+        if not isinstance(raw, list) or not raw or not all(isinstance(t, str) and t.strip() for t in raw):
+            raise ValueError("'targets' must be a non-empty list of chunk ids")
+        if len(set(raw)) != len(raw):
+            raise ValueError("'targets' repeats a chunk id")
+        targets = list(raw)
+    target = row.get("target", targets[0] if targets else None)
+    if not isinstance(target, str) or not target.strip():
+        raise ValueError("'target' must be a non-empty string (or give 'targets')")
+    for t in [target, *targets]:
+        if t not in ids:
+            raise ValueError(f"target '{t}' is not the id of one of its chunks")
+    if targets and target not in targets:
+        raise ValueError(f"target '{target}' is not one of 'targets'")
+    return target, targets if len(targets) > 1 else []
+
+
 def parse_item(row: Any) -> StudyItem:
     """One JSON object as a StudyItem, or a ValueError saying what is wrong with it."""
     if not isinstance(row, dict):
         raise ValueError(f"a line must be a JSON object, got {type(row).__name__}")
-    for key in ("id", "family", "question", "target"):
+    for key in ("id", "family", "question"):
         if not isinstance(row.get(key), str) or not row[key].strip():
             raise ValueError(f"'{key}' must be a non-empty string")
-    answers = row.get("answers")
-    if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
-        raise ValueError("'answers' must be a list of strings")
-    answers = [a for a in answers if normalize(a)]
-    if not answers:
-        raise ValueError("'answers' holds no answer with a letter or digit in it")
+    answers, answers_all, excludes = _answer_fields(row)
     chunks = row.get("chunks")
     if not isinstance(chunks, list) or not chunks:
         raise ValueError('\'chunks\' must be a non-empty list of {"id", "text"} objects')
@@ -95,8 +179,7 @@ def parse_item(row: Any) -> StudyItem:
     ids = [c.id for c in parsed]
     if len(set(ids)) != len(ids):
         raise ValueError("chunk ids repeat within the item")
-    if row["target"] not in ids:
-        raise ValueError(f"target '{row['target']}' is not the id of one of its chunks")
+    target, targets = _target_fields(row, ids)
     for key in ("variant", "kind"):
         if not isinstance(row.get(key, ""), str):
             raise ValueError(f"'{key}' must be a string when given")
@@ -106,9 +189,12 @@ def parse_item(row: Any) -> StudyItem:
         question=row["question"],
         answers=answers,
         chunks=parsed,
-        target=row["target"],
+        target=target,
         variant=row.get("variant", ""),
         kind=row.get("kind", ""),
+        targets=targets,
+        answers_all=answers_all if len(answers_all) > 1 else [],
+        excludes=excludes,
     )
 
 
@@ -161,7 +247,8 @@ def write_jsonl(items: list[StudyItem], path: str | Path) -> None:
 def builtin(
     name: str, *, seed: int = 0, limit: int | None = None, chunks: tuple[int, int] = DEFAULT_CHUNKS
 ) -> list[StudyItem]:
-    """The first `limit` items of a built-in set: "api_docs", "open_qa" or "dialogue".
+    """The first `limit` items of a built-in set: one of SINGLE ("api_docs", "open_qa", "dialogue") or of MULTI,
+    whose questions need several chunks (kvrag.study.multi).
 
     `chunks` is the (min, max) number of chunks a question; raise it (e.g. (16, 20)) for stronger models.
     The same question appears once per variant, next to each other, so `limit` keeps the variants paired.
@@ -171,15 +258,18 @@ def builtin(
         "open_qa": _open_qa,
         "dialogue": _dialogue,
     }
-    if name not in makers:
+    if name not in BUILTIN:
         raise InvalidRequestError(f"unknown built-in study data '{name}': use one of {', '.join(BUILTIN)}")
     lo, hi = chunks
     if not 2 <= lo <= hi:
         raise InvalidRequestError(f"chunks must be a range MIN-MAX with 2 <= MIN <= MAX, got {lo}-{hi}")
     if limit is not None and limit < 1:
         raise InvalidRequestError(f"limit must be at least 1, got {limit}")
+    from kvrag.study.multi import multi  # it builds on this module's sources
+
+    rng = random.Random(f"{name}/{seed}")
     out = []
-    for item in makers[name](random.Random(f"{name}/{seed}"), chunks):
+    for item in makers[name](rng, chunks) if name in makers else multi(name, rng, chunks):
         out.append(item)
         if limit is not None and len(out) >= limit:
             break

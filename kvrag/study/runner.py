@@ -40,7 +40,7 @@ from kvrag.store import MemoryStore
 from kvrag.strategies import get_strategy
 from kvrag.study.cache import REFERENCES, RECORDS, Appender, digest, read_jsonl
 from kvrag.study.data import StudyItem
-from kvrag.study.metrics import correct, kl_topk, kv_distance, log_likelihood, normalize, token_f1, topk_logprobs
+from kvrag.study.metrics import kl_topk, kv_distance, log_likelihood, normalize, token_f1, topk_logprobs
 
 # "name:picker" runs a target strategy with that picker only; a bare target strategy runs once per --pickers;
 # "name@lead" (after any picker) runs it over chunks encoded behind the neutral lead (KVModel(lead=...));
@@ -325,7 +325,8 @@ class _ItemRun:
             )
         self.key = runner.item_key(item)
         self.target = item.target_index
-        self.gold = list(kv.tokenizer(item.answers[0].strip(), add_special_tokens=False)["input_ids"])
+        self.gold = list(kv.tokenizer(item.gold_text(), add_special_tokens=False)["input_ids"])
+        self.targets = item.target_indices  # every chunk the answer needs (the first is `target`)
         self.given = list(range(len(self.ids)))
         self.refs: dict[str, Reference] = {}
         self.fresh_refs: dict[str, tuple[Prefill, float | None]] = {}  # name -> prefill, its time to first token
@@ -402,8 +403,8 @@ class _ItemRun:
                 self.refs[name] = Reference(
                     text=text,
                     tokens=tokens,
-                    correct=correct(text, self.item.answers),
-                    f1=token_f1(text, self.item.answers),
+                    correct=self.item.is_correct(text),
+                    f1=self.item.f1(text),
                     gold_ll=0.0,
                     ttft_s=self.fresh_refs[name][1],
                     top_ids=[],
@@ -471,14 +472,17 @@ class _ItemRun:
             "target_kv_distance": self.target_distance(pre.prefill, ref, order),
             "picked": pre.decision.target,
             "target": target,
-            "picker_correct": None if pre.decision.target is None else pre.decision.target == target,
+            "picker_correct": None if pre.decision.target is None else pre.decision.target in self.targets,
+            "targets": self.targets,
+            # of the chunks the answer needs, the share the plan put in its context (set recall)
+            "targets_read": sum(t in order for t in self.targets) / len(self.targets),
             "recomputed_fraction": pre.prefill.recomputed_tokens / pre.context_tokens if pre.context_tokens else 0.0,
             "extra_token_layers": pre.probe.extra_token_layers,
             "ttft_s": ttft,
             "full_prefill_ttft_s": base.ttft_s,  # the given order's: every order's prompt is as long
             "text": text,
-            "correct": correct(text, item.answers),
-            "f1": token_f1(text, item.answers),
+            "correct": item.is_correct(text),
+            "f1": item.f1(text),
         }
 
     def target_distance(self, prefill: Prefill, ref: Reference, order: list[int]) -> float | None:
