@@ -38,6 +38,7 @@ class AnswerStats:
     total_s: float  # seconds from the call to the end of generation
     store_hits: int = 0  # chunks whose KV came from a store (retrieval engine)
     retrieve_s: float = 0.0  # seconds spent retrieving and loading chunk KV (retrieval engine; part of ttft_s)
+    targets: list[int] | None = None  # every picked chunk, best first (a set picker's; else [target])
 
     @property
     def recomputed_fraction(self) -> float:

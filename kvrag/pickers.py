@@ -9,6 +9,14 @@
 - `lexical`: the retriever's ranking fused with BM25 over the chunks' words (reciprocal rank).
 - `fused`: the retriever's, BM25's and the likelihood ranking fused (reciprocal rank).
 - `oracle`: the known target (studies), given by the caller.
+
+Set pickers return several chunks, best first, for the set strategies (`set_recompute`, `set_only`) and
+questions that need several chunks; a strategy of one target takes the first:
+- `top2`, `top3`: the retriever's best two or three.
+- `likelihood2`: of the retriever's best SET_CANDIDATES chunks, the two behind which the question is most likely
+  (each scored alone, in the likelihood picker's one batched pass).
+- `diverse2`: the retriever's best, then of the next best few the one sharing the fewest words with it, ties to
+  the better score (a pair about two entities, not one entity said twice).
 """
 
 from __future__ import annotations
@@ -20,12 +28,14 @@ from kvrag.index import words
 from kvrag.probe import Probe
 from kvrag.strategies import best_first
 
-Picker = Callable[[int, "Sequence[float] | None", "int | None", Probe], int]
+# (chunks, scores, known target, probe) -> the target, or several chunks best first (a set picker)
+Picker = Callable[[int, "Sequence[float] | None", "int | None", Probe], "int | list[int]"]
 RRF_K = 60  # reciprocal-rank fusion constant, as in the engine's hybrid retrieval
 # Chunks the likelihood picker scores: the retriever's best few. On the built-in study sets the retriever's
 # best CANDIDATES held the target as often as all ten did for the likelihood picker (docs/study.md), at a
 # third of its cost.
 LIKELIHOOD_CANDIDATES = 3
+SET_CANDIDATES = 4  # chunks the set pickers choose among: the retriever's best few
 
 
 def _retriever(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> int:
@@ -80,6 +90,33 @@ def _oracle(n: int, scores: Sequence[float] | None, target: int | None, probe: P
     return target
 
 
+def _top(k: int) -> Picker:
+    def top(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> list[int]:
+        return best_first(n, scores)[:k]
+
+    return top
+
+
+def _likelihood2(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> list[int]:
+    candidates = best_first(n, scores)[:SET_CANDIDATES]
+    likelihood = probe.question_likelihood(candidates)
+    return sorted(candidates, key=lambda c: (-float(likelihood[c]), candidates.index(c)))[:2]
+
+
+def _diverse2(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> list[int]:
+    ranked = best_first(n, scores)[:SET_CANDIDATES]
+    if len(ranked) < 2:
+        return ranked
+    texts = probe.texts
+    first = set(words(texts[ranked[0]]))
+
+    def overlap(c: int) -> float:
+        other = set(words(texts[c]))
+        return len(first & other) / max(1, len(first | other))
+
+    return [ranked[0], min(ranked[1:], key=lambda c: (overlap(c), ranked.index(c)))]
+
+
 PICKERS: dict[str, Picker] = {
     "retriever": _retriever,
     "attention": _attention,
@@ -87,7 +124,12 @@ PICKERS: dict[str, Picker] = {
     "lexical": _lexical,
     "fused": _fused,
     "oracle": _oracle,
+    "top2": _top(2),
+    "top3": _top(3),
+    "likelihood2": _likelihood2,
+    "diverse2": _diverse2,
 }
+SET_PICKERS = ("top2", "top3", "likelihood2", "diverse2")
 
 
 def get_picker(name: str) -> Picker:

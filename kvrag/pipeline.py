@@ -178,6 +178,7 @@ def stats_of(
         picker=decision.picker,
         order=list(decision.plan.order),
         target=decision.target,
+        targets=decision.targets,
         target_given=request.target,
         context_tokens=run.context_tokens,
         recomputed_tokens=recomputed,

@@ -27,8 +27,9 @@ class Decision:
 
     plan: Plan
     picker: str | None  # the picker that chose the target; None when the strategy needs no target
-    target: int | None  # the picked target
+    target: int | None  # the picked target (of a set picker's several chunks, the best)
     budget_tokens: int  # floor(budget x context tokens)
+    targets: list[int] | None = None  # every picked chunk, best first (one for a picker of one target)
 
 
 def default_picker(strategy: Strategy, picker: str | None, target: int | None) -> str:
@@ -45,19 +46,24 @@ def make_plan(request: Request, lengths: Sequence[int], probe: Probe | None) -> 
     strategy = get_strategy(request.strategy or "")
     budget = request.budget if request.budget is not None else DEFAULT_BUDGET
     picker_name = default_picker(strategy, request.picker, request.target)
-    picked = None
+    picked, targets = None, None
     if strategy.needs_target:
-        picked = get_picker(picker_name)(len(lengths), request.scores, request.target, probe)  # type: ignore[arg-type]
+        chosen = get_picker(picker_name)(len(lengths), request.scores, request.target, probe)  # type: ignore[arg-type]
+        targets = [operator.index(c) for c in chosen] if isinstance(chosen, (list, tuple)) else [chosen]
+        if not targets or len(set(targets)) != len(targets) or not all(0 <= c < len(lengths) for c in targets):
+            raise InvalidRequestError(f"picker '{picker_name}' chose {chosen}: give chunks of 0..{len(lengths) - 1}")
+        picked = targets[0]
     plan_request = PlanRequest(
         lengths=list(lengths),
         target=picked,
+        targets=targets,
         budget=budget,
         scores=list(request.scores) if request.scores is not None else None,
         strict=request.strict,
         probe=probe,
     )
     plan = check_plan(strategy.build(plan_request), lengths, strategy.name)
-    return Decision(plan, picker_name if strategy.needs_target else None, picked, plan_request.budget_tokens)
+    return Decision(plan, picker_name if strategy.needs_target else None, picked, plan_request.budget_tokens, targets)
 
 
 def check_plan(plan: Plan, lengths: Sequence[int], name: str) -> Plan:

@@ -37,6 +37,7 @@ class PlanRequest:
     scores: list[float] | None = None  # retrieval scores, one a chunk, when known
     strict: bool = False  # never exceed the budget, even to recompute a long target whole
     probe: Probe | None = None  # model measurements (deviation, attention, full-prefill KV), costed
+    targets: list[int] | None = None  # every picked chunk, best first (a set picker's; else [target])
 
     @property
     def budget_tokens(self) -> int:
@@ -441,6 +442,39 @@ def _top3_target_last(request: PlanRequest) -> Plan:
     others = set([i for i in by_score(request) if i != target][:2])
     order = [*(i for i in range(len(request.lengths)) if i in others), target]
     return Plan(order=order, recompute={c: torch.arange(request.lengths[c]) for c in order[1:]})
+
+
+# -- questions that need several chunks ---------------------------------------------------------------------
+
+
+def _targets(request: PlanRequest) -> list[int]:
+    """The picked set, in the given order (a set's chunks keep the order the retriever's list gave them)."""
+    return sorted(request.targets or [_target(request)])
+
+
+@register_strategy(
+    "set_recompute",
+    budgeted=False,
+    needs_target=True,
+    description="move the picked set (a set picker's chunks) next to the question and recompute it against the "
+    "reused rest: target_recompute for several chunks",
+)
+def _set_recompute(request: PlanRequest) -> Plan:
+    picked = _targets(request)
+    rest = [i for i in range(len(request.lengths)) if i not in picked]
+    return Plan(order=[*rest, *picked], recompute={c: torch.arange(request.lengths[c]) for c in picked})
+
+
+@register_strategy(
+    "set_only",
+    budgeted=False,
+    needs_target=True,
+    description="the picked set alone, the first chunk's stored KV as is and the others recomputed: exactly a full "
+    "prefill over the set, at the cost of all but one of its chunks and the suffix",
+)
+def _set_only(request: PlanRequest) -> Plan:
+    picked = _targets(request)
+    return Plan(order=picked, recompute={c: torch.arange(request.lengths[c]) for c in picked[1:]})
 
 
 # The strategies kvrag ships, in registration order (what `kvrag bench` runs by default).

@@ -29,7 +29,8 @@ def test_pickers_and_their_errors(kv, enc):
     assert kv.answer(Q, enc, target=2, max_new_tokens=1).stats.picker == "oracle"
     with pytest.raises(
         InvalidRequestError,
-        match="unknown picker 'best': use one of attention, fused, lexical, likelihood, oracle, retriever",
+        match="unknown picker 'best': use one of attention, diverse2, fused, lexical, likelihood, likelihood2, oracle, "
+        "retriever, top2, top3",
     ):
         kv.answer(Q, enc, picker="best", max_new_tokens=1)
     with pytest.raises(InvalidRequestError, match="oracle picker needs the known target"):
@@ -90,3 +91,27 @@ def test_the_retriever_without_scores_takes_the_first_of_a_ranked_list():
     assert get_picker("retriever")(3, None, None, None) == 0
     assert get_picker("retriever")(3, [0.2, 0.9, 0.9], None, None) == 1  # ties go to the earlier chunk
     assert get_picker("oracle")(3, None, 2, None) == 2
+
+
+def test_set_pickers_choose_several_chunks_best_first(kv, enc):
+    scores = [0.1, 0.7, 0.2, 0.9, 0.3]
+    for picker, want in (("top2", [3, 1]), ("top3", [3, 1, 4])):
+        run = kv.prefill(Q, enc, strategy="set_recompute", picker=picker, scores=scores)
+        assert run.decision.targets == want and run.decision.target == want[0]
+    likely = kv.prefill(Q, enc, strategy="set_recompute", picker="likelihood2", scores=scores)
+    measured = likely.probe.question_likelihood([3, 1, 4, 2])  # the retriever's best SET_CANDIDATES
+    assert likely.decision.targets == sorted([3, 1, 4, 2], key=lambda c: -float(measured[c]))[:2]
+    # a picker of one target leaves a set of one
+    assert kv.prefill(Q, enc, strategy="set_recompute", scores=scores).decision.targets == [3]
+
+
+def test_the_diverse_picker_pairs_the_best_with_the_least_overlapping_of_the_next(kv):
+    texts = [
+        "The lighthouse of Karsa was built in 1872.",
+        "The lighthouse of Karsa was built by Mira Holt.",  # the same entity again: skipped
+        "Velloria's harbour holds forty ships.",
+        "The lighthouse of Karsa stands on a cliff.",
+    ]
+    run = kv.prefill("When was the lighthouse built and how many ships?", texts, strategy="set_recompute",
+                     picker="diverse2", scores=[0.9, 0.8, 0.5, 0.6])
+    assert run.decision.targets == [0, 2]

@@ -42,6 +42,7 @@ def test_every_study_strategy_is_registered_and_runs(kv, enc):
             "target_only": 1,
             "top3_exact": 3,
             "top3_target_last": 3,
+            "set_only": 1,  # the oracle's set of one
         }.get(name, 5)  # they drop chunks
         assert a.stats.strategy == name and len(set(a.stats.order)) == len(a.stats.order) == kept
 
@@ -418,3 +419,46 @@ def test_target_only_is_exactly_full_prefill_over_that_chunk_at_the_cost_of_the_
     a = kv.answer(Q, enc, strategy="target_only", scores=scores, max_new_tokens=6)
     b = kv.answer(Q, enc, strategy="full_prefill_top1", scores=scores, max_new_tokens=6)
     assert a.token_ids == b.token_ids and a.stats.context_tokens == len(enc[3])
+
+
+def test_set_only_is_exactly_full_prefill_over_the_picked_set_in_the_given_order(kv, enc):
+    scores = [0.1, 0.7, 0.2, 0.9, 0.3]
+    run = kv.prefill(Q, enc, strategy="set_only", picker="top2", scores=scores)
+    assert run.decision.targets == [3, 1] and run.decision.plan.order == [1, 3]
+    assert run.prefill.recomputed_tokens == len(enc[3])  # the first chunk's stored KV is its full-prefill KV
+    ids = [c.token_ids.tolist() for c in enc]
+    with torch.inference_mode():
+        want = kv.model(input_ids=torch.tensor([kv.prompt_ids(Q, ids, [1, 3])]), logits_to_keep=1).logits[0, -1]
+    assert (run.prefill.logits[-1] - want.float()).abs().max() < 1e-4
+    a = kv.answer(Q, enc, strategy="set_only", picker="top2", scores=scores, max_new_tokens=6)
+    assert a.stats.targets == [3, 1] and a.stats.context_tokens == len(enc[1]) + len(enc[3])
+
+
+def test_set_recompute_moves_the_set_last_and_recomputes_it(kv, enc):
+    scores = [0.1, 0.7, 0.2, 0.9, 0.3]
+    run = kv.prefill(Q, enc, strategy="set_recompute", picker="top3", scores=scores)
+    plan = run.decision.plan
+    assert plan.order == [0, 2, 1, 3, 4] and sorted(plan.recompute) == [1, 3, 4]
+    assert run.prefill.recomputed_tokens == len(enc[1]) + len(enc[3]) + len(enc[4])
+    one = kv.prefill(Q, enc, strategy="set_recompute", target=2)  # the oracle's set of one: target_recompute
+    tr = kv.prefill(Q, enc, strategy="target_recompute", target=2)
+    assert one.decision.plan.order == tr.decision.plan.order and torch.equal(one.prefill.logits, tr.prefill.logits)
+
+
+def test_set_recompute_over_exact_kv_of_the_rest_is_full_prefill(kv, enc):
+    """The set already last (its order kept): with the other chunks' KV sliced from a full prefill, recomputing the
+    set gives full prefill's logits; with their stored (alone-encoded) KV it does not, so the check can fail."""
+    ids = [c.token_ids.tolist() for c in enc]
+    prompt = kv.prompt_ids(Q, ids, range(5))
+    ref = full_prefill(kv.model, prompt)
+    exact, at = [], len(kv.prefix)
+    for chunk in enc:
+        k, v = stacked_kv(ref.cache, 0, at, at + len(chunk))
+        exact.append(ChunkKV(chunk.token_ids, k, v, start=at, encoder=chunk.encoder))
+        at += len(chunk)
+    scores = [0.1, 0.2, 0.3, 0.9, 0.8]
+    run = kv.prefill(Q, exact, strategy="set_recompute", picker="top2", scores=scores)
+    assert run.decision.plan.order == [0, 1, 2, 3, 4] and sorted(run.decision.plan.recompute) == [3, 4]
+    assert (run.prefill.logits[-1] - ref.logits[-1]).abs().max() < 1e-4
+    stored = kv.prefill(Q, enc, strategy="set_recompute", picker="top2", scores=scores)
+    assert (stored.prefill.logits[-1] - ref.logits[-1]).abs().max() > 1e-3

@@ -130,6 +130,7 @@ def _row_entry(row: Row, mine: dict[str, dict[str, Any]], dependent: set[str]) -
         "picker_accuracy": _mean(r["picker_correct"] for r in mine.values()),
         # of the chunks an answer needs, the share its plan read (set recall; older records lack it)
         "targets_read": _mean(r.get("targets_read") for r in mine.values()),
+        "picked_recall": _mean(r.get("picked_recall") for r in mine.values()),
         "recomputed_fraction": _mean(r["recomputed_fraction"] for r in mine.values()),
         "extra_token_layers": _mean(r["extra_token_layers"] for r in mine.values()),
         "ttft_s": statistics.median(r["ttft_s"] for r in mine.values()),

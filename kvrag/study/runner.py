@@ -474,6 +474,11 @@ class _ItemRun:
             "target": target,
             "picker_correct": None if pre.decision.target is None else pre.decision.target in self.targets,
             "targets": self.targets,
+            "picked_set": pre.decision.targets,
+            # of the chunks the answer needs, the share the picker chose (set recall; None without a picker)
+            "picked_recall": None
+            if pre.decision.targets is None
+            else sum(t in pre.decision.targets for t in self.targets) / len(self.targets),
             # of the chunks the answer needs, the share the plan put in its context (set recall)
             "targets_read": sum(t in order for t in self.targets) / len(self.targets),
             "recomputed_fraction": pre.prefill.recomputed_tokens / pre.context_tokens if pre.context_tokens else 0.0,
