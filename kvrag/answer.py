@@ -110,6 +110,7 @@ class Answer:
     finish_reason: str  # "eos", "stop" (a stop string), "length" (max_new_tokens), "no_context" (nothing retrieved)
     stats: AnswerStats
     sources: list[Source] = field(default_factory=list)  # retrieved chunks, in the order they were given
+    parts: list[Answer] = field(default_factory=list)  # a question answered a part at a time: each part's Answer
 
     @classmethod
     def no_context(cls, retrieve_s: float = 0.0) -> Answer:
@@ -124,6 +125,7 @@ class Answer:
             "finish_reason": self.finish_reason,
             "sources": [asdict(s) for s in self.sources],
             "stats": self.stats.to_dict(),
+            **({"parts": [p.to_dict() for p in self.parts]} if self.parts else {}),
         }
 
 

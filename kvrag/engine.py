@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 
+import torch
+
 from kvrag import pipeline
 from kvrag.aio import in_thread, to_thread
 from kvrag.answer import Answer, Source, last_answer
@@ -36,6 +38,7 @@ from kvrag.folder import MANIFEST, IndexFolder
 from kvrag.index import ChunkIndex, ChunkRecord, Filters, check_filters, check_top_k
 from kvrag.kvmodel import KVModel
 from kvrag.layout import check_unicode
+from kvrag.parts import Part, resolve_parts
 from kvrag.request import Request
 from kvrag.store import (
     DiskStore,
@@ -623,9 +626,55 @@ class KVRAG:
             retrieve_s=retrieve_s,
         )
 
-    def query(self, question: str, **kwargs: Any) -> Answer:
-        """Retrieve and answer; the arguments are those of `stream`."""
-        return last_answer(self.stream(question, **kwargs))
+    def query(self, question: str, *, parts: str | Sequence[str] | None = None, **kwargs: Any) -> Answer:
+        """Retrieve and answer; the arguments are those of `stream`.
+
+        `parts`: answer a part at a time (`KVModel.answer`'s `parts`: a list of part questions, or "auto" for the
+        built-in splitter). The chunks are retrieved once for the whole question and their KV read once; each
+        part's retrieval scores are its own question's against those chunks, so each part picks its own target.
+        """
+        if parts is None:
+            return last_answer(self.stream(question, **kwargs))
+        split_parts = resolve_parts(question, parts)
+        if split_parts is None:
+            return last_answer(self.stream(question, **kwargs))
+        return self._query_parts(question, split_parts, **kwargs)
+
+    def _query_parts(
+        self,
+        question: str,
+        parts: list[Part],
+        *,
+        top_k: int = 5,
+        filters: Filters | None = None,
+        bm25: bool = False,
+        hybrid: bool | None = None,
+        **options: Any,
+    ) -> Answer:
+        t0 = time.perf_counter()
+        request = Request.of(question, **options)
+        with self._admitted():
+            sources = self.retrieve(question, top_k=top_k, filters=filters, bm25=_bm25_flag(bm25, hybrid))
+            if not sources:
+                raise NoMatchError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
+            request.with_chunks([s.text for s in sources], [s.score for s in sources])
+            request.with_default(self.defaults)
+            vectors = torch.as_tensor(self.embedder.embed([s.text for s in sources]))
+
+            def scores_of(part: str) -> list[float]:
+                return (vectors @ torch.as_tensor(self.embedder.embed([part]))[0]).tolist()
+
+            return pipeline.answer_parts(
+                self.kvmodel,
+                request,
+                parts,
+                self.source.chunks(request.chunks),
+                self.executor,
+                started_at=t0,
+                scores_of=scores_of,
+                sources=sources,
+                retrieve_s=time.perf_counter() - t0,
+            )
 
     def stream_over(
         self,

@@ -38,6 +38,7 @@ from kvrag.model import (
 )
 from kvrag.mlp import use_prefill_mlps
 from kvrag.norm import use_prefill_norms
+from kvrag.parts import resolve_parts
 from kvrag.pipeline import Prefilled
 from kvrag.probe import Probe
 from kvrag.recompute import full_prefill
@@ -306,9 +307,34 @@ class KVModel:
 
         yield from pipeline.decode_answer(self, self.executor, out, decoding, t0, stats)
 
-    def answer(self, question: str, chunks: Sequence[str | ChunkKV], **kwargs: Any) -> Answer:
-        """Generate the whole answer; the arguments are those of `stream`."""
-        return last_answer(self.stream(question, chunks, **kwargs))
+    def answer(
+        self,
+        question: str,
+        chunks: Sequence[str | ChunkKV],
+        *,
+        parts: str | Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> Answer:
+        """Generate the whole answer; the arguments are those of `stream`.
+
+        Args:
+            parts: answer a part at a time over the same chunks (`kvrag.parts`): a list of part questions (one
+                holding "{answer}" is a hop: it takes the previous part's answer), or "auto" for the built-in
+                splitter (a question it cannot split is answered whole). Each part is its own request over
+                the chunks' KV read once; the Answer's text holds the parts' answers a line each and `parts`
+                each part's Answer. With no scores and no picker named, each part's target is picked by the
+                model's likelihood of that part (`picker="likelihood"`).
+        """
+        if parts is None:
+            return last_answer(self.stream(question, chunks, **kwargs))
+        t0 = time.perf_counter()
+        split_parts = resolve_parts(question, parts)
+        if split_parts is None:
+            return last_answer(self.stream(question, chunks, started_at=t0, **kwargs))
+        request = self.request(question, chunks, **kwargs)
+        return pipeline.answer_parts(
+            self, request, split_parts, self.source.chunks(request.chunks), self.executor, started_at=t0
+        )
 
     # -- checks -----------------------------------------------------------------------------------------
 

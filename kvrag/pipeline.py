@@ -26,6 +26,7 @@ from kvrag.timing import Phases, phase
 
 if TYPE_CHECKING:
     from kvrag.kvmodel import KVModel
+    from kvrag.parts import Part
 
 
 @dataclass(slots=True)
@@ -244,4 +245,63 @@ def decode_answer(
         finish_reason=finish,
         stats=make_stats(tokens, ttft, time.perf_counter() - started_at),
         sources=list(sources),
+    )
+
+
+def answer_parts(
+    kvmodel: KVModel,
+    request: Request,
+    parts: Sequence[Part],
+    chunks: Chunks,
+    executor: Executor,
+    *,
+    started_at: float,
+    scores_of: Callable[[str], list[float]] | None = None,
+    sources: Sequence[Source] = (),
+    retrieve_s: float = 0.0,
+) -> Answer:
+    """Each part answered as its own request over the same chunks (their KV read once, shared by every part),
+    then one Answer: the parts' answers a line each, every part's own Answer kept in `parts`.
+
+    `scores_of(question)`: the chunks' retrieval scores for one part (the engine scores each part's question
+    against the retrieved chunks); without it a part whose request names no picker and no default picker is
+    picked by the model's likelihood of the part behind each chunk: one question's scores would give every
+    part the same chunk.
+    """
+    from dataclasses import replace
+
+    from kvrag.answer import last_answer
+    from kvrag.parts import compose
+
+    request.with_default(shipped_default(kvmodel.fingerprint.weights))
+    answers: list[Answer] = []
+    previous: str | None = None
+    waited = time.perf_counter() - started_at  # before the first part's own clock starts (retrieval)
+    for part in parts:
+        question = part.asked(previous)
+        scores = scores_of(question) if scores_of is not None else request.scores
+        picker = request.picker or (None if scores_of is not None else "likelihood")
+        sub = replace(request, question=question, scores=scores, picker=picker)
+        one = last_answer(stream(kvmodel, sub, chunks, executor, started_at=time.perf_counter(), sources=sources))
+        answers.append(one)
+        previous = one.text
+    first = answers[0].stats
+    stats = replace(
+        first,
+        ttft_s=waited + first.ttft_s,  # the first part's first token: what a streaming reader sees first
+        new_tokens=sum(a.stats.new_tokens for a in answers),
+        recomputed_tokens=sum(a.stats.recomputed_tokens for a in answers),
+        extra_token_layers=sum(a.stats.extra_token_layers for a in answers),
+        extra_work=[w for a in answers for w in a.stats.extra_work],
+        total_s=time.perf_counter() - started_at,
+        retrieve_s=retrieve_s + first.retrieve_s,
+        overspend_tokens=sum(a.stats.overspend_tokens for a in answers),
+    )
+    return Answer(
+        text=compose(parts, [a.text for a in answers]),
+        token_ids=[t for a in answers for t in a.token_ids],
+        finish_reason=answers[-1].finish_reason,
+        stats=stats,
+        sources=list(sources),
+        parts=answers,
     )
