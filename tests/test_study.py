@@ -346,6 +346,38 @@ def test_a_default_row_runs_the_models_shipped_default_beside_the_same_strategy_
     assert sum(r["default"] for r in records) == 6 and len(records) == 18  # its own records, not the named row's
 
 
+def test_parts_rows_answer_multi_chunk_items_a_part_at_a_time(tmp_path, capsys) -> None:
+    model = save_tiny(tmp_path / "model")
+    data = tmp_path / "multi.jsonl"
+    rows = []
+    for n in range(1, 4):
+        chunks = [{"id": f"c{k}", "text": f"Fact {k}: town {k} sells item {k * n}."} for k in range(4)]
+        rows.append(
+            {
+                "id": f"m{n}",
+                "family": "pairs",
+                "question": f"What does town {n % 4} sell, and what does town {(n + 1) % 4} sell?",
+                "chunks": chunks,
+                "targets": [f"c{n % 4}", f"c{(n + 1) % 4}"],
+                "answers_all": [[f"item {(n % 4) * n}"], [f"item {((n + 1) % 4) * n}"]],
+            }
+        )
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "run"
+    args = ("--data", data, "--out", out, "--model", model, "--quiet", "--strategies", "target_recompute+parts,reuse")
+    code, err = _study(capsys, *args)
+    assert code == 0, err
+    records = [json.loads(line) for line in (out / "cache" / "records.jsonl").open()]
+    parts = [r for r in records if "parts" in r and r["strategy"] == "target_recompute"]
+    assert len(parts) == 3 and all(r["parts"] == 2 and len(r["picked_set"]) == 2 for r in parts)
+    assert all(r["kl"] is None and r["answer_s"] >= r["ttft_s"] > 0 for r in parts)
+    assert all(0 <= r["targets_read"] <= 1 and r["targets"] for r in records)
+    results = json.loads((out / "results.json").read_text())
+    row = results["strategies"]["target_recompute (retriever) +parts @ 0.05"]
+    assert row["n"] == 3 and row["parts"] == 2 and row["answer_s"] > 0 and row["kl_median"] is None
+    assert "| target_recompute (retriever) +parts |" in (out / "table.md").read_text()
+
+
 def test_study_compare_puts_runs_side_by_side(tmp_path, capsys) -> None:
     model = save_tiny(tmp_path / "model")
     data = _user_file(tmp_path)

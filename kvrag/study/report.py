@@ -25,6 +25,11 @@ def _mean(values: Iterable[float | None]) -> float | None:
     return sum(kept) / len(kept) if kept else None
 
 
+def _median(values: Iterable[float | None]) -> float | None:
+    kept = [float(v) for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
 def _agreement_f1(record: dict[str, Any]) -> float | None:
     """Token F1 of a row's answer with full prefill's (from the texts when the record predates the field)."""
     if "agreement_f1" in record:
@@ -42,6 +47,7 @@ def _row_records(records: list[dict[str, Any]], row: Row) -> dict[str, dict[str,
         and r["picker"] == row.picker
         and bool(r.get("lead")) == row.lead
         and bool(r.get("default")) == row.default
+        and ("parts" in r) == row.parts  # a "+parts" record carries its number of parts
         and (budget_free or r["budget"] == row.budget)
     }
 
@@ -124,7 +130,7 @@ def _row_entry(row: Row, mine: dict[str, dict[str, Any]], dependent: set[str]) -
         "retention_own_order": _mean(mine[i]["correct"] for i in own_cd),
         "n_context_dependent_own_order": len(own_cd),
         "kl": _mean(r["kl"] for r in mine.values()),
-        "kl_median": statistics.median(r["kl"] for r in mine.values()),
+        "kl_median": _median(r["kl"] for r in mine.values()),  # none for "+parts" rows: no one prompt to force
         "gold_ll_delta": _mean(r["gold_ll_delta"] for r in mine.values()),
         "target_kv_distance": _mean(r.get("target_kv_distance") for r in mine.values()),
         "picker_accuracy": _mean(r["picker_correct"] for r in mine.values()),
@@ -135,6 +141,8 @@ def _row_entry(row: Row, mine: dict[str, dict[str, Any]], dependent: set[str]) -
         "extra_token_layers": _mean(r["extra_token_layers"] for r in mine.values()),
         "ttft_s": statistics.median(r["ttft_s"] for r in mine.values()),
         "full_prefill_ttft_s": statistics.median(r["full_prefill_ttft_s"] for r in mine.values()),
+        "answer_s": _median(r.get("answer_s") for r in mine.values()),  # whole answers ("+parts" rows record it)
+        "parts": _mean(r.get("parts") for r in mine.values()),
         "vs_target_recompute": None,
     }
 
@@ -171,7 +179,7 @@ def report_rows(config: StudyConfig) -> list[Row]:
     for row in config.rows():
         budgets = [row.budget] if get_strategy(row.strategy).budgeted else config.budgets
         budgets = [row.budget] if row.default else budgets
-        rows += [Row(row.strategy, row.picker, float(b), row.lead, row.default) for b in budgets]
+        rows += [Row(row.strategy, row.picker, float(b), row.lead, row.default, row.parts) for b in budgets]
     return rows
 
 
@@ -226,15 +234,16 @@ def markdown(results: dict[str, Any]) -> str:
             f"{group['n_context_dependent']} context-dependent.",
             "",
             "| strategy | budget | accuracy [CI] | retention (kept/n) [CI] | agrees with FP [CI] | FP own order | KL "
-            "| F1 with FP | Δ log-lik | target KV dist | picker acc | recomputed | ttft s | vs TR: +/−, p | p agree |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| F1 with FP | Δ log-lik | target KV dist | picker acc | targets read | recomputed | ttft s "
+            "| vs TR: +/−, p | p agree |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         if group["n"]:
             lo, hi = group["closed_book_accuracy_ci"]
             cb_agree = group.get("closed_book_agreement")
             lines.append(
                 f"| closed book (baseline) | any | {_pct(group['closed_book_accuracy'])} [{_pct(lo)}, {_pct(hi)}] "
-                f"| 0.0 (by definition) | {_pct(cb_agree)} | - | - | - | - | - | - | 0.0 | - | - | - |"
+                f"| 0.0 (by definition) | {_pct(cb_agree)} | - | - | - | - | - | - | - | 0.0 | - | - | - |"
             )
         shown: set[str] = set()
         for r in group["rows"]:
@@ -258,7 +267,8 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {r['label']} | {budget} | {_pct(r['accuracy'])} [{_pct(ci[0])}, {_pct(ci[1])}] | {ret} | {agree} "
                 f"| {_pct(r['own_order_full_prefill_accuracy'])} | {_num(r['kl'])} | {_num(r.get('agreement_f1'), 2)} "
                 f"| {_num(r['gold_ll_delta'], 2)} "
-                f"| {_num(r['target_kv_distance'])} | {_pct(r['picker_accuracy'])} | {_pct(r['recomputed_fraction'])} "
+                f"| {_num(r['target_kv_distance'])} | {_pct(r['picker_accuracy'])} | {_pct(r.get('targets_read'))} "
+                f"| {_pct(r['recomputed_fraction'])} "
                 f"| {_num(r['ttft_s'])} | {test} | {p_agree} |"
             )
     return "\n".join(lines) + "\n"

@@ -30,6 +30,7 @@ from kvrag.batch import PaddedBatch
 from kvrag.chunks import ChunkSource
 from kvrag.defaults import shipped_default
 from kvrag.errors import ContextOverflowError, InvalidRequestError
+from kvrag.generate import Sampling
 from kvrag.kvmodel import DEFAULT_LEAD, KVModel
 from kvrag.pickers import get_picker
 from kvrag.pipeline import Prefilled
@@ -46,6 +47,9 @@ from kvrag.study.metrics import kl_topk, kv_distance, log_likelihood, normalize,
 # "name@lead" (after any picker) runs it over chunks encoded behind the neutral lead (KVModel(lead=...));
 # "default" runs the model's shipped default (kvrag.defaults), whatever it is for the model in use
 DEFAULT = "default"
+# "ROW+parts" answers with the row's strategy a part at a time (kvrag.parts' splitter; a question it cannot split is
+# answered whole), each part scored against the chunks by the embedder on its own
+PARTS = "+parts"
 DEFAULT_STRATEGIES = (
     "full_prefill_top1",
     "full_prefill_top3",
@@ -71,12 +75,14 @@ class Row:
     budget: float
     lead: bool = False  # chunks encoded behind the neutral lead instead of right behind the prefix
     default: bool = False  # the row named "default": the model's shipped default (strategy, picker, budget)
+    parts: bool = False  # "+parts": the question split by kvrag.parts and answered a part at a time
 
     @property
     def label(self) -> str:
         label = self.strategy + (f" ({self.picker})" if self.picker and self.strategy != "attention_select" else "")
         label += " +lead" if self.lead else ""
-        return f"default = {label}" if self.default else label
+        label = f"default = {label}" if self.default else label
+        return label + (" +parts" if self.parts else "")
 
 
 @dataclass(slots=True)
@@ -100,8 +106,9 @@ class StudyConfig:
             get_picker(picker)
         rows = []
         for spec in self.strategies:
+            spec, parts = (spec.removesuffix(PARTS), True) if spec.endswith(PARTS) else (spec, False)
             if spec == DEFAULT:
-                row = self._default_row()
+                row = replace(self._default_row(), parts=parts)
                 rows += [row] if row not in rows else []
                 continue
             body, _, encoding = spec.partition("@")
@@ -121,7 +128,7 @@ class StudyConfig:
                 pickers = list(self.pickers)
             budgets = self.budgets if strategy.budgeted else self.budgets[:1]
             lead = encoding == "lead"
-            new = [Row(name, p, float(b), lead) for p in pickers for b in budgets]
+            new = [Row(name, p, float(b), lead, parts=parts) for p in pickers for b in budgets]
             rows += [row for row in new if row not in rows]
         return rows
 
@@ -208,6 +215,8 @@ class StudyRunner:
         return digest(self.settings, item.to_dict())
 
     def record_key(self, item: StudyItem, row: Row) -> str:
+        if row.parts:
+            return digest(self.item_key(item), row.strategy, row.picker, row.budget, row.default, "parts")
         if row.default:
             return digest(self.item_key(item), row.strategy, row.picker, row.budget, "default")
         if row.lead:
@@ -260,8 +269,10 @@ class StudyRunner:
         run = _ItemRun(self, item)
         run.reference(None)
         run.reference(run.given)  # the first order: always a whole prefill, timed (every row's full_prefill_ttft_s)
-        runs = [run.row(row) for row, _ in todo]
-        fresh = run.finish(todo, runs, references)
+        whole = [(row, key) for row, key in todo if not row.parts]
+        runs = [run.row(row) for row, _ in whole]
+        fresh = run.finish(whole, runs, references)
+        fresh += [run.parts_record(row, key) for row, key in todo if row.parts]
         seconds = time.perf_counter() - started
         for record in fresh:  # the item's compute time, references included, on each of its new records
             record["item_s"] = seconds
@@ -384,6 +395,84 @@ class _ItemRun:
         ttft = time.perf_counter() - t0
         self.reference(pre.decision.plan.order)
         return pre, ttft
+
+    def parts_record(self, row: Row, key: str) -> dict[str, Any]:
+        """A "+parts" row: the question split and answered a part at a time over the item's chunk KV (each part's
+        retrieval scores its own question's), greedy to a line break; scored on the parts' answers together.
+        The teacher-forced measures (KL, gold log-likelihood) are a whole prompt's and are left out."""
+        from kvrag.answer import last_answer
+        from kvrag.parts import split
+        from kvrag.pipeline import answer_parts, stream
+
+        model = self.runner.model(row.lead)
+        chunk_kv = self.runner.chunk_kv(self.texts, model)
+        request = Request(
+            self.item.question,
+            chunk_kv,
+            strategy=row.strategy,
+            picker=row.picker,
+            target=self.target,
+            scores=self.scores,
+            budget=row.budget,
+            sampling=Sampling(max_new_tokens=self.runner.config.max_new_tokens, stop=["\n"]),
+        )
+        parts = split(self.item.question)
+        chunks = model.source.chunks(chunk_kv)
+        t0 = time.perf_counter()
+        if parts is None:
+            answer = last_answer(stream(model, request, chunks, model.executor, started_at=t0))
+            answers = [answer]
+        else:
+            answer = answer_parts(
+                model, request, parts, chunks, model.executor, started_at=t0,
+                scores_of=lambda question: self.runner.scores(question, self.texts),
+            )
+            answers = answer.parts
+        text = " ".join(answer.text.split())
+        closed, base = self.refs["closed"], self.refs[_order_name(self.given)]
+        picked = [a.stats.target for a in answers if a.stats.target is not None]
+        read = {c for a in answers for c in a.stats.order}
+        return {
+            "key": key,
+            "item": self.item.id,
+            "family": self.item.family,
+            "variant": self.item.variant,
+            "kind": self.item.kind,
+            "closed_book_correct": closed.correct,
+            "closed_book_agrees": normalize(closed.text) == normalize(base.text),
+            "full_prefill_correct": base.correct,
+            "strategy": row.strategy,
+            "picker": row.picker,
+            "budget": row.budget,
+            "lead": row.lead,
+            "default": row.default,
+            "parts": len(answers) if parts is not None else 0,  # 0: answered whole (the splitter left it)
+            "own_order": list(answers[0].stats.order),
+            "own_order_full_prefill_correct": base.correct,
+            "full_prefill_text": base.text,
+            "agrees": normalize(text) == normalize(base.text),
+            "agrees_own_order": normalize(text) == normalize(base.text),
+            "agreement_f1": token_f1(text, [base.text]),
+            "kl": None,
+            "gold_ll": None,
+            "gold_ll_delta": None,
+            "target_kv_distance": None,
+            "picked": picked[0] if picked else None,
+            "target": self.target,
+            "picker_correct": None if not picked else picked[0] in self.targets,
+            "targets": self.targets,
+            "picked_set": picked or None,
+            "picked_recall": None if not picked else sum(t in picked for t in self.targets) / len(self.targets),
+            "targets_read": sum(t in read for t in self.targets) / len(self.targets),
+            "recomputed_fraction": answer.stats.recomputed_tokens / max(1, answer.stats.context_tokens),
+            "extra_token_layers": answer.stats.extra_token_layers,
+            "ttft_s": answer.stats.ttft_s,
+            "answer_s": answer.stats.total_s,
+            "full_prefill_ttft_s": base.ttft_s,
+            "text": text,
+            "correct": self.item.is_correct(text),
+            "f1": self.item.f1(text),
+        }
 
     def finish(
         self, todo: list[tuple[Row, str]], runs: list[tuple[Prefilled, float]], references: Appender
