@@ -98,11 +98,24 @@ def _add_ask(sub: Any) -> None:
         default=None,
         help="default: the index's tuned default (kvrag tune), else kvrag.defaults' for the model",
     )
-    ask.add_argument("--picker", default=None, help="retriever, attention, likelihood, lexical, fused or oracle")
+    ask.add_argument(
+        "--picker",
+        default=None,
+        help="retriever, attention, likelihood, lexical, fused or oracle; set pickers (for set_recompute, set_only): "
+        "top2, top3, likelihood2, diverse2",
+    )
     ask.add_argument("--budget", type=float, default=None, help="default: the tuned default's, else 0.05")
     ask.add_argument("--top-k", type=int, default=5)
     ask.add_argument("--bm25", "--hybrid", dest="bm25", action="store_true", help="fuse dense and BM25 rankings")
     ask.add_argument("--max-new-tokens", type=int, default=256)
+    ask.add_argument(
+        "--parts",
+        default=None,
+        metavar="auto|Q1;;Q2",
+        help="answer a part at a time over the same chunks: auto (kvrag's splitter: 'What is A, and who is B?', "
+        "'... of each of X, Y and Z?'; a question it cannot split is answered whole), or the parts separated by ';;' "
+        "(a part holding {answer} takes the previous part's answer); printed whole, --stream aside",
+    )
     ask.add_argument("--stream", action="store_true", help="print the answer as it is decoded")
     ask.add_argument("--json", action="store_true", help="print one JSON object: text, finish_reason, sources, stats")
     ask.add_argument("--redis", default=None, metavar="URL", help="read chunk KV from Redis (as given to ingest)")
@@ -431,12 +444,20 @@ def _store(args: argparse.Namespace, *, read_only: bool = False) -> Any:
     return TieredStore(MemoryStore(), RedisStore(redis_url, storage_dtype=storage, read_only=read_only))
 
 
+def _index_is_a_folder(index: Path) -> None:
+    """Refuse an --index that names something other than a folder (a file is not an index, and ingest cannot make
+    a folder there)."""
+    if index.exists() and not index.is_dir():
+        raise InvalidRequestError(f"--index {index} is a file, not an index folder: give a folder's path")
+
+
 def _open_index(args: argparse.Namespace, *, read_only: bool = True) -> Any:
     """The engine over an existing index folder; read-only unless the command writes (tune, gc)."""
     from kvrag.engine import KVRAG
     from kvrag.errors import IndexLoadError
     from kvrag.folder import IndexFolder
 
+    _index_is_a_folder(args.index)
     if not IndexFolder(args.index).exists():
         raise IndexLoadError(
             f"no kvrag index at {args.index}: create one with `kvrag ingest PATH --index {args.index}`"
@@ -484,6 +505,7 @@ def _ingest(args: argparse.Namespace) -> None:
     from kvrag.documents import MAX_FILE_BYTES
     from kvrag.engine import KVRAG, MANIFEST
 
+    _index_is_a_folder(args.index)
     fresh = not (args.index / MANIFEST).is_file()
     _index_settings(args)
     rag = KVRAG.from_defaults(
@@ -607,7 +629,10 @@ def _ask(args: argparse.Namespace) -> None:
         bm25=args.bm25,
         max_new_tokens=args.max_new_tokens,
     )
-    if args.stream and not args.json:
+    if args.parts is not None:
+        parts = args.parts if args.parts == "auto" else [p for p in args.parts.split(";;")]
+        kwargs["parts"] = parts
+    if args.stream and not args.json and args.parts is None:
         for item in rag.stream(args.question, **kwargs):
             if isinstance(item, str):
                 print(item, end="", flush=True)
@@ -850,6 +875,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = _redacted(raw)  # recorded in outputs: never a password
     try:
         _run(args)
+    except BrokenPipeError:  # the reader went away (`kvrag ask ... | head`): stop quietly, as cat does
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush goes nowhere
+        return 141  # 128 + SIGPIPE, the status a shell reports for cat
     except (KVRAGError, OSError) as err:  # a user's mistake or the world's; anything else is a bug: a traceback
         print(f"kvrag: error: {err}", file=sys.stderr)
         return 2

@@ -68,6 +68,9 @@ def test_ingest_ask_info(setup, capsys):
             ["ask", "q?", "--index", "{root}/index", "--vllm-server", "http://h:8000"],
             "--vllm-server goes with --backend",
         ),
+        (["ask", "q?", "--index", "{root}/docs/ships.txt"], "is a file, not an index folder"),
+        (["ingest", "{root}/docs", "--index", "{root}/docs/mill.md", "--model", "{model}"], "is a file, not an index"),
+        (["ask", "q?", "--index", "{root}/index", "--parts", "Who?;; "], "part 1 is ' ': give a non-empty question"),
     ],
 )
 def test_user_mistakes_are_one_line_and_exit_2(setup, capsys, argv, message):
@@ -77,6 +80,39 @@ def test_user_mistakes_are_one_line_and_exit_2(setup, capsys, argv, message):
         run(capsys, "ingest", setup[2], "--index", root / "index", "--model", model, "--quiet")
     code, out, err = run(capsys, *[a.format(root=root, model=model) for a in argv])
     assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_ask_with_parts_answers_each_part_over_the_same_chunks(setup, capsys):
+    root, model, docs = setup
+    if not (root / "index").exists():
+        run(capsys, "ingest", docs, "--index", root / "index", "--model", model, "--quiet")
+    question = "How many ships are in the harbour, and what does the mill grind?"
+    argv = ["ask", question, "--index", root / "index", "--parts", "auto", "--json", "--max-new-tokens", "3"]
+    code, out, _ = run(capsys, *argv)
+    answer = json.loads(out)
+    assert code == 0 and len(answer["parts"]) == 2 and answer["text"].count("\n") == 1
+    given = ["How many ships?;;What does the mill grind?"]
+    code, out, _ = run(capsys, "ask", question, "--index", root / "index", "--parts", *given, "--json",
+                       "--max-new-tokens", "3")
+    assert code == 0 and len(json.loads(out)["parts"]) == 2
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(setup, tmp_path):
+    import subprocess
+    import sys
+
+    root, model, docs = setup
+    if not (root / "index").exists():
+        main(["ingest", str(docs), "--index", str(root / "index"), "--model", str(model), "--quiet"])
+    # `kvrag models` into a pipe closed at once: no "Broken pipe" message and no traceback, 141 like cat
+    code = (
+        "import sys, os\n"
+        "from kvrag.cli import main\n"
+        "r, w = os.pipe(); os.close(r); os.dup2(w, sys.stdout.fileno())\n"
+        "sys.exit(main(['models', '--cache-dir', sys.argv[1]]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 141 and done.stderr == ""
 
 
 def test_the_vllm_backend_without_vllm_kvrag_says_where_to_get_it(setup, capsys):
