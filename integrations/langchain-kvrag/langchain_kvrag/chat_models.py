@@ -154,6 +154,13 @@ class ChatKVRAG(BaseChatModel):
             raise InvalidRequestError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
         check_options(**self._sampling({}))
 
+    def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
+        """Not offered: refused with a message (LangChain's base raises a bare NotImplementedError)."""
+        raise NotImplementedError(
+            "ChatKVRAG has no tool calling: kvrag's models answer from text, they do not emit tool calls. For an "
+            "agent, give a tool-calling chat model KVRAGRetriever or KVRAGRunnable as its tool (runnable.as_tool())."
+        )
+
     # -- identity ---------------------------------------------------------------------------------------
 
     @property

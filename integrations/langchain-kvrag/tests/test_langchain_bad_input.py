@@ -54,3 +54,18 @@ def test_runnable_absurd_top_k(rag, top_k):
 def test_a_huge_top_k_within_the_limit_answers_over_every_chunk(rag):
     out = KVRAGRunnable(engine=rag, top_k=10_000, max_new_tokens=2, return_dict=True).invoke(Q)
     assert len(out["sources"]) == len(rag.index) and out["stats"]["chunks_encoded"] == 0
+
+
+def test_tool_calling_and_structured_output_are_refused_with_a_message(rag):
+    from pydantic import BaseModel
+
+    from langchain_kvrag import ChatKVRAG
+
+    class Answer(BaseModel):
+        text: str
+
+    chat = ChatKVRAG(engine=rag)
+    with pytest.raises(NotImplementedError, match="ChatKVRAG has no tool calling.*as_tool"):
+        chat.bind_tools([Answer])
+    with pytest.raises(NotImplementedError, match="ChatKVRAG has no tool calling"):
+        chat.with_structured_output(Answer)

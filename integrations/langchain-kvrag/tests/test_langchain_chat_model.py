@@ -31,6 +31,10 @@ class TestChatKVRAGUnit(ChatModelUnitTests):
         return {}  # the embedded default model, loaded on first use (so construction stays cheap)
 
     @property
+    def has_tool_calling(self):
+        return False  # bind_tools is overridden only to refuse with a message
+
+    @property
     def standard_chat_model_params(self):
         # a local model has no API key: the suite's placeholder one is an unknown argument here
         return {k: v for k, v in super().standard_chat_model_params.items() if k != "api_key"}
@@ -50,6 +54,10 @@ class TestChatKVRAGIntegration(ChatModelIntegrationTests):
     @property
     def supports_model_override(self):
         return False  # tested below with a second (tiny) model rather than a second real one
+
+    @property
+    def has_tool_calling(self):
+        return False  # bind_tools is overridden only to refuse with a message
 
 
 def test_the_chat_template_and_greedy_decoding_are_the_models_own(model_dir):
