@@ -177,15 +177,24 @@ class KVRAG:
         require_store: bool = False,
         secret: bytes | str | None = None,
         compile_decode: bool = False,
+        create: bool = True,
     ) -> KVRAG:
         """An engine on the embedded defaults (or the given model and embedder), loading `path` if it holds an index.
 
         The KV store defaults to memory in front of a disk store in `path/kv` (memory only without a path).
         `namespace`, `require_store` and `secret` are those of `KVRAG`; `compile_decode` that of `KVModel`.
+        `model` is a named model (`kvrag models`), a Hugging Face id or a folder. `create=False` refuses a `path`
+        that holds no index (IndexLoadError naming it) instead of starting a new, empty one there: for code that
+        only reads an index, where a mistyped path would otherwise answer from nothing.
         """
         check_secret(secret)  # a bad secret or namespace is refused before the model loads or a folder is made
         if namespace:
             check_namespace(namespace)
+        if not create and (path is None or not IndexFolder(path).exists()):
+            raise IndexLoadError(
+                f"no kvrag index at {path}: check the path, or build one there with `kvrag ingest PATH --index {path}` "
+                "(create=True starts an empty one)"
+            )
         if path is not None and IndexFolder(path).exists():
             return cls.load(
                 path,
@@ -559,7 +568,8 @@ class KVRAG:
         vector = self.embedder.embed([question])[0]
         with self._lock:
             if not len(self.index):
-                raise EmptyInputError("the index holds no chunks: ingest documents first")
+                where = f" at {self.path}" if self.path is not None else ""
+                raise EmptyInputError(f"the index{where} holds no chunks: ingest documents first")
             hits = self.index.search(vector, question, top_k=top_k, filters=filters, bm25=bm25)
         return [Source(id=r.id, text=r.text, score=s, metadata=dict(r.metadata)) for r, s in hits]
 

@@ -180,6 +180,17 @@ def test_an_index_of_another_model_is_refused(rag, tmp_path):
         KVRAG.load(tmp_path / "nowhere")
 
 
+def test_a_path_with_no_index_is_refused_by_name_when_not_to_be_created(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("kvrag.engine.Embedder", lambda name=None, device="cpu": _shared_embedder(name))
+    typo = tmp_path / "typo-indx"
+    with pytest.raises(IndexLoadError, match=f"no kvrag index at {typo}: check the path"):
+        KVRAG.from_defaults(typo, model=str(model_dir), create=False)
+    assert not typo.exists()  # nothing was made there
+    empty = KVRAG.from_defaults(typo, model=str(model_dir), cache_dir=tmp_path / "cache")  # create=True: a new one
+    with pytest.raises(EmptyInputError, match=f"the index at {typo} holds no chunks: ingest documents first"):
+        empty.query("Who runs the harbour?")
+
+
 def test_files_and_bad_documents(rag, tmp_path):
     folder = tmp_path / "docs"
     folder.mkdir()
