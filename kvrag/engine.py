@@ -22,7 +22,7 @@ from kvrag import pipeline
 from kvrag.aio import in_thread, to_thread
 from kvrag.answer import Answer, Source, last_answer
 from kvrag.chunks import Chunks, ChunkSource
-from kvrag.defaults import load_default
+from kvrag.defaults import default_parts, load_default, shipped_default
 from kvrag.documents import MAX_FILE_BYTES, Item, split_text, to_documents
 from kvrag.embed import Embedder
 from kvrag.errors import (
@@ -642,7 +642,11 @@ class KVRAG:
         `parts`: answer a part at a time (`KVModel.answer`'s `parts`: a list of part questions, or "auto" for the
         built-in splitter). The chunks are retrieved once for the whole question and their KV read once; each
         part's retrieval scores are its own question's against those chunks, so each part picks its own target.
+        None with no strategy named: as the default says (the index's tuned one, else the model's shipped one;
+        "auto" on Qwen2.5-Coder-0.5B). `stream` answers whole.
         """
+        if parts is None and kwargs.get("strategy") in (None, "default"):  # the default may split questions
+            parts = default_parts(self.defaults or shipped_default(self.kvmodel.fingerprint.weights))
         if parts is None:
             return last_answer(self.stream(question, **kwargs))
         split_parts = resolve_parts(question, parts)

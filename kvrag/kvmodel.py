@@ -21,6 +21,7 @@ from kvrag.attention import GQA_SDPA, use_gqa_sdpa
 from kvrag.answer import Answer, AnswerStats, last_answer
 from kvrag.catalog import named
 from kvrag.chunks import ChunkSource
+from kvrag.defaults import default_parts, shipped_default
 from kvrag.encode import DEFAULT_BATCH_TOKENS, encode_chunks, encode_prefix
 from kvrag.errors import ContextOverflowError, EmptyInputError, InvalidRequestError, UnsupportedModelError
 from kvrag.executor import HFExecutor
@@ -323,8 +324,11 @@ class KVModel:
                 splitter (a question it cannot split is answered whole). Each part is its own request over
                 the chunks' KV read once; the Answer's text holds the parts' answers a line each and `parts`
                 each part's Answer. With no scores and no picker named, each part's target is picked by the
-                model's likelihood of that part (`picker="likelihood"`).
+                model's likelihood of that part (`picker="likelihood"`). None with no strategy named: as the
+                model's shipped default says (`kvrag.defaults`: "auto" on Qwen2.5-Coder-0.5B).
         """
+        if parts is None and kwargs.get("strategy") in (None, "default"):  # the shipped default may split questions
+            parts = default_parts(shipped_default(self.fingerprint.weights))
         if parts is None:
             return last_answer(self.stream(question, chunks, **kwargs))
         t0 = time.perf_counter()

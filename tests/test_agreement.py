@@ -143,6 +143,22 @@ def test_the_shipped_default_is_the_recipe_except_on_the_embedded_model():
     assert shipped_default("sha256:other") == RECIPE and RECIPE["strategy"] == "target_recompute"
 
 
+def test_a_named_models_default_may_split_questions(tmp_path):
+    from kvrag import catalog
+    from kvrag.defaults import QWEN_05B, default_parts, load_default, save_default, shipped_default
+
+    assert shipped_default(catalog.QWEN_05B.weights) == QWEN_05B and default_parts(QWEN_05B) == "auto"
+    assert default_parts(shipped_default("sha256:other")) is None
+    choice = {"strategy": "target_only", "picker": "likelihood", "budget": 0.05}
+    save_default(tmp_path, {**choice, "parts": "auto"})
+    assert load_default(tmp_path) == {**choice, "parts": "auto"}
+    save_default(tmp_path, choice)
+    assert load_default(tmp_path) == choice
+    save_default(tmp_path, {**choice, "parts": "every"})
+    with pytest.raises(IndexLoadError, match="is not a default written by `kvrag tune`"):
+        load_default(tmp_path)
+
+
 def test_an_index_without_a_tuned_default_runs_the_models_shipped_default(index):
     folder, _ = index
     rag = KVRAG.load(folder)

@@ -92,3 +92,15 @@ def test_the_engine_scores_each_part_against_the_retrieved_chunks(kv):
     assert "lighthouse of Karsa" in picked[0] and "harbour" in picked[1]  # each part its own target
     assert [s.text for s in got.sources] == [s.text for s in got.parts[0].sources]  # retrieved once
     assert got.stats.retrieve_s > 0
+
+
+def test_a_default_that_splits_is_applied_when_no_strategy_is_named(kv, monkeypatch):
+    from kvrag import defaults
+
+    split_default = {"strategy": "target_recompute", "picker": None, "budget": 0.05, "parts": "auto"}
+    monkeypatch.setitem(defaults.SHIPPED, kv.fingerprint.weights, split_default)
+    whole = "When does the archive open, and what do cats hunt?"
+    got = kv.answer(whole, STRATEGY_CHUNKS, max_new_tokens=3)
+    assert len(got.parts) == 2 and got.stats.strategy == "target_recompute"
+    named = kv.answer(whole, STRATEGY_CHUNKS, strategy="target_recompute", max_new_tokens=3)
+    assert named.parts == []  # a strategy named by the caller answers whole unless parts= says otherwise

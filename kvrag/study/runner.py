@@ -108,7 +108,8 @@ class StudyConfig:
         for spec in self.strategies:
             spec, parts = (spec.removesuffix(PARTS), True) if spec.endswith(PARTS) else (spec, False)
             if spec == DEFAULT:
-                row = replace(self._default_row(), parts=parts)
+                row = self._default_row()
+                row = replace(row, parts=parts or row.parts)
                 rows += [row] if row not in rows else []
                 continue
             body, _, encoding = spec.partition("@")
@@ -137,7 +138,8 @@ class StudyConfig:
         if self.default is None:  # names checked before the model is known: the row is made once it is
             return Row(DEFAULT, None, float(self.budgets[0]), default=True)
         d = self.default
-        return Row(d["strategy"], d.get("picker"), float(d.get("budget") or self.budgets[0]), default=True)
+        budget = float(d.get("budget") or self.budgets[0])
+        return Row(d["strategy"], d.get("picker"), budget, default=True, parts=d.get("parts") == "auto")
 
 
 @dataclass(slots=True)
@@ -376,19 +378,24 @@ class _ItemRun:
         if order is not None:  # (the closed book shares no more than a template's first tokens)
             self.sources.append((prompt, out.cache))
 
-    def row(self, row: Row) -> tuple[Prefilled, float]:
-        """One row's prefill (timed to its first token, as a user's ttft counts it); its order's reference."""
+    def request(self, row: Row, sampling: Sampling | None = None) -> tuple[KVModel, Request]:
+        """The row's model and its request over the item's chunk KV (kept between items)."""
         model = self.runner.model(row.lead)
-        chunk_kv = self.runner.chunk_kv(self.texts, model)
         request = Request(
             self.item.question,
-            chunk_kv,
+            self.runner.chunk_kv(self.texts, model),
             strategy=row.strategy,
             picker=row.picker,
             target=self.target,
             scores=self.scores,
             budget=row.budget,
+            sampling=sampling or Sampling(),
         )
+        return model, request
+
+    def row(self, row: Row) -> tuple[Prefilled, float]:
+        """One row's prefill (timed to its first token, as a user's ttft counts it); its order's reference."""
+        model, request = self.request(row)
         t0 = time.perf_counter()
         pre = model.prefill(request, probe=keeping_probe(self.sources))
         int(torch.argmax(pre.prefill.logits[-1]))
@@ -404,20 +411,9 @@ class _ItemRun:
         from kvrag.parts import split
         from kvrag.pipeline import answer_parts, stream
 
-        model = self.runner.model(row.lead)
-        chunk_kv = self.runner.chunk_kv(self.texts, model)
-        request = Request(
-            self.item.question,
-            chunk_kv,
-            strategy=row.strategy,
-            picker=row.picker,
-            target=self.target,
-            scores=self.scores,
-            budget=row.budget,
-            sampling=Sampling(max_new_tokens=self.runner.config.max_new_tokens, stop=["\n"]),
-        )
+        model, request = self.request(row, Sampling(max_new_tokens=self.runner.config.max_new_tokens, stop=["\n"]))
         parts = split(self.item.question)
-        chunks = model.source.chunks(chunk_kv)
+        chunks = model.source.chunks(request.chunks)
         t0 = time.perf_counter()
         if parts is None:
             answer = last_answer(stream(model, request, chunks, model.executor, started_at=t0))
