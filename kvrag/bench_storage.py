@@ -150,8 +150,9 @@ def builtin_items(
     """
     try:
         from kvrag.study import load_items
+        from kvrag.study.data import SINGLE
 
-        items, _ = load_items("builtin:all", limit=limit, **({"chunks": (2, 2)} if small else {}))
+        items, _ = load_items("builtin:" + ",".join(SINGLE), limit=limit, **({"chunks": (2, 2)} if small else {}))
         source = "kvrag.study built-in items (api_docs, open_qa, dialogue)"
         out = [(i.question, [c.text for c in i.chunks], i.target_index) for i in items]
     except ImportError:

@@ -58,7 +58,9 @@ def _item(
     size: int,
     excludes: list[str] | None = None,
 ) -> StudyItem | None:
-    """An item whose distractors (from `pool`, in its order) hold no part of the answer; None when too few do."""
+    """An item whose distractors (from `pool`, in its order) hold no part of the answer; None when too few do.
+    `size` is the chunks it has, at least its targets."""
+    size = max(size, len(targets))
     taken = {t.id for t in targets}
     needles = [a for part in parts for a in part] + (excludes or [])
     free = [c for c in pool if c.id not in taken and _absent(needles, c.text)]
