@@ -8,16 +8,17 @@ KVModel and the engine call it with a `Request` that is already valid.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from kvrag.answer import Answer, AnswerStats, Source
+from kvrag.answer import Answer, AnswerStats, Source, last_answer
 from kvrag.chunks import Chunks
 from kvrag.defaults import shipped_default
 from kvrag.errors import ContextOverflowError
 from kvrag.executor import Executor, Job
 from kvrag.fastdecode import decode_room
 from kvrag.generate import Detokenizer, Sampling
+from kvrag.parts import Part, compose
 from kvrag.planner import Decision, make_plan
 from kvrag.probe import Probe
 from kvrag.recompute import Prefill
@@ -26,7 +27,6 @@ from kvrag.timing import Phases, phase
 
 if TYPE_CHECKING:
     from kvrag.kvmodel import KVModel
-    from kvrag.parts import Part
 
 
 @dataclass(slots=True)
@@ -268,11 +268,6 @@ def answer_parts(
     picked by the model's likelihood of the part behind each chunk: one question's scores would give every
     part the same chunk.
     """
-    from dataclasses import replace
-
-    from kvrag.answer import last_answer
-    from kvrag.parts import compose
-
     request.with_default(shipped_default(kvmodel.fingerprint.weights))
     answers: list[Answer] = []
     previous: str | None = None
