@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvrag {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    adders = (_add_demo, _add_models, _add_ingest, _add_ask, _add_agree_and_tune, _add_bench, _add_study, _add_info, _add_gc)
-    for add in adders:
+    adders = (_add_demo, _add_models, _add_ingest, _add_ask, _add_agree_and_tune, _add_bench, _add_study, _add_info)
+    for add in (*adders, _add_gc):
         add(sub)
     return parser
 
@@ -378,10 +378,9 @@ def _models(args: argparse.Namespace) -> None:
     print(f"{'name':<20}{'size':>6}  {'GGUF':>9}  {'installed':<10} {'converted':<10} where / how to install")
     for row in rows:
         where = row["converted"] or row["gguf"] if row["installed"] else f"`{row['install']}`"
-        print(
-            f"{row['name']:<20}{row['params']:>6}  {row['gguf_bytes'] / 1e6:>7.0f}MB  {'yes' if row['installed'] else 'no':<10} "
-            f"{'yes' if row['converted'] else 'no':<10} {where}"
-        )
+        installed, converted = ("yes" if row[k] else "no" for k in ("installed", "converted"))
+        size = f"{row['gguf_bytes'] / 1e6:>7.0f}MB"
+        print(f"{row['name']:<20}{row['params']:>6}  {size}  {installed:<10} {converted:<10} {where}")
 
 
 def _study_compare(args: argparse.Namespace) -> None:

@@ -74,7 +74,8 @@ def test_an_incomplete_part_is_refused(parts_root):
     model = fake_model(parts_root, name="short")
     path = parts_root / "kvragfakeshort3" / "data" / "part03.bin"
     path.write_bytes(path.read_bytes()[:-1])
-    with pytest.raises(ModelNotFoundError, match=r"kvragfakeshort3==1.0.0: .*299 bytes, not 300 \(incomplete or altered\)"):
+    refused = r"kvragfakeshort3==1.0.0: .*299 bytes, not 300 \(incomplete or altered\)"
+    with pytest.raises(ModelNotFoundError, match=refused):
         catalog.convert(model, parts_root / "cache")
 
 
@@ -164,7 +165,8 @@ def test_kvrag_models_lists_the_three_models(tmp_path):
     table = subprocess.run(run, capture_output=True, text=True, check=True).stdout
     for name in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
         assert name in table
-    rows = [json.loads(line) for line in subprocess.run([*run, "--json"], capture_output=True, text=True).stdout.split("\n") if line]
+    lines = subprocess.run([*run, "--json"], capture_output=True, text=True, check=True).stdout.split("\n")
+    rows = [json.loads(line) for line in lines if line]
     assert [r["name"] for r in rows] == list(catalog.MODELS)
     assert all(r["converted"] is None for r in rows)  # a fresh cache folder
     big = rows[2]

@@ -36,7 +36,8 @@ def kv():
 
 def _exact_chunks(kv, ids, suffix):
     """Each chunk's KV sliced from one full prefill, at its true position; and that prefill."""
-    ref = full_prefill(kv.model, kv.layout.prefix_ids + [t for c in ids for t in c] + suffix, logits_to_keep=len(suffix))
+    prompt = kv.layout.prefix_ids + [t for c in ids for t in c] + suffix
+    ref = full_prefill(kv.model, prompt, logits_to_keep=len(suffix))
     out, pos = [], len(kv.prefix)
     for part in ids:
         k, v = stacked_kv(ref.cache, 0, pos, pos + len(part))
@@ -76,7 +77,8 @@ def test_recompute_against_full_prefill_on_the_real_model(kv):
         "middle chunk recomputed, others exact": (middle.logits - ref.logits).abs().max().item(),
         "plain stitching (must differ)": (plain.logits - ref.logits).abs().max().item(),
     }
-    print(f"\nQwen2.5-Coder-0.5B float32, max |logit diff| vs full prefill (logits up to {ref.logits.abs().max():.1f}):")
+    scale = ref.logits.abs().max()
+    print(f"\nQwen2.5-Coder-0.5B float32, max |logit diff| vs full prefill (logits up to {scale:.1f}):")
     for name, diff in diffs.items():
         print(f"  {name}: {diff:.2e}")
     assert max(list(diffs.values())[:3]) < TOL

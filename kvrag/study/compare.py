@@ -26,7 +26,9 @@ def load_runs(folders: Sequence[str | Path]) -> list[dict[str, Any]]:
         try:
             results = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
-            raise InvalidRequestError(f"{path} is not a study's results ({err}): run `kvrag study --out {folder}`") from None
+            raise InvalidRequestError(
+                f"{path} is not a study's results ({err}): run `kvrag study --out {folder}`"
+            ) from None
         if not isinstance(results, dict) or "groups" not in results or "model" not in results:
             raise InvalidRequestError(f"{path} is not a study's results.json: it has no groups or model")
         runs.append({**results, "folder": str(folder)})

@@ -85,8 +85,8 @@ def _item(
 
 def multi(name: str, rng: random.Random, chunks: tuple[int, int]) -> Iterator[StudyItem]:
     """The items of the multi-chunk set `name`, endlessly (the caller stops at its limit)."""
-    makers = {"api_pairs": _api_pairs, "chat_pairs": _chat_pairs, "compare": _compare, "bridge": _bridge, "lists": _lists}
-    return makers[name](rng, chunks)
+    makers = {"api_pairs": _api_pairs, "chat_pairs": _chat_pairs, "compare": _compare, "bridge": _bridge}
+    return {**makers, "lists": _lists}[name](rng, chunks)
 
 
 def _api_pairs(rng: random.Random, chunks: tuple[int, int]) -> Iterator[StudyItem]:
@@ -154,7 +154,8 @@ def _facts(questions: list[Question]) -> dict[str, dict[str, Question]]:
 def _world(rng: random.Random) -> tuple[int, dict[str, Chunk], dict[str, str], list[Question]]:
     world = rng.randrange(10**9)
     articles, questions = encyclopedia(world, entities=50)
-    return world, {a.id: Chunk(f"m{world}-{a.id}", a.text) for a in articles}, {a.id: a.title for a in articles}, questions
+    chunks = {a.id: Chunk(f"m{world}-{a.id}", a.text) for a in articles}
+    return world, chunks, {a.id: a.title for a in articles}, questions
 
 
 def _name(title: str) -> str:

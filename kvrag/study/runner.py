@@ -133,7 +133,6 @@ class StudyConfig:
             rows += [row for row in new if row not in rows]
         return rows
 
-
     def _default_row(self) -> Row:
         if self.default is None:  # names checked before the model is known: the row is made once it is
             return Row(DEFAULT, None, float(self.budgets[0]), default=True)
