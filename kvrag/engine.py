@@ -589,8 +589,8 @@ class KVRAG:
 
         `options` are the request's (`KVModel.stream`: strategy, picker, budget, strict and decoding). With
         no `strategy`, the index's tuned default runs (`kvrag tune`), else the model's shipped default
-        (`kvrag.defaults`: target_only on the embedded model, target_recompute on others); a `budget` or
-        `picker` left out comes with that default.
+        (`kvrag.defaults`: target_only on the named models, target_recompute on others); a `budget` or
+        `picker` left out comes with that default. A stream answers whole (`query` splits as the default says).
         """
         t0 = started_at if started_at is not None else time.perf_counter()
         request = Request.of(question, **options)  # checked before any retrieval work

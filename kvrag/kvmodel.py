@@ -260,8 +260,8 @@ class KVModel:
             options: the rest of the request (`kvrag.request.Request`):
                 strategy: a registered strategy name (`kvrag.STRATEGIES`), e.g. "target_recompute",
                     "target_only", "full_prefill", "reuse", "reorder", "token_select", or your own. None: the
-                    default kvrag ships for this model (`kvrag.defaults`: target_only on the embedded model,
-                    else target_recompute).
+                    default kvrag ships for this model (`kvrag.defaults`: target_only on the named models,
+                    else target_recompute; a stream answers whole, `answer` splits as the default says).
                 picker: how a target strategy picks its target: "retriever" (best score; with no scores,
                     chunk 0 of a list ranked best-first), "attention", "likelihood", "lexical", "fused" or
                     "oracle" (the given `target`). Default: the oracle when `target` is given, else the
