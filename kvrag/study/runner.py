@@ -402,6 +402,26 @@ class _ItemRun:
         self.reference(pre.decision.plan.order)
         return pre, ttft
 
+    def record_head(self, row: Row, key: str) -> dict[str, Any]:
+        """What every record of this item starts with: the item, its references' outcomes and the row."""
+        closed, base = self.refs["closed"], self.refs[_order_name(self.given)]
+        item = self.item
+        return {
+            "key": key,
+            "item": item.id,
+            "family": item.family,
+            "variant": item.variant,
+            "kind": item.kind,
+            "closed_book_correct": closed.correct,
+            "closed_book_agrees": normalize(closed.text) == normalize(base.text),
+            "full_prefill_correct": base.correct,
+            "strategy": row.strategy,
+            "picker": row.picker,
+            "budget": row.budget,
+            "lead": row.lead,
+            "default": row.default,
+        }
+
     def parts_record(self, row: Row, key: str) -> dict[str, Any]:
         """A "+parts" row: the question split and answered a part at a time over the item's chunk KV (each part's
         retrieval scores its own question's), greedy to a line break; scored on the parts' answers together.
@@ -424,23 +444,11 @@ class _ItemRun:
             )
             answers = answer.parts
         text = " ".join(answer.text.split())
-        closed, base = self.refs["closed"], self.refs[_order_name(self.given)]
+        base = self.refs[_order_name(self.given)]
         picked = [a.stats.target for a in answers if a.stats.target is not None]
         read = {c for a in answers for c in a.stats.order}
         return {
-            "key": key,
-            "item": self.item.id,
-            "family": self.item.family,
-            "variant": self.item.variant,
-            "kind": self.item.kind,
-            "closed_book_correct": closed.correct,
-            "closed_book_agrees": normalize(closed.text) == normalize(base.text),
-            "full_prefill_correct": base.correct,
-            "strategy": row.strategy,
-            "picker": row.picker,
-            "budget": row.budget,
-            "lead": row.lead,
-            "default": row.default,
+            **self.record_head(row, key),
             "parts": len(answers) if parts is not None else 0,  # 0: answered whole (the splitter left it)
             "own_order": list(answers[0].stats.order),
             "own_order_full_prefill_correct": base.correct,
@@ -525,24 +533,12 @@ class _ItemRun:
     ) -> dict[str, Any]:
         """What one row answered and cost on this item, against its references."""
         item, target = self.item, self.target
-        closed, base = self.refs["closed"], self.refs[_order_name(self.given)]
+        base = self.refs[_order_name(self.given)]
         order = list(pre.decision.plan.order)
         ref = self.refs[_order_name(order)]
         gold_ll = log_likelihood(gold_logits, self.gold)
         return {
-            "key": key,
-            "item": item.id,
-            "family": item.family,
-            "variant": item.variant,
-            "kind": item.kind,
-            "closed_book_correct": closed.correct,
-            "closed_book_agrees": normalize(closed.text) == normalize(base.text),
-            "full_prefill_correct": base.correct,
-            "strategy": row.strategy,
-            "picker": row.picker,
-            "budget": row.budget,
-            "lead": row.lead,
-            "default": row.default,
+            **self.record_head(row, key),
             "own_order": order,
             "own_order_full_prefill_correct": ref.correct,
             "full_prefill_text": base.text,
