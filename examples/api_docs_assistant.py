@@ -22,8 +22,8 @@ from llama_index.embeddings.kvrag import KVRAGEmbedding
 from llama_index.query_engine.kvrag import KVRAGKVTransform, KVRAGQueryEngine
 
 from kvrag import KVRAG, KVModel, MemoryStore
-from kvrag.demo import sample_docs
-from kvrag.embed import Embedder
+from kvrag.lab.demo import sample_docs
+from kvrag.engine.embed import Embedder
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import statistics
 import torch
 
 from kvrag import STRATEGIES, KVModel
-from kvrag.demo import sample_docs
+from kvrag.lab.demo import sample_docs
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ user are answered over the retrieved sessions' reused KV.
     python examples/dialogue_memory.py              # 12 sessions, 13 questions (about 55 s on 2 cores)
     python examples/dialogue_memory.py --quick      # 4 sessions, 2 questions (about 20 s)
 
-The conversation is a controlled synthetic world (`kvrag.synthetic.dialogue`): facts about the user and
+The conversation is a controlled synthetic world (`kvrag.lab.synthetic.dialogue`): facts about the user and
 the people they mention are stated in some sessions and updated in later ones, so the session that holds
 the answer (the target) competes with older values and with the same kind of fact about other people.
 Each session is ingested once as one chunk (embedded, KV encoded and kept in memory). Each question
@@ -22,8 +22,8 @@ import time
 import torch
 
 from kvrag import KVRAG, Document, KVModel, MemoryStore
-from kvrag.embed import Embedder
-from kvrag.synthetic import dialogue
+from kvrag.engine.embed import Embedder
+from kvrag.lab.synthetic import dialogue
 
 STRATEGIES = ("target_recompute", "full_prefill")
 

@@ -2,7 +2,7 @@
 
     python examples/open_domain_qa.py [--quick]
 
-The articles come from kvrag's seeded generator (`kvrag.synthetic.encyclopedia`: towns, rivers, people,
+The articles come from kvrag's seeded generator (`kvrag.lab.synthetic.encyclopedia`: towns, rivers, people,
 ships that no model knows from memory). They are ingested into a kvrag engine (each article's KV encoded
 once); the chain is plain LCEL:
 
@@ -21,8 +21,8 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_kvrag import KVRAGRetriever, KVRAGRunnable
 
 from kvrag import KVRAG, Document, KVModel, MemoryStore
-from kvrag.embed import Embedder
-from kvrag.synthetic import encyclopedia
+from kvrag.engine.embed import Embedder
+from kvrag.lab.synthetic import encyclopedia
 
 
 def main() -> None:

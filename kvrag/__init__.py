@@ -5,8 +5,12 @@ by one RoPE rotation, repairs what matters most (by default: the target chunk, m
 and recomputed against the reused cache) and generates.
 """
 
-from kvrag.documents import Document, register_loader
-from kvrag.engine import KVRAG, IngestStats
+from kvrag.answer import NO_CONTEXT, Answer, AnswerStats, Source
+from kvrag.cache.chunks import Chunks, ChunkSource
+from kvrag.cache.kv import ChunkKV, chunk_key
+from kvrag.cache.store import DiskStore, KVStore, MemoryStore, RedisStore, TieredStore
+from kvrag.engine.documents import Document, register_loader
+from kvrag.engine.rag import KVRAG, IngestStats
 from kvrag.errors import (
     ContextOverflowError,
     DocumentError,
@@ -20,20 +24,16 @@ from kvrag.errors import (
     StoreError,
     UnsupportedModelError,
 )
-from kvrag.kv import ChunkKV, chunk_key
-from kvrag.answer import NO_CONTEXT, Answer, AnswerStats, Source
-from kvrag.chunks import Chunks, ChunkSource
-from kvrag.executor import Executor, HFExecutor, Job
-from kvrag.kvmodel import KVModel
-from kvrag.pipeline import Prefilled
-from kvrag.request import Request
-from kvrag.layout import PromptLayout
-from kvrag.model import SUPPORTED_MODEL_TYPES, ModelFingerprint, check_architecture
-from kvrag.pickers import PICKERS
-from kvrag.planner import Decision
-from kvrag.probe import Probe
-from kvrag.store import DiskStore, KVStore, MemoryStore, RedisStore, TieredStore
-from kvrag.strategies import STRATEGIES, Plan, PlanRequest, register_strategy
+from kvrag.model.kvmodel import KVModel
+from kvrag.model.layout import PromptLayout
+from kvrag.model.loading import SUPPORTED_MODEL_TYPES, ModelFingerprint, check_architecture
+from kvrag.plan.pickers import PICKERS
+from kvrag.plan.planner import Decision
+from kvrag.plan.probe import Probe
+from kvrag.plan.request import Request
+from kvrag.plan.strategies import STRATEGIES, Plan, PlanRequest, register_strategy
+from kvrag.run.executor import Executor, HFExecutor, Job
+from kvrag.run.pipeline import Prefilled
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
 """What an answer is: its text, why it ended, the chunks it was given and what it cost.
 
-Plain records, built once per answer by `kvrag.pipeline`; `to_dict` is the documented JSON form. This
+Plain records, built once per answer by `kvrag.run.pipeline`; `to_dict` is the documented JSON form. This
 module computes nothing.
 """
 

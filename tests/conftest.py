@@ -12,11 +12,11 @@ import pytest  # noqa: E402
 
 @pytest.fixture
 def hash_embedder(monkeypatch):
-    """kvrag.engine's Embedder replaced by tiny.HashEmbedder: engines built in the test load no embedding model.
+    """kvrag.engine.rag's Embedder replaced by tiny.HashEmbedder: engines built in the test load no embedding model.
     A module uses it with `pytestmark = pytest.mark.usefixtures("hash_embedder")` (or defines its own)."""
     from tiny import HashEmbedder
 
-    monkeypatch.setattr("kvrag.engine.Embedder", HashEmbedder)
+    monkeypatch.setattr("kvrag.engine.rag.Embedder", HashEmbedder)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from kvrag.bench_storage import start_redis
+from kvrag.lab.bench.storage import start_redis
 
 
 def free_port() -> int:

@@ -6,11 +6,11 @@ import pytest
 from tiny import FACTS, HashEmbedder, save_tiny
 
 from kvrag.cli import main
-from kvrag.defaults import TUNED, load_default
-from kvrag.engine import KVRAG
+from kvrag.plan.defaults import TUNED, load_default
+from kvrag.engine.rag import KVRAG
 from kvrag.errors import IndexLoadError, InvalidRequestError
-from kvrag.study.agreement import candidates, choose, read_questions
-from kvrag.study.metrics import normalize
+from kvrag.lab.study.agreement import candidates, choose, read_questions
+from kvrag.lab.study.metrics import normalize
 
 QUESTIONS = [
     "Who built the lighthouse of Karsa?",
@@ -22,7 +22,7 @@ QUESTIONS = [
 
 @pytest.fixture
 def index(tmp_path, monkeypatch):
-    monkeypatch.setattr("kvrag.engine.Embedder", HashEmbedder)
+    monkeypatch.setattr("kvrag.engine.rag.Embedder", HashEmbedder)
     model = save_tiny(tmp_path / "model")
     rag = KVRAG.from_defaults(tmp_path / "index", model=str(model), cache_dir=tmp_path / "cache")
     rag.ingest(FACTS, progress=False)
@@ -135,8 +135,8 @@ def test_candidates_and_questions_are_checked(tmp_path):
 
 
 def test_the_shipped_default_is_the_recipe_except_on_the_embedded_model():
-    from kvrag.defaults import EMBEDDED, RECIPE, shipped_default
-    from kvrag.model import EMBEDDED_WEIGHTS
+    from kvrag.plan.defaults import EMBEDDED, RECIPE, shipped_default
+    from kvrag.model.loading import EMBEDDED_WEIGHTS
 
     assert shipped_default(EMBEDDED_WEIGHTS) == EMBEDDED and EMBEDDED["strategy"] == "target_only"
     assert EMBEDDED["picker"] == "likelihood"
@@ -144,8 +144,8 @@ def test_the_shipped_default_is_the_recipe_except_on_the_embedded_model():
 
 
 def test_a_named_models_default_may_split_questions(tmp_path):
-    from kvrag import catalog
-    from kvrag.defaults import QWEN_05B, default_parts, load_default, save_default, shipped_default
+    from kvrag.model import catalog
+    from kvrag.plan.defaults import QWEN_05B, default_parts, load_default, save_default, shipped_default
 
     assert shipped_default(catalog.QWEN_05B.weights) == QWEN_05B and default_parts(QWEN_05B) == "auto"
     assert default_parts(shipped_default("sha256:other")) is None

@@ -10,11 +10,11 @@ import transformers.integrations.sdpa_attention as hf_sdpa
 from tiny import ARCHS, VOCAB, byte_tokenizer, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
 
-from kvrag import ckernel
-from kvrag.attention import GQA_SDPA, use_gqa_sdpa
+from kvrag.cpu import ckernel
+from kvrag.cpu.attention import GQA_SDPA, use_gqa_sdpa
 from kvrag.compat import with_cache
-from kvrag.kvmodel import KVModel
-from kvrag.recompute import causal_mask
+from kvrag.model.kvmodel import KVModel
+from kvrag.run.recompute import causal_mask
 
 
 def _copies_kv_heads(monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -1,4 +1,4 @@
-"""kvrag.batch: many prompts of different lengths as one left-padded batch decode and teacher-force as each
+"""kvrag.run.batch: many prompts of different lengths as one left-padded batch decode and teacher-force as each
 prompt alone."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from tiny import FACTS, byte_tokenizer, tiny_model
 
-from kvrag.batch import PaddedBatch
-from kvrag.kvmodel import KVModel
-from kvrag.recompute import full_prefill
+from kvrag.run.batch import PaddedBatch
+from kvrag.model.kvmodel import KVModel
+from kvrag.run.recompute import full_prefill
 
 
 def stop_ids(kv: KVModel) -> set[int]:

@@ -9,7 +9,7 @@ import pytest
 
 from tiny import save_tiny
 
-from kvrag.bench import (
+from kvrag.lab.bench.ttft import (
     DEFAULT,
     FULL_PREFILL,
     LOWER_BOUND,
@@ -20,7 +20,7 @@ from kvrag.bench import (
     ROOFLINE_SUFFIX,
     TRANSFORMERS,
 )
-from kvrag.bench_report import FILES
+from kvrag.lab.bench.report import FILES
 from kvrag.cli import main
 
 
@@ -59,7 +59,7 @@ def test_quick_bench_writes_every_output(tmp_path, capsys):
     assert result["int8"]["items"] >= 1 and result["int8"]["finite"]
     assert set(result["int8"]["first_token_kl"]) == {"reuse", "target_recompute"}
     markdown = (out / "bench.md").read_text()
-    from kvrag import ckernel
+    from kvrag.cpu import ckernel
 
     step = "C step" if ckernel.available() else "eager step"  # the tiny llama in float32: the C step takes it
     assert result["machine"]["decoding"] == step and f"decoding with the {step}" in markdown
@@ -89,11 +89,11 @@ def test_bench_rejects_a_context_shorter_than_a_chunk(tmp_path, capsys):
 
 
 def test_bench_decode_prints_every_step_and_the_floor(tmp_path, capsys):
-    from kvrag import ckernel
-    from kvrag.bench_decode import decode_benchmark
-    from kvrag.fastdecode import decodes_compiled, decodes_native
-    from kvrag.roofline import forward_cost
-    from kvrag.kvmodel import KVModel
+    from kvrag.cpu import ckernel
+    from kvrag.lab.bench.decode import decode_benchmark
+    from kvrag.cpu.decode import decodes_compiled, decodes_native
+    from kvrag.lab.roofline import forward_cost
+    from kvrag.model.kvmodel import KVModel
 
     kv = KVModel.from_pretrained(str(save_tiny(tmp_path / "model")))
     rows = decode_benchmark(kv, contexts=(150,), tokens=6, runs=1, log=print)
@@ -114,8 +114,10 @@ def test_bench_decode_prints_every_step_and_the_floor(tmp_path, capsys):
 def test_the_reposition_benchmark_times_every_arm_and_puts_the_engine_back(monkeypatch):
     from tiny import byte_tokenizer, tiny_model
 
-    from kvrag import KVModel, ckernel
-    from kvrag.bench_reposition import ARMS, reposition_benchmark
+    from kvrag import KVModel
+
+    from kvrag.cpu import ckernel
+    from kvrag.lab.bench.reposition import ARMS, reposition_benchmark
 
     calls = []
     plan = ckernel.stitch_plan
@@ -140,8 +142,8 @@ def test_the_forward_benchmark_splits_the_forward_and_puts_the_functions_back():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from kvrag import KVModel
-    from kvrag.attention import GQA_SDPA
-    from kvrag.bench_forward import forward_benchmark
+    from kvrag.cpu.attention import GQA_SDPA
+    from kvrag.lab.bench.forward import forward_benchmark
 
     kv = KVModel(tiny_model("llama"), byte_tokenizer())
     attention, linear, lines = ALL_ATTENTION_FUNCTIONS[GQA_SDPA], torch.nn.Linear.forward, []
@@ -161,10 +163,12 @@ def test_the_forward_benchmark_runs_the_linear_layers_or_the_norms_both_ways_and
     import torch
     from tiny import byte_tokenizer, tiny_model
 
-    from kvrag import KVModel, ckernel
-    from kvrag.bench_forward import forward_benchmark
-    from kvrag.linear import PrefillLinear
-    from kvrag.norm import is_prefill_norm
+    from kvrag import KVModel
+
+    from kvrag.cpu import ckernel
+    from kvrag.lab.bench.forward import forward_benchmark
+    from kvrag.cpu.linear import PrefillLinear
+    from kvrag.cpu.norm import is_prefill_norm
 
     if not ckernel.prefill_linear_available():
         pytest.skip("no AVX512-BF16 CPU or no compiler")
@@ -195,9 +199,9 @@ def test_the_forward_benchmark_runs_the_linear_layers_or_the_norms_both_ways_and
 
 def test_floors_use_the_best_calibration_of_the_run(tmp_path, monkeypatch, capsys):
     """A calibration that falls in a slow spell would set the floor too high and flatter every ratio to it."""
-    from kvrag import bench_decode
-    from kvrag.kvmodel import KVModel
-    from kvrag.roofline import Machine
+    from kvrag.lab.bench import decode as bench_decode
+    from kvrag.model.kvmodel import KVModel
+    from kvrag.lab.roofline import Machine
 
     slow, fast = Machine(1e11, 2e10), Machine(4e11, 5e10)
     assert slow.best(fast) == fast.best(slow) == fast and Machine(4e11, 2e10).best(Machine(1e11, 5e10)) == fast

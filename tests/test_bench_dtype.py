@@ -4,9 +4,9 @@ import math
 
 from tiny import save_tiny
 
-from kvrag.bench_dtype import STRATEGIES, dtype_quality, markdown
+from kvrag.lab.bench.dtype import STRATEGIES, dtype_quality, markdown
 from kvrag.cli import main
-from kvrag.kvmodel import KVModel
+from kvrag.model.kvmodel import KVModel
 
 
 def test_bfloat16_against_float32_reports_kl_and_agreement_per_strategy(tmp_path):

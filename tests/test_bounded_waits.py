@@ -16,12 +16,12 @@ import pytest
 from redis_server import RedisServer
 from tiny import FACTS, HashEmbedder, save_tiny
 
-from kvrag.aio import in_thread
+from kvrag.engine.aio import in_thread
 from kvrag.cli import main
-from kvrag.engine import KVRAG
+from kvrag.engine.rag import KVRAG
 from kvrag.errors import BusyError
-from kvrag.folder import LOCK_FILE
-from kvrag.store import DiskStore, MemoryStore, RedisStore, StoreWarning, TieredStore
+from kvrag.engine.folder import LOCK_FILE
+from kvrag.cache.store import DiskStore, MemoryStore, RedisStore, StoreWarning, TieredStore
 
 TESTS = Path(__file__).resolve().parent
 pytestmark = pytest.mark.usefixtures("hash_embedder")
@@ -175,8 +175,8 @@ def _texts(tmp_path, facts):
 RUN_CLI = """
 import sys
 sys.path.insert(0, {tests!r})
-import kvrag.engine, tiny
-kvrag.engine.Embedder = tiny.HashEmbedder
+import kvrag.engine.rag, tiny
+kvrag.engine.rag.Embedder = tiny.HashEmbedder
 from kvrag.cli import main
 sys.exit(main(sys.argv[1:]))
 """

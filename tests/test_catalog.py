@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrag import catalog
-from kvrag.catalog import NamedModel, Part
+from kvrag.model import catalog
+from kvrag.model.catalog import NamedModel, Part
 from kvrag.errors import ModelNotFoundError
 
 

@@ -1,4 +1,4 @@
-"""kvrag.chunks: one request's chunks: ids checked at once, KV only when read, each fetched once: from the
+"""kvrag.cache.chunks: one request's chunks: ids checked at once, KV only when read, each fetched once: from the
 store under the namespace's key, else encoded and stored; a failing store is a warning and a recompute."""
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 from tiny import byte_tokenizer, tiny_model
 
 from kvrag import KVModel, MemoryStore
-from kvrag.chunks import ChunkSource
+from kvrag.cache.chunks import ChunkSource
 from kvrag.errors import ContextOverflowError, InvalidRequestError, StoreError
-from kvrag.store import StoreWarning
+from kvrag.cache.store import StoreWarning
 
 TEXTS = ["The river Tam floods every spring.", "The archive opens at nine.", "Zed is short."]
 

@@ -1,4 +1,4 @@
-"""kvrag.ckernel: the decode step's C attention equals torch's, and the step uses it where it takes the cache; the
+"""kvrag.cpu.ckernel: the decode step's C attention equals torch's, and the step uses it where it takes the cache; the
 C rotation of stored keys equals torch's, and re-positioning uses it where it takes the tensors."""
 
 import copy
@@ -7,9 +7,9 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from kvrag import ckernel
-from kvrag.fastdecode import Room, decoder_of, native_decoding
-from kvrag.recompute import full_prefill
+from kvrag.cpu import ckernel
+from kvrag.cpu.decode import Room, decoder_of, native_decoding
+from kvrag.run.recompute import full_prefill
 
 needs_kernel = pytest.mark.skipif(not ckernel.available(), reason="no C compiler here: the step keeps torch's")
 
@@ -125,7 +125,7 @@ def _torch_rotation(rep, keys, cos, sin, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "phi3"])  # phi3: partial rotary, the other dims copied
 def test_the_rotation_kernel_equals_torchs_and_writes_only_its_slots(arch, dtype, monkeypatch):
-    from kvrag.rope import Repositioner
+    from kvrag.model.rope import Repositioner
 
     rep = Repositioner(tiny_model(arch))
     d = 16
@@ -170,7 +170,7 @@ def _pieces(dtype, d, dv, generator):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "phi3"])  # phi3: partial rotary, the other dims copied
 def test_the_one_pass_stitch_writes_what_the_rotation_and_copies_write_and_nothing_else(arch, dtype):
-    from kvrag.rope import Repositioner
+    from kvrag.model.rope import Repositioner
 
     rep = Repositioner(tiny_model(arch))
     generator = torch.Generator().manual_seed(3)
@@ -198,9 +198,9 @@ def test_the_one_pass_stitch_writes_what_the_rotation_and_copies_write_and_nothi
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_stitched_prefill_is_the_same_through_the_one_pass_kernel_and_through_torch(dtype, monkeypatch):
-    from kvrag.encode import encode_chunks, encode_prefix
-    from kvrag.recompute import recompute
-    from kvrag.rope import Repositioner
+    from kvrag.model.encode import encode_chunks, encode_prefix
+    from kvrag.run.recompute import recompute
+    from kvrag.model.rope import Repositioner
 
     model = copy.deepcopy(tiny_model("llama")).to(dtype)  # the shared model stays as it is
     ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -240,7 +240,7 @@ def test_what_the_one_pass_stitch_does_not_take_is_left_to_torch():
 
 
 def test_without_a_compiler_keys_are_rotated_by_torch(monkeypatch, tmp_path):
-    from kvrag.rope import Repositioner
+    from kvrag.model.rope import Repositioner
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -302,7 +302,7 @@ def test_the_paged_write_puts_every_token_in_its_slot_converted_and_nothing_else
 @needs_paged_kernel
 @pytest.mark.parametrize("arch", ["llama", "phi3"])  # phi3: partial rotary, the other dims copied
 def test_the_paged_write_rotates_keys_as_the_rotation_kernel_does(arch, monkeypatch):
-    from kvrag.rope import Repositioner
+    from kvrag.model.rope import Repositioner
 
     rep = Repositioner(tiny_model(arch))
     d, block_size = 16, 8
@@ -479,7 +479,7 @@ def test_a_token_that_sees_no_key_gets_zeros_and_the_others_are_untouched():
 
 def test_the_streaming_read_sums_the_buffer_and_refuses_what_it_cannot_read():
     if not ckernel.available():
-        pytest.skip("no C compiler for kvrag.ckernel")
+        pytest.skip("no C compiler for kvrag.cpu.ckernel")
     buffer = torch.arange(64 * 100, dtype=torch.float32) % 7
     assert ckernel.stream_read(buffer) == pytest.approx(float(buffer.sum()))
     for bad in (buffer[:100], buffer.double(), buffer.view(100, 64).t()):

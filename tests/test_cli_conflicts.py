@@ -1,13 +1,13 @@
 """`kvrag ingest` into an existing index: a flag that disagrees with the index is an error naming both values."""
 
-import json
 import shutil
 
 import pytest
+from tiny import edit_manifest
 from tiny import HashEmbedder, save_tiny
 
 from kvrag.cli import main
-from kvrag.folder import MANIFEST, IndexFolder
+from kvrag.engine.folder import IndexFolder
 
 
 class NamedHashEmbedder(HashEmbedder):
@@ -31,7 +31,7 @@ def setup(tmp_path_factory):
 @pytest.fixture
 def index(setup, monkeypatch, capsys):
     """An index built with explicit, non-default settings (once; tests must leave it as it is)."""
-    monkeypatch.setattr("kvrag.engine.Embedder", NamedHashEmbedder)
+    monkeypatch.setattr("kvrag.engine.rag.Embedder", NamedHashEmbedder)
     root, model, docs = setup
     index = root / "index"
     if not index.exists():
@@ -105,7 +105,7 @@ def test_the_index_values_repeated_or_left_out_are_fine(capsys, setup, index, fl
 
 
 def test_a_fresh_index_takes_the_defaults(capsys, setup, monkeypatch):
-    monkeypatch.setattr("kvrag.engine.Embedder", NamedHashEmbedder)
+    monkeypatch.setattr("kvrag.engine.rag.Embedder", NamedHashEmbedder)
     root, model, _ = setup
     fresh = root / "fresh"
     code, _, err = ingest(capsys, setup, fresh, "--model", model)
@@ -125,8 +125,7 @@ def test_a_fresh_index_takes_the_defaults(capsys, setup, monkeypatch):
 def test_an_index_of_the_embedded_default_model_conflicts_with_any_model_named(capsys, setup, index, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(index, copy)
-    manifest = json.loads((copy / MANIFEST).read_text())
-    (copy / MANIFEST).write_text(json.dumps({**manifest, "model": None}))
+    edit_manifest(copy, model=None)
     code, _, err = ingest(capsys, setup, copy, "--model", setup[1])
     assert code == 2 and err == (
         f"kvrag: error: --model {setup[1]} conflicts with the index at {copy}, built with model None (the embedded "

@@ -1,11 +1,11 @@
-"""kvrag.codec: a stored entry reads back as written, and anything that cannot be trusted reads as a miss."""
+"""kvrag.cache.codec: a stored entry reads back as written, and anything that cannot be trusted reads as a miss."""
 
 import pytest
 import torch
 
-from kvrag.codec import decode_entry, encode_entry
+from kvrag.cache.codec import decode_entry, encode_entry
 from kvrag.errors import InvalidRequestError
-from kvrag.kv import ChunkKV
+from kvrag.cache.kv import ChunkKV
 
 ENC = "encoder-1"
 

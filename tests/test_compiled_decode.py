@@ -10,10 +10,10 @@ import torch
 from tiny import FAST_DECODED, tiny_config
 from transformers import AutoModelForCausalLM
 
-from kvrag import ckernel
-from kvrag.fastdecode import BLOCK, Room, compile_decoding, decode_room, decoder_of, native_decoding
-from kvrag.generate import Sampling, decode
-from kvrag.recompute import full_prefill
+from kvrag.cpu import ckernel
+from kvrag.cpu.decode import BLOCK, Room, compile_decoding, decode_room, decoder_of, native_decoding
+from kvrag.run.generate import Sampling, decode
+from kvrag.run.recompute import full_prefill
 
 NO_COMPILER = not any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 needs_compiler = pytest.mark.skipif(NO_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")
@@ -42,7 +42,7 @@ def test_each_compiled_step_matches_the_whole_sequence_forward(name, c_kernel, m
     if not c_kernel:  # the compiled step's own attention, where the C kernel did not build
         monkeypatch.setattr(ckernel, "supports", lambda *args: False)
     elif not ckernel.available():
-        pytest.skip("no C compiler for kvrag.ckernel")
+        pytest.skip("no C compiler for kvrag.cpu.ckernel")
     else:
         attend = ckernel.decode_attention
         monkeypatch.setattr(ckernel, "decode_attention", lambda *args: calls.append(args[3]) or attend(*args))

@@ -1,4 +1,4 @@
-"""A bfloat16 prefill's whole forward in one C call (`kvrag.cprefill`, `kernels/prefill_layers.c`): bitwise the
+"""A bfloat16 prefill's whole forward in one C call (`kvrag.cpu.prefill`, `kernels/prefill_layers.c`): bitwise the
 model's own forward over kvrag's kernels, and only where that holds."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import torch
 from tiny import tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
 
-from kvrag import ckernel, cprefill, rotary
-from kvrag.attention import use_gqa_sdpa
-from kvrag.encode import encode_chunks, encode_prefix
-from kvrag.linear import use_prefill_linears
-from kvrag.mlp import use_prefill_mlps
-from kvrag.norm import use_prefill_norms
-from kvrag.recompute import recompute
-from kvrag.rope import Repositioner
-from kvrag.rotary import use_prefill_rotary
+from kvrag.cpu import ckernel, rotary
+from kvrag.cpu.attention import use_gqa_sdpa
+from kvrag.model.encode import encode_chunks, encode_prefix
+from kvrag.cpu.linear import use_prefill_linears
+from kvrag.cpu.mlp import use_prefill_mlps
+from kvrag.cpu.norm import use_prefill_norms
+from kvrag.run.recompute import recompute
+from kvrag.model.rope import Repositioner
+from kvrag.cpu.rotary import use_prefill_rotary
 
 needs_kernel = pytest.mark.skipif(not ckernel.prefill_layers_available(), reason="no AVX512-BF16 CPU or no compiler")
 
@@ -130,7 +130,7 @@ def test_a_c_call_refused_after_its_first_layer_leaves_the_whole_stitch_to_the_c
 @needs_kernel
 def test_the_c_call_takes_positions_and_refuses_what_it_does_not_compute():
     model = _kvrag_model("llama")
-    from kvrag.fastdecode import decoder_of
+    from kvrag.cpu.decode import decoder_of
 
     step = decoder_of(model).native
     layers, heads, d = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim

@@ -15,11 +15,11 @@ import torch
 from tiny import ARCHS, FACTS, VOCAB, byte_tokenizer, save_tiny, tiny_model
 
 from kvrag import KVModel
-from kvrag.encode import encode_chunks, encode_prefix, stacked_kv
-from kvrag.generate import Sampling, decode
-from kvrag.kv import ChunkKV
-from kvrag.recompute import full_prefill, recompute
-from kvrag.rope import Repositioner
+from kvrag.model.encode import encode_chunks, encode_prefix, stacked_kv
+from kvrag.run.generate import Sampling, decode
+from kvrag.cache.kv import ChunkKV
+from kvrag.run.recompute import full_prefill, recompute
+from kvrag.model.rope import Repositioner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -147,7 +147,7 @@ def test_kvmodel_strategies_on_the_gpu(tiny_kv):
 
 
 def test_compiled_decoding_on_the_gpu_gives_the_plain_steps_tokens(tiny_kv):
-    from kvrag.fastdecode import native_decoding
+    from kvrag.cpu.decode import native_decoding
 
     plain = tiny_kv.answer(QUESTION, CHUNKS, target=1, max_new_tokens=12)
     compiled = KVModel(on_cuda("llama"), byte_tokenizer(), compile_decode=True)
@@ -158,7 +158,7 @@ def test_compiled_decoding_on_the_gpu_gives_the_plain_steps_tokens(tiny_kv):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_decoding_gives_the_torch_steps_tokens_and_replays_across_answers(arch, dtype):
-    from kvrag.fastdecode import decoder_of, native_decoding
+    from kvrag.cpu.decode import decoder_of, native_decoding
 
     model = on_cuda(arch, dtype)
     ids = PREFIX + [t for c in CHUNK_IDS for t in c] + SUFFIX
@@ -190,7 +190,7 @@ def test_graph_decoding_gives_the_torch_steps_tokens_and_replays_across_answers(
 
 
 def test_an_engine_on_the_gpu_replays_its_graph_across_answers(tiny_kv):
-    from kvrag.fastdecode import decoder_of
+    from kvrag.cpu.decode import decoder_of
 
     first = tiny_kv.answer(QUESTION, CHUNKS, target=1, max_new_tokens=12)
     graphs = decoder_of(tiny_kv.model).graphs
@@ -204,7 +204,7 @@ def test_an_engine_on_the_gpu_replays_its_graph_across_answers(tiny_kv):
 def test_the_engine_end_to_end_on_the_gpu(dtype, tmp_path):
     """Ingest (encode, store in float16 on disk), retrieve, stitch, recompute and decode, all on the GPU; a
     second engine over the same folder reads the stored KV back and answers the same."""
-    from kvrag.engine import KVRAG
+    from kvrag.engine.rag import KVRAG
 
     folder = save_tiny(tmp_path / "model")
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from kvrag import KVModel
-from kvrag.demo import run_demo, sample_docs
-from kvrag.encode import stacked_kv
-from kvrag.kv import ChunkKV
-from kvrag.recompute import full_prefill, recompute
-from kvrag.strategies import BUILTIN_STRATEGIES
+from kvrag.lab.demo import run_demo, sample_docs
+from kvrag.model.encode import stacked_kv
+from kvrag.cache.kv import ChunkKV
+from kvrag.run.recompute import full_prefill, recompute
+from kvrag.plan.strategies import BUILTIN_STRATEGIES
 
 pytestmark = pytest.mark.slow
 
@@ -217,8 +217,8 @@ def test_strategy_table_on_the_real_model(kv, docs):
 
 
 def test_the_c_step_and_the_compiled_step_give_the_torch_steps_answers(kv, docs):
-    from kvrag import ckernel
-    from kvrag.fastdecode import compile_decoding, native_decoding
+    from kvrag.cpu import ckernel
+    from kvrag.cpu.decode import compile_decoding, native_decoding
 
     chunks, items = docs
     texts = [c["text"] for c in chunks[:4]]

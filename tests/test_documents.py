@@ -1,9 +1,9 @@
-"""kvrag.documents: files of any bytes and suffix become one document of their UTF-8 text, or a clear error."""
+"""kvrag.engine.documents: files of any bytes and suffix become one document of their UTF-8 text, or a clear error."""
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrag.documents import to_documents
+from kvrag.engine.documents import to_documents
 from kvrag.errors import DocumentError, EmptyInputError, InvalidRequestError, KVRAGError
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from tiny import VOCAB, tiny_model
 
-from kvrag.encode import _batches, encode_chunks, encode_prefix
+from kvrag.model.encode import _batches, encode_chunks, encode_prefix
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "qwen3"])

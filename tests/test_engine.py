@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import FACTS, byte_tokenizer, save_tiny, in_threads
+from tiny import FACTS, byte_tokenizer, edit_manifest, in_threads, save_tiny
 
-from kvrag.documents import DocumentError, split_text
-from kvrag.embed import Embedder
-from kvrag.engine import KVRAG
+from kvrag.engine.documents import DocumentError, split_text
+from kvrag.engine.embed import Embedder
+from kvrag.engine.rag import KVRAG
 from kvrag.errors import EmptyInputError, IndexLoadError, InvalidRequestError, NoMatchError
-from kvrag.kvmodel import Answer
+from kvrag.model.kvmodel import Answer
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def embedder():
 
 @pytest.fixture
 def rag(model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("kvrag.engine.Embedder", lambda name=None, device="cpu": _shared_embedder(name))
+    monkeypatch.setattr("kvrag.engine.rag.Embedder", lambda name=None, device="cpu": _shared_embedder(name))
     engine = KVRAG.from_defaults(
         tmp_path / "index", model=str(model_dir), chunk_tokens=120, overlap=8, cache_dir=tmp_path / "cache"
     )
@@ -152,7 +152,7 @@ def test_a_second_process_answers_with_zero_encodings(rag, model_dir):
     first = rag.query("Who built the lighthouse?", top_k=3, max_new_tokens=6)
     script = (
         "import json, sys\n"
-        "from kvrag.engine import KVRAG\n"
+        "from kvrag.engine.rag import KVRAG\n"
         f"rag = KVRAG.load({str(rag.path)!r}, cache_dir={str(rag.path.parent / 'cache')!r})\n"
         "a = rag.query('Who built the lighthouse?', top_k=3, max_new_tokens=6)\n"
         "print(json.dumps({'encoded': a.stats.chunks_encoded, 'hits': a.stats.store_hits, 'tokens': a.token_ids}))\n"
@@ -170,10 +170,7 @@ def test_a_second_process_answers_with_zero_encodings(rag, model_dir):
 
 
 def test_an_index_of_another_model_is_refused(rag, tmp_path):
-    manifest = rag.path / "kvrag-index.json"
-    data = json.loads(manifest.read_text())
-    data["fingerprint"] = "0" * 64
-    manifest.write_text(json.dumps(data))
+    edit_manifest(rag.path, fingerprint="0" * 64)
     with pytest.raises(IndexLoadError, match="built with another model"):
         KVRAG.load(rag.path, cache_dir=tmp_path / "cache")
     with pytest.raises(IndexLoadError, match="no kvrag index"):
@@ -181,7 +178,7 @@ def test_an_index_of_another_model_is_refused(rag, tmp_path):
 
 
 def test_a_path_with_no_index_is_refused_by_name_when_not_to_be_created(model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("kvrag.engine.Embedder", lambda name=None, device="cpu": _shared_embedder(name))
+    monkeypatch.setattr("kvrag.engine.rag.Embedder", lambda name=None, device="cpu": _shared_embedder(name))
     typo = tmp_path / "typo-indx"
     with pytest.raises(IndexLoadError, match=f"no kvrag index at {typo}: check the path"):
         KVRAG.from_defaults(typo, model=str(model_dir), create=False)
@@ -208,7 +205,7 @@ def test_files_and_bad_documents(rag, tmp_path):
         rag.ingest(["   "])
     with pytest.raises(InvalidRequestError, match="cannot ingest a int"):
         rag.ingest([3])
-    from kvrag.documents import to_documents
+    from kvrag.engine.documents import to_documents
 
     assert [d.text for d in to_documents(("one text", "another text"))] == ["one text", "another text"]
     assert to_documents(("a text", {"k": 1}))[0].metadata == {"k": 1}
@@ -242,10 +239,10 @@ def test_splitter_windows_overlap_and_keep_the_text(embedder):
 def test_redis_going_down_mid_service_recomputes_with_a_warning(model_dir, tmp_path, monkeypatch):
     from redis_server import RedisServer
 
-    from kvrag.engine import StoreWarning
-    from kvrag.store import MemoryStore, RedisStore, TieredStore
+    from kvrag.engine.rag import StoreWarning
+    from kvrag.cache.store import MemoryStore, RedisStore, TieredStore
 
-    monkeypatch.setattr("kvrag.engine.Embedder", lambda name=None, device="cpu": _shared_embedder(name))
+    monkeypatch.setattr("kvrag.engine.rag.Embedder", lambda name=None, device="cpu": _shared_embedder(name))
     server = RedisServer()
     try:
         store = TieredStore(MemoryStore(), RedisStore(server.url, namespace="down-test"))

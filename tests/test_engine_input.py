@@ -13,21 +13,21 @@ from tiny import FACTS, HashEmbedder, byte_tokenizer, save_tiny, tiny_config
 
 from kvrag import Document, KVModel
 from kvrag.cli import main
-from kvrag.engine import KVRAG
+from kvrag.engine.rag import KVRAG
 from kvrag.errors import (
     ContextOverflowError,
     DocumentError,
     EmptyInputError,
     InvalidRequestError,
 )
-from kvrag.store import DiskStore, MemoryStore, TieredStore
+from kvrag.cache.store import DiskStore, MemoryStore, TieredStore
 
 Q = "Who runs Velloria's harbour?"
 
 
 @pytest.fixture(autouse=True)
 def hash_embedder(monkeypatch):
-    monkeypatch.setattr("kvrag.engine.Embedder", HashEmbedder)
+    monkeypatch.setattr("kvrag.engine.rag.Embedder", HashEmbedder)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def shared_kv(folder):
 
 @pytest.fixture
 def rag(model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("kvrag.engine.KVModel.from_pretrained", lambda name, **kw: shared_kv(str(model_dir)))
+    monkeypatch.setattr("kvrag.engine.rag.KVModel.from_pretrained", lambda name, **kw: shared_kv(str(model_dir)))
     engine = KVRAG.from_defaults(tmp_path / "index", model=str(model_dir), chunk_tokens=120, overlap=8)
     engine.ingest(FACTS, progress=False)
     return engine
@@ -145,17 +145,17 @@ def test_a_5_mb_document_through_the_api_and_the_cli(tmp_path, capsys, monkeypat
     rag = KVRAG.from_defaults(index, model=str(tmp_path / "micro"), chunk_tokens=400, overlap=8,
                               store=TieredStore(MemoryStore(4 << 20), DiskStore(index / "kv", "int8")))  # fmt: skip
     rag.kvmodel.batch_tokens = 1 << 16
-    import kvrag.chunks
+    import kvrag.cache.chunks
 
-    real_encode, calls = kvrag.chunks.encode_chunks, []
+    real_encode, calls = kvrag.cache.chunks.encode_chunks, []
 
     def recording(model, prefix, ids, **kw):
         calls.append(sum(map(len, ids)))
         return real_encode(model, prefix, ids, **kw)
 
-    monkeypatch.setattr(kvrag.chunks, "encode_chunks", recording)
+    monkeypatch.setattr(kvrag.cache.chunks, "encode_chunks", recording)
     stats = rag.ingest(big, progress=False)
-    monkeypatch.setattr(kvrag.chunks, "encode_chunks", real_encode)
+    monkeypatch.setattr(kvrag.cache.chunks, "encode_chunks", real_encode)
     assert stats.documents == 1 and stats.tokens > 5_000_000 and stats.chunks > 12_000
     # Ingestion holds one group's KV at a time (about one encoding forward), never the whole document's.
     assert (

@@ -8,10 +8,10 @@ import pytest
 import torch
 from tiny import ARCHS, FAST_DECODED, tiny_model
 
-from kvrag import ckernel
-from kvrag.fastdecode import FastDecoder, Room, decoder_of, native_decoding, supports
-from kvrag.generate import Sampling, _forward, decode
-from kvrag.recompute import full_prefill
+from kvrag.cpu import ckernel
+from kvrag.cpu.decode import FastDecoder, Room, decoder_of, native_decoding, supports
+from kvrag.run.generate import Sampling, _forward, decode
+from kvrag.run.recompute import full_prefill
 
 TAKEN = FAST_DECODED
 OTHERS = [name for name in ARCHS if name not in TAKEN]
@@ -26,7 +26,7 @@ def step_in(request):
     """Puts a model on the C step or the torch step for the test, and the shared models back on the default."""
     native = request.param == "C step"
     if native and not ckernel.available():
-        pytest.skip("no C compiler for kvrag.ckernel")
+        pytest.skip("no C compiler for kvrag.cpu.ckernel")
     models = []
 
     def on(model):
@@ -49,12 +49,12 @@ def _decode(model, ids, steps, fast):
 def test_the_first_token_is_out_before_decoding_is_set_up(monkeypatch):
     """The decoder, the cache's room and the drafts' lookup serve the later tokens: the first waits for none of
     them, and a one-token answer never makes them (its cache is the prefill's, as it was)."""
-    import kvrag.generate as generate
+    import kvrag.cpu as cpu
 
     model = tiny_model("llama")
     out = full_prefill(model, _ids(30))
     made = []
-    monkeypatch.setattr(generate, "decoder_of", lambda m: made.append(m) or decoder_of(m))
+    monkeypatch.setattr(cpu, "decoder_of", lambda m: made.append(m) or decoder_of(m))
     steps = decode(model, out.cache, out.logits[-1], out.next_position, Sampling(max_new_tokens=3), eos_ids=(),
                    context=_ids(30))
     first = next(steps)
@@ -136,7 +136,7 @@ def test_stacking_the_weights_keeps_the_forward_bitwise_and_adds_no_copy():
 
 
 def test_a_split_product_equals_linear_bitwise():
-    from kvrag.fastdecode import Product
+    from kvrag.cpu.decode import Product
 
     weight, bias, x = torch.randn(96, 40), torch.randn(96), torch.randn(40)
     for parts in (1, 2, 3, 5):  # 5 does not divide 96: one part
@@ -199,14 +199,14 @@ def test_a_second_decode_continues_a_plain_cache_the_first_one_extended(step_in)
 
 
 def test_a_split_product_with_a_bias_equals_linear_bitwise_in_low_precision():
-    from kvrag.fastdecode import Product
+    from kvrag.cpu.decode import Product
 
     for dtype in (torch.float32, torch.bfloat16):
         weight, bias, x = torch.randn(96, 40).to(dtype), torch.randn(96).to(dtype), torch.randn(40).to(dtype)
         assert torch.equal(Product(weight, bias, 2)(x), torch.nn.functional.linear(x, weight, bias))
 
 
-@pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.ckernel")
+@pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.cpu.ckernel")
 @pytest.mark.parametrize("name", TAKEN)
 def test_the_c_step_in_bfloat16_is_as_close_to_float32_as_the_torch_step(name):
     """In bfloat16 the C step rounds where the torch step rounds: its logits are the torch step's up to the order
@@ -237,7 +237,7 @@ def test_the_c_step_in_bfloat16_is_as_close_to_float32_as_the_torch_step(name):
     torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=float(scale) * 2**-5)
 
 
-@pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.ckernel")
+@pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.cpu.ckernel")
 def test_the_c_step_runs_where_it_takes_the_cache_and_the_torch_step_elsewhere(monkeypatch):
     model = tiny_model("qwen2")
     decoder = decoder_of(model)
@@ -290,7 +290,7 @@ def _odd_model():
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
 
 
-@pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.ckernel")
+@pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.cpu.ckernel")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", [*TAKEN, "odd shapes"])
 def test_a_step_of_several_tokens_is_those_single_steps_bit_for_bit(name, dtype):

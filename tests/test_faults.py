@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 from redis_server import RedisServer, free_port
 from tiny import FACTS, HashEmbedder, byte_tokenizer, save_tiny, tiny_model
 
-import kvrag.codec
+import kvrag.cache.codec
 from kvrag import KVModel
-from kvrag.codec import decode_entry, encode_entry
-from kvrag.engine import KVRAG, StoreWarning
+from kvrag.cache.codec import decode_entry, encode_entry
+from kvrag.engine.rag import KVRAG, StoreWarning
 from kvrag.errors import StoreError
-from kvrag.kv import ChunkKV
-from kvrag.store import DiskStore, MemoryStore, RedisStore, TieredStore
+from kvrag.cache.kv import ChunkKV
+from kvrag.cache.store import DiskStore, MemoryStore, RedisStore, TieredStore
 
 HERE = Path(__file__).resolve().parent
 Q = "Who runs Velloria's harbour?"
@@ -41,7 +41,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def hash_embedder(monkeypatch):
-    monkeypatch.setattr("kvrag.engine.Embedder", HashEmbedder)
+    monkeypatch.setattr("kvrag.engine.rag.Embedder", HashEmbedder)
 
 
 def engine(model_dir, path, **kwargs):
@@ -148,7 +148,7 @@ def test_an_entry_written_for_another_model_dtype_template_or_format_is_never_us
         assert theirs.chunk_key(theirs.layout.chunk_ids(text)) != our_key  # a different key: a plain miss
     with monkeypatch.context() as patched:
         if which == "another format version":
-            patched.setattr(kvrag.codec, "KV_FORMAT_VERSION", 99)
+            patched.setattr(kvrag.cache.codec, "KV_FORMAT_VERSION", 99)
         foreign.put(our_key, their_kv)  # and even planted at our key, it is refused
     store = DiskStore(tmp_path / "kv", storage_dtype="float32")
     store.bind(encoder=ours.encoder_id, dtype=torch.float32, device="cpu")
@@ -163,9 +163,9 @@ sys.path.insert(0, {tests!r})
 import torch
 torch.set_num_threads(1)
 from tiny import HashEmbedder
-import kvrag.engine, kvrag.index, kvrag.store
-kvrag.engine.Embedder = HashEmbedder
-from kvrag.engine import KVRAG
+import kvrag.engine.rag, kvrag.files, kvrag.cache.store.disk
+kvrag.engine.rag.Embedder = HashEmbedder
+from kvrag.engine.rag import KVRAG
 
 args = json.loads(sys.argv[1])
 rag = KVRAG.from_defaults(args["index"], model=args["model"], chunk_tokens=400, overlap=8)
@@ -174,7 +174,7 @@ for batch in args.get("committed", []):
     rag.ingest([(t, {{"batch": 1}}) for t in batch], progress=False)
 kill = args.get("kill")
 if kill in ("kv entry", "index commit"):
-    module = kvrag.store if kill == "kv entry" else kvrag.index
+    module = kvrag.cache.store.disk if kill == "kv entry" else kvrag.files
     real, calls = module.os.replace, [0]
     def replace(src, dst):
         calls[0] += 1

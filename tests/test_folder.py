@@ -1,4 +1,4 @@
-"""kvrag.folder: a commit writes a new generation and the manifest names it; a damaged or foreign manifest is
+"""kvrag.engine.folder: a commit writes a new generation and the manifest names it; a damaged or foreign manifest is
 a clear IndexLoadError; only the committed generation is kept."""
 
 import json
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from kvrag.errors import IndexLoadError
-from kvrag.folder import INDEX_FORMAT, MANIFEST, IndexFolder
-from kvrag.index import ChunkIndex, ChunkRecord
+from kvrag.engine.folder import INDEX_FORMAT, MANIFEST, IndexFolder
+from kvrag.engine.index import ChunkIndex, ChunkRecord
 
 
 def an_index(n: int) -> ChunkIndex:
@@ -18,7 +18,7 @@ def an_index(n: int) -> ChunkIndex:
     return index
 
 
-# what an engine's commit records (kvrag.engine.KVRAG._commit)
+# what an engine's commit records (kvrag.engine.rag.KVRAG._commit)
 FIELDS = {
     "dim": 2,
     "model": "m",

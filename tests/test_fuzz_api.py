@@ -22,11 +22,11 @@ from tiny import FACTS, HashEmbedder, byte_tokenizer, tiny_model
 
 from kvrag import Document, KVModel
 from kvrag.answer import Answer, Source
-from kvrag.engine import KVRAG, IngestStats
+from kvrag.engine.rag import KVRAG, IngestStats
 from kvrag.errors import KVRAGError
-from kvrag.pickers import PICKERS
-from kvrag.store import MemoryStore
-from kvrag.strategies import STRATEGIES
+from kvrag.plan.pickers import PICKERS
+from kvrag.cache.store import MemoryStore
+from kvrag.plan.strategies import STRATEGIES
 
 FUZZ = settings(
     deadline=None,

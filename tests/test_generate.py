@@ -5,7 +5,7 @@ import torch
 from tiny import byte_tokenizer
 
 from kvrag.errors import InvalidRequestError
-from kvrag.generate import Detokenizer, Sampling, pick_token
+from kvrag.run.generate import Detokenizer, Sampling, pick_token
 
 
 def feed(detok, text):

@@ -20,14 +20,14 @@ import pytest
 import torch
 from tiny import FACTS, HashEmbedder, save_tiny
 
-from kvrag import documents
+from kvrag.engine import documents
 from kvrag.cli import main
-from kvrag.codec import decode_entry, encode_entry
-from kvrag.engine import KVRAG
+from kvrag.cache.codec import decode_entry, encode_entry
+from kvrag.engine.rag import KVRAG
 from kvrag.errors import DocumentError, IndexLoadError, InvalidRequestError
-from kvrag.folder import MANIFEST
-from kvrag.kv import ChunkKV
-from kvrag.store import StoreWarning
+from kvrag.engine.folder import MANIFEST
+from kvrag.cache.kv import ChunkKV
+from kvrag.cache.store import StoreWarning
 
 Q = "Who runs Velloria's harbour?"
 GEN = {"top_k": 2, "max_new_tokens": 6}
@@ -43,7 +43,7 @@ SECRET = "s" * 32
 
 @pytest.fixture(autouse=True)
 def hash_embedder(monkeypatch):
-    monkeypatch.setattr("kvrag.engine.Embedder", HashEmbedder)
+    monkeypatch.setattr("kvrag.engine.rag.Embedder", HashEmbedder)
 
 
 # -- the world: a healthy index, its healthy answers, and everything outside the index folder -----------
@@ -85,7 +85,7 @@ def model_dir(tmp_path_factory):
 def _healthy(path, model_dir, secret=None):
     """Build an index of FACTS at `path`; return what a healthy engine on it answers and ranks."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("kvrag.engine.Embedder", HashEmbedder)
+        mp.setattr("kvrag.engine.rag.Embedder", HashEmbedder)
         kwargs = {"secret": secret} if secret else {}
         KVRAG.from_defaults(path, model=str(model_dir), **kwargs).ingest(FACTS, progress=False)
         rag = KVRAG.load(path, **kwargs)  # every chunk's KV stored: nothing is written
@@ -495,8 +495,11 @@ def test_3a_another_chunks_kv_at_a_chunks_key_is_refused(world, golden):
     records = golden["records"]
     target = records[golden["top"][0]].key
     other = next(r.key for i, r in records.items() if i not in golden["top"])
-    forged = encode_entry(_read_entry(rag, idx, other), key=target, dtype="float16")  # a valid unkeyed sha256
-    accepted = decode_entry(forged, key=target, encoder=rag.kvmodel.encoder_id, dtype=torch.float32, device="cpu")
+    # signed with the index's own key (the key holder's mistake, or a copy between its keys)
+    forged = encode_entry(_read_entry(rag, idx, other, secret=rag.secret), key=target, dtype="float16", secret=rag.secret)
+    accepted = decode_entry(
+        forged, key=target, encoder=rag.kvmodel.encoder_id, dtype=torch.float32, device="cpu", secret=rag.secret
+    )
     assert accepted is not None  # the codec alone takes it: only the token-id check stands in the way
     entry(idx, target).write_bytes(forged)
     world.seal()
@@ -584,7 +587,7 @@ def test_3d_a_damaged_vectors_file_is_rebuilt_and_ranks_as_healthy(world, golden
         warnings.simplefilter("always")
         rag = KVRAG.load(idx)
     assert {q: [s.id for s in rag.retrieve(q, top_k=5)] for q in QUESTIONS} == golden["ranks"]
-    from kvrag.folder import IndexWarning
+    from kvrag.engine.folder import IndexWarning
 
     rebuilt = [w for w in caught if issubclass(w.category, IndexWarning) and "rebuilt" in str(w.message)]
     assert len(rebuilt) == 1, [str(w.message) for w in caught]
@@ -604,13 +607,13 @@ def test_3e_a_secret_index_needs_its_secret_and_a_short_secret_is_refused(
     (world.root / "short.key").write_text("s" * 15)
     world.seal()
 
-    with pytest.raises(IndexLoadError, match="built with a tenant secret"):
+    with pytest.raises(IndexLoadError, match="not your kvrag key"):
         KVRAG.load(idx)
     with pytest.raises(IndexLoadError, match="secret given does not match"):
         KVRAG.load(idx, secret="t" * 32)
-    with pytest.raises(IndexLoadError, match="built without a secret"):
+    with pytest.raises(IndexLoadError, match="secret given does not match"):  # keyed by the user's key
         KVRAG.load(plain, secret=SECRET)
-    for short in ("s" * 15, b"s" * 15, ""):
+    for short in ("s" * 15, b"s" * 15):
         with pytest.raises(InvalidRequestError, match="at least 16 bytes"):
             KVRAG.from_defaults(world.root / "fresh", model=str(model_dir), secret=short)
     assert not os.path.lexists(world.root / "fresh")

@@ -10,12 +10,12 @@ import time
 import pytest
 from tiny import FACTS, HashEmbedder, save_tiny
 
-from kvrag.chunks import ChunkSource
+from kvrag.cache.chunks import ChunkSource
 from kvrag.cli import main
-from kvrag.engine import KVRAG
+from kvrag.engine.rag import KVRAG
 from kvrag.errors import IndexLoadError, StoreError
-from kvrag.folder import MANIFEST
-from kvrag.store import DiskStore, MemoryStore, StoreWarning, TieredStore
+from kvrag.engine.folder import MANIFEST
+from kvrag.cache.store import DiskStore, MemoryStore, StoreWarning, TieredStore
 
 SECRET = "k" * 32
 pytestmark = pytest.mark.usefixtures("hash_embedder")
@@ -108,10 +108,12 @@ def test_a_namespaced_engine_still_reads_the_entries_a_kvrag_before_views_wrote(
     old.encode_and_store(
         [kv.chunk_ids(i, t) for i, t in enumerate(texts)], [old.key(kv.chunk_ids(i, t)) for i, t in enumerate(texts)]
     )
-    rag = KVRAG(kv, embedder=HashEmbedder(), store=DiskStore(tmp_path / "kv"), namespace="tenant-a", read_only=True)
+    # unkeyed, as that kvrag wrote them: opened with secret="" (the default key would find none of them)
+    old_layout = dict(embedder=HashEmbedder(), store=DiskStore(tmp_path / "kv"), read_only=True, secret="")
+    rag = KVRAG(kv, namespace="tenant-a", **old_layout)
     answer = rag.answer("Who runs the harbour?", texts, **GEN)
     assert answer.stats.store_hits == 2 and answer.stats.chunks_encoded == 0
-    other = KVRAG(kv, embedder=HashEmbedder(), store=DiskStore(tmp_path / "kv"), namespace="tenant-b", read_only=True)
+    other = KVRAG(kv, namespace="tenant-b", **{**old_layout, "store": DiskStore(tmp_path / "kv")})
     assert other.answer("Who runs the harbour?", texts, **GEN).stats.store_hits == 0  # another tenant's key
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from kvrag import hugepages
-from kvrag.fastdecode import FastDecoder
+from kvrag.cpu import hugepages
+from kvrag.cpu.decode import FastDecoder
 
 needs_huge = pytest.mark.skipif(not hugepages.available(), reason="no transparent huge pages on this system")
 

@@ -1,10 +1,10 @@
-"""kvrag.index: dense and BM25-fused search with filters applied before top-k; copies; save and load whole."""
+"""kvrag.engine.index: dense and BM25-fused search with filters applied before top-k; copies; save and load whole."""
 
 import numpy as np
 import pytest
 
 from kvrag.errors import InvalidRequestError
-from kvrag.index import ChunkIndex, ChunkRecord, words
+from kvrag.engine.index import ChunkIndex, ChunkRecord, words
 
 TEXTS = {
     "a#0": ("The river Tam floods every spring.", {"lang": "en"}),

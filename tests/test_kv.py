@@ -1,10 +1,10 @@
-"""kvrag.kv: the ChunkKV type checks its own shapes; the chunk key and encoder id separate everything a chunk's
+"""kvrag.cache.kv: the ChunkKV type checks its own shapes; the chunk key and encoder id separate everything a chunk's
 KV depends on."""
 
 import pytest
 import torch
 
-from kvrag.kv import ChunkKV, chunk_key, encoder_id
+from kvrag.cache.kv import ChunkKV, chunk_key, encoder_id
 
 
 def chunk(t=4, layers=2, heads=3, dim=5):

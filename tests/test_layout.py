@@ -4,7 +4,7 @@ import pytest
 from tiny import byte_tokenizer
 
 from kvrag.errors import EmptyInputError, LayoutError
-from kvrag.layout import PromptLayout
+from kvrag.model.layout import PromptLayout
 
 
 def test_stitched_ids_equal_the_rendered_prompt_ids():

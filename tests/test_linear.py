@@ -1,4 +1,5 @@
-"""The bfloat16 prefill linear kernel (`kvrag.ckernel.prefill_linear`) and the modules that use it (`kvrag.linear`)."""
+"""The bfloat16 prefill linear kernel (`kvrag.cpu.ckernel.prefill_linear`) and the modules that use it
+(`kvrag.cpu.linear`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import torch.nn.functional as F
 from tiny import VOCAB, tiny_config
 from transformers import AutoModelForCausalLM
 
-from kvrag import ckernel
-from kvrag.fastdecode import supports
-from kvrag.linear import PrefillLinear, use_prefill_linears
+from kvrag.cpu import ckernel
+from kvrag.cpu.decode import supports
+from kvrag.cpu.linear import PrefillLinear, use_prefill_linears
 
 needs_kernel = pytest.mark.skipif(not ckernel.prefill_linear_available(), reason="no AVX512-BF16 CPU or no compiler")
 

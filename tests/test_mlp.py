@@ -1,5 +1,5 @@
-"""The bfloat16 prefill SiLU-and-product kernel (`kvrag.ckernel.prefill_silu_mul`) and the MLPs that use it
-(`kvrag.mlp`)."""
+"""The bfloat16 prefill SiLU-and-product kernel (`kvrag.cpu.ckernel.prefill_silu_mul`) and the MLPs that use it
+(`kvrag.cpu.mlp`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from tiny import VOCAB, tiny_config
 from transformers import AutoModelForCausalLM
 
-from kvrag import ckernel
-from kvrag.fastdecode import supports
-from kvrag.mlp import use_prefill_mlps
+from kvrag.cpu import ckernel
+from kvrag.cpu.decode import supports
+from kvrag.cpu.mlp import use_prefill_mlps
 
 needs_kernel = pytest.mark.skipif(not ckernel.prefill_linear_available(), reason="no AVX512-BF16 CPU or no compiler")
 

@@ -9,8 +9,8 @@ from tiny import ARCHS, tiny_config, tiny_model
 from transformers import AutoConfig, GPT2Config
 
 from kvrag.errors import ModelNotFoundError, UnsupportedModelError
-from kvrag.model import check_architecture, fingerprint, load_pretrained, resolve_dtype, state_dict_digest
-from kvrag.rope import find_rotary
+from kvrag.model.loading import check_architecture, fingerprint, load_pretrained, resolve_dtype, state_dict_digest
+from kvrag.model.rope import find_rotary
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

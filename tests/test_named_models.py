@@ -9,11 +9,13 @@ its figures: run with `-s` to see them.
 import pytest
 import torch
 
-from kvrag import KVModel, catalog
-from kvrag.encode import stacked_kv
-from kvrag.generate import Sampling, decode
-from kvrag.kv import ChunkKV
-from kvrag.recompute import full_prefill, recompute
+from kvrag import KVModel
+
+from kvrag.model import catalog
+from kvrag.model.encode import stacked_kv
+from kvrag.run.generate import Sampling, decode
+from kvrag.cache.kv import ChunkKV
+from kvrag.run.recompute import full_prefill, recompute
 
 pytestmark = [
     pytest.mark.slow,

@@ -1,4 +1,5 @@
-"""The bfloat16 prefill RMSNorm kernel (`kvrag.ckernel.prefill_rms_norm`) and the norms that use it (`kvrag.norm`)."""
+"""The bfloat16 prefill RMSNorm kernel (`kvrag.cpu.ckernel.prefill_rms_norm`) and the norms that use it
+(`kvrag.cpu.norm`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from tiny import VOCAB, tiny_config
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from kvrag import ckernel
-from kvrag.fastdecode import supports
-from kvrag.norm import is_prefill_norm, use_prefill_norms
+from kvrag.cpu import ckernel
+from kvrag.cpu.decode import supports
+from kvrag.cpu.norm import is_prefill_norm, use_prefill_norms
 
 needs_kernel = pytest.mark.skipif(not ckernel.prefill_linear_available(), reason="no AVX512-BF16 CPU or no compiler")
 
@@ -89,7 +90,7 @@ def test_float32_and_other_norms_are_left_as_they_are():
 def test_a_norm_whose_source_cannot_be_read_is_left_as_it_is(monkeypatch):
     import inspect
 
-    from kvrag import norm
+    from kvrag.cpu import norm
 
     monkeypatch.setattr(inspect, "getsource", lambda obj: (_ for _ in ()).throw(OSError("could not get source code")))
     assert norm.prefill_class.__wrapped__("LlamaRMSNorm") is None  # uncached: the classes made so far stay

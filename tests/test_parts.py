@@ -4,7 +4,7 @@ import pytest
 from tiny import FACTS, STRATEGY_CHUNKS, byte_tokenizer, tiny_model
 
 from kvrag import InvalidRequestError, KVModel
-from kvrag.parts import Part, compose, parts_of, resolve_parts, split
+from kvrag.plan.parts import Part, compose, parts_of, resolve_parts, split
 
 
 @pytest.mark.parametrize(
@@ -81,8 +81,8 @@ def test_the_engine_scores_each_part_against_the_retrieved_chunks(kv):
     from tiny import HashEmbedder
 
     from kvrag import KVRAG
-    from kvrag.documents import Document
-    from kvrag.store import MemoryStore
+    from kvrag.engine.documents import Document
+    from kvrag.cache.store import MemoryStore
 
     rag = KVRAG(kv, embedder=HashEmbedder(), store=MemoryStore())
     rag.ingest([Document(text, meta) for text, meta in FACTS], split=False, progress=False)
@@ -95,7 +95,7 @@ def test_the_engine_scores_each_part_against_the_retrieved_chunks(kv):
 
 
 def test_a_default_that_splits_is_applied_when_no_strategy_is_named(kv, monkeypatch):
-    from kvrag import defaults
+    from kvrag.plan import defaults
 
     split_default = {"strategy": "target_recompute", "picker": None, "budget": 0.05, "parts": "auto"}
     monkeypatch.setitem(defaults.SHIPPED, kv.fingerprint.weights, split_default)

@@ -1,4 +1,4 @@
-"""kvrag.pickers: which chunk is the target, by score, the model's own reading, words, or the known target."""
+"""kvrag.plan.pickers: which chunk is the target, by score, the model's own reading, words, or the known target."""
 
 import pytest
 import torch
@@ -7,9 +7,9 @@ from tiny import STRATEGY_QUESTION as Q
 from tiny import byte_tokenizer, tiny_model
 
 from kvrag import InvalidRequestError, KVModel
-from kvrag.chunks import ChunkSource
-from kvrag.pickers import LIKELIHOOD_CANDIDATES
-from kvrag.probe import Probe
+from kvrag.cache.chunks import ChunkSource
+from kvrag.plan.pickers import LIKELIHOOD_CANDIDATES
+from kvrag.plan.probe import Probe
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_the_lexical_picker_fuses_the_question_words_with_the_scores(kv, enc):
 
 
 def test_the_retriever_without_scores_takes_the_first_of_a_ranked_list():
-    from kvrag.pickers import get_picker
+    from kvrag.plan.pickers import get_picker
 
     assert get_picker("retriever")(3, None, None, None) == 0
     assert get_picker("retriever")(3, [0.2, 0.9, 0.9], None, None) == 1  # ties go to the earlier chunk

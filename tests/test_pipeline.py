@@ -1,4 +1,4 @@
-"""The seam (kvrag.pipeline, kvrag.executor): the planner's decision reaches an executor as a Job of chunk ids
+"""The seam (kvrag.run.pipeline, kvrag.run.executor): the planner's decision reaches an executor as a Job of chunk ids
 and KV only; another executor plugs in behind the same three calls; the stats are built once."""
 
 import time
@@ -7,12 +7,12 @@ import pytest
 from tiny import byte_tokenizer, tiny_model
 
 from kvrag import KVModel, MemoryStore, Request
-from kvrag.chunks import ChunkSource
-from kvrag.executor import HFExecutor, Job, StoredChunk
-from kvrag.generate import decode
-from kvrag.kv import ChunkKV
-from kvrag.recompute import full_prefill
-from kvrag import pipeline
+from kvrag.cache.chunks import ChunkSource
+from kvrag.run.executor import HFExecutor, Job, StoredChunk
+from kvrag.run.generate import decode
+from kvrag.cache.kv import ChunkKV
+from kvrag.run.recompute import full_prefill
+from kvrag.run import pipeline
 
 TEXTS = [
     "The river Tam floods every spring.",

@@ -1,4 +1,4 @@
-"""kvrag.planner: a valid request becomes a checked plan (picker, strategy, the rules every plan keeps)."""
+"""kvrag.plan.planner: a valid request becomes a checked plan (picker, strategy, the rules every plan keeps)."""
 
 import math
 
@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from tiny import plan_of, recomputed_tokens
 
 from kvrag import InvalidRequestError
-from kvrag.planner import check_plan, default_picker, make_plan
-from kvrag.request import Request
-from kvrag.strategies import Plan, PlanRequest, get_strategy
+from kvrag.plan.planner import check_plan, default_picker, make_plan
+from kvrag.plan.request import Request
+from kvrag.plan.strategies import Plan, PlanRequest, get_strategy
 
 ANY_NUMBER = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(10**12), 10**12))
 

@@ -1,4 +1,4 @@
-"""kvrag.probe: measurements on the model (value deviation, question attention, question likelihood, the
+"""kvrag.plan.probe: measurements on the model (value deviation, question attention, question likelihood, the
 full-prefill KV of a chunk), each costed; a probe reads a request's chunk KV only when a measurement needs it."""
 
 import pytest
@@ -6,19 +6,19 @@ import torch
 from tiny import byte_tokenizer, tiny_model
 
 from kvrag import KVModel
-from kvrag.chunks import ChunkSource
-from kvrag.encode import stacked_kv
-from kvrag.kv import ChunkKV
-from kvrag.probe import Probe
-from kvrag.recompute import full_prefill
+from kvrag.cache.chunks import ChunkSource
+from kvrag.model.encode import stacked_kv
+from kvrag.cache.kv import ChunkKV
+from kvrag.plan.probe import Probe
+from kvrag.run.recompute import full_prefill
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "gemma"])
 def test_probes_work_on_every_architecture(arch):
     from tiny import VOCAB
 
-    from kvrag.encode import encode_chunks, encode_prefix
-    from kvrag.rope import Repositioner
+    from kvrag.model.encode import encode_chunks, encode_prefix
+    from kvrag.model.rope import Repositioner
 
     model = tiny_model(arch)
     attention = model.config._attn_implementation  # sdpa, or kvrag_sdpa once a KVModel has been built on it

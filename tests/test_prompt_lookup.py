@@ -7,15 +7,15 @@ import pytest
 import torch
 from tiny import FAST_DECODED, tiny_model
 
-from kvrag import ckernel
+from kvrag.cpu import ckernel
 from kvrag.answer import last_answer
 from kvrag.errors import InvalidRequestError
-from kvrag.fastdecode import decoder_of, native_decoding
-from kvrag.generate import PromptLookup, Sampling, decode
-from kvrag.recompute import full_prefill
+from kvrag.cpu.decode import decoder_of, native_decoding
+from kvrag.run.generate import PromptLookup, Sampling, decode
+from kvrag.run.recompute import full_prefill
 
 TAKEN = FAST_DECODED
-needs_kernels = pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.ckernel")
+needs_kernels = pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.cpu.ckernel")
 
 
 def test_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix():
@@ -170,7 +170,7 @@ def test_sampled_decoding_and_other_steps_take_no_drafts(monkeypatch):
 def test_the_engine_drafts_from_the_stitched_prompt(kv, monkeypatch):
     """An answer through the engine looks its drafts up in its whole prompt (prefix, chunks, question), and its
     text is the one decoding without drafts gives; a whole-prompt generation looks up in its prompt."""
-    from kvrag import generate
+    from kvrag.run import generate
 
     seen = []
 

@@ -1,4 +1,4 @@
-"""kvrag.recompute: the stitched layout's positions and mask, and plain prefill continued from a shared prefix.
+"""kvrag.run.recompute: the stitched layout's positions and mask, and plain prefill continued from a shared prefix.
 (That stitching equals full prefill is proven in test_exactness.py.)"""
 
 import torch
@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny import FACTS, byte_tokenizer, tiny_model
 
-from kvrag.kvmodel import KVModel
-from kvrag.recompute import causal_mask, full_prefill, stitch_layout
+from kvrag.model.kvmodel import KVModel
+from kvrag.run.recompute import causal_mask, full_prefill, stitch_layout
 
 
 @given(st.data())

@@ -4,9 +4,10 @@ import pytest
 import redis
 from tiny import HashEmbedder, save_tiny
 
-from kvrag.cli import _redacted, main
+from kvrag.cli import main
+from kvrag.cli.main import _redacted
 from kvrag.errors import StoreError
-from kvrag.store import RedisStore, redact
+from kvrag.cache.store import RedisStore, redact
 
 # Port 1 on loopback: nothing listens, a connect is refused at once.
 SECRET_URL = "redis://default:pa/ss@127.0.0.1:1/0?password=qq"
@@ -113,7 +114,7 @@ def setup(tmp_path_factory):
 
 @pytest.mark.parametrize("command", ["ingest", "ask"])
 def test_the_command_line_never_prints_the_password(setup, capsys, monkeypatch, command):
-    monkeypatch.setattr("kvrag.engine.Embedder", NamedHashEmbedder)
+    monkeypatch.setattr("kvrag.engine.rag.Embedder", NamedHashEmbedder)
     root = setup
     index = root / "index"
     if not index.exists():
@@ -141,7 +142,7 @@ def test_the_command_line_never_prints_the_password(setup, capsys, monkeypatch, 
     ],
 )
 def test_a_url_without_its_credentials_keeps_the_rest(url, bare):
-    from kvrag.store import has_credentials, without_credentials
+    from kvrag.cache.store import has_credentials, without_credentials
 
     assert without_credentials(url) == bare
     assert has_credentials(url) == (url != bare) and not has_credentials(bare)

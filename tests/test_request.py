@@ -1,4 +1,4 @@
-"""kvrag.request: a request is checked once, where it is made, and says what was wrong and what is accepted."""
+"""kvrag.plan.request: a request is checked once, where it is made, and says what was wrong and what is accepted."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvrag import EmptyInputError, InvalidRequestError, Request
-from kvrag.request import DEFAULT_BUDGET, check_options, scores_of
+from kvrag.plan.request import DEFAULT_BUDGET, check_options, scores_of
 
 
 @pytest.mark.parametrize("budget", [0, -0.1, 1.0001, math.nan, math.inf, "0.1", True, 10**9])

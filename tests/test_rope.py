@@ -5,8 +5,8 @@ import torch
 from tiny import ARCHS, VOCAB, tiny_model
 from transformers import DynamicCache
 
-from kvrag.encode import stacked_kv
-from kvrag.rope import Repositioner
+from kvrag.model.encode import stacked_kv
+from kvrag.model.rope import Repositioner
 
 
 def keys_at(model, ids, offset):
@@ -54,7 +54,7 @@ def test_shift_does_not_modify_its_input_and_keeps_dtype():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "gemma"])
 def test_the_rotary_module_built_from_the_config_moves_keys_exactly_as_the_models_own(arch):
     """A serving engine's worker holds no transformers model: it re-positions with the config's rotary module."""
-    from kvrag.rope import rotary_of_config
+    from kvrag.model.rope import rotary_of_config
 
     model = tiny_model(arch)
     own, built = Repositioner(model), Repositioner(rotary=rotary_of_config(model.config))
@@ -66,15 +66,15 @@ def test_the_rotary_module_built_from_the_config_moves_keys_exactly_as_the_model
 
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("phi3", torch.float32), ("llama", torch.bfloat16)])
 def test_keys_rotated_a_few_layers_at_a_time_equal_one_pass_over_all(arch, dtype, monkeypatch):
-    import kvrag.rope
+    import kvrag.model.rope
 
     rep = Repositioner(tiny_model(arch))
     keys = torch.randn(6, 2, 3000, 16, generator=torch.Generator().manual_seed(3)).to(dtype)  # 384 KB a layer
     cos, sin = rep.angles(torch.tensor([517]))
-    monkeypatch.setattr(kvrag.rope, "_ROTATE_BLOCK_BYTES", 800_000)  # two layers a block, three blocks
+    monkeypatch.setattr(kvrag.model.rope, "_ROTATE_BLOCK_BYTES", 800_000)  # two layers a block, three blocks
     blocked = torch.empty_like(keys)
     rep.rotate_into(blocked, keys, cos[0], sin[0])
-    monkeypatch.setattr(kvrag.rope, "_ROTATE_BLOCK_BYTES", 1 << 40)  # every layer in one pass
+    monkeypatch.setattr(kvrag.model.rope, "_ROTATE_BLOCK_BYTES", 1 << 40)  # every layer in one pass
     whole = torch.empty_like(keys)
     rep.rotate_into(whole, keys, cos[0], sin[0])
     assert torch.equal(blocked, whole)

@@ -1,5 +1,5 @@
-"""The bfloat16 prefill rotary kernel (`kvrag.ckernel.prefill_rotary`) and the attention handles that use it
-(`kvrag.rotary`)."""
+"""The bfloat16 prefill rotary kernel (`kvrag.cpu.ckernel.prefill_rotary`) and the attention handles that use it
+(`kvrag.cpu.rotary`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from tiny import ARCHS, VOCAB, tiny_config
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvrag import ckernel
-from kvrag.rotary import HOOK, use_prefill_rotary
+from kvrag.cpu import ckernel
+from kvrag.cpu.rotary import HOOK, use_prefill_rotary
 
 needs_kernel = pytest.mark.skipif(not ckernel.prefill_linear_available(), reason="no AVX512-BF16 CPU or no compiler")
 

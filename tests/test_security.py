@@ -15,10 +15,10 @@ from tiny import FACTS, HashEmbedder, byte_tokenizer, save_tiny, tiny_model
 
 from kvrag import KVModel
 from kvrag.cli import main
-from kvrag.engine import KVRAG
+from kvrag.engine.rag import KVRAG
 from kvrag.errors import IndexLoadError, InvalidRequestError, StoreError
-from kvrag.folder import IndexWarning
-from kvrag.store import DiskStore, MemoryStore, RedisStore, TieredStore
+from kvrag.engine.folder import IndexWarning
+from kvrag.cache.store import DiskStore, MemoryStore, RedisStore, TieredStore
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "The vault code of the Orrin bank is 4471."
@@ -26,7 +26,7 @@ SECRET = "The vault code of the Orrin bank is 4471."
 
 @pytest.fixture(autouse=True)
 def hash_embedder(monkeypatch):
-    monkeypatch.setattr("kvrag.engine.Embedder", HashEmbedder)
+    monkeypatch.setattr("kvrag.engine.rag.Embedder", HashEmbedder)
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis_server import RedisServer
 
-from kvrag.codec import decode_entry, encode_entry
+from kvrag.cache.codec import decode_entry, encode_entry
 from kvrag.errors import StoreError
-from kvrag.kv import ChunkKV
-from kvrag.store import DiskStore, MemoryStore, RedisStore, TieredStore
+from kvrag.cache.kv import ChunkKV
+from kvrag.cache.store import DiskStore, MemoryStore, RedisStore, TieredStore
 
 ENCODER = "e" * 64
 

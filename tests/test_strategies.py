@@ -9,11 +9,11 @@ from tiny import STRATEGY_QUESTION as Q
 from tiny import byte_tokenizer, plan_of, recomputed_tokens, tiny_model
 
 from kvrag import STRATEGIES, InvalidRequestError, KVModel
-from kvrag.encode import stacked_kv
-from kvrag.kv import ChunkKV
-from kvrag.probe import Probe
-from kvrag.recompute import full_prefill
-from kvrag.strategies import BUILTIN_STRATEGIES, TEMPER_T, Plan
+from kvrag.model.encode import stacked_kv
+from kvrag.cache.kv import ChunkKV
+from kvrag.plan.probe import Probe
+from kvrag.run.recompute import full_prefill
+from kvrag.plan.strategies import BUILTIN_STRATEGIES, TEMPER_T, Plan
 
 STUDY = BUILTIN_STRATEGIES
 
@@ -300,7 +300,7 @@ def test_tempered_scales_the_reused_keys_and_nothing_else(kv, enc):
 
 
 def test_a_key_scale_of_one_is_plain_reuse(kv, enc):
-    from kvrag.strategies import register_strategy
+    from kvrag.plan.strategies import register_strategy
 
     @register_strategy("unit_scale_test")
     def _unit(request):
@@ -329,7 +329,7 @@ def test_full_prefill_baselines_run_the_best_chunks_alone(kv, enc):
 
 def test_a_plan_that_leaves_chunks_out_stitches_the_rest_exactly(kv, enc):
     """Reuse over a subset order equals full prefill over that subset when the chunks' KV is exact."""
-    from kvrag.strategies import register_strategy
+    from kvrag.plan.strategies import register_strategy
 
     ids = [c.token_ids.tolist() for c in enc]
     order = [4, 1]
@@ -353,7 +353,7 @@ def test_a_plan_that_leaves_chunks_out_stitches_the_rest_exactly(kv, enc):
 
 
 def test_a_lead_is_encoded_before_every_chunk_and_never_enters_the_prompt(kv):
-    from kvrag.kvmodel import DEFAULT_LEAD
+    from kvrag.model.kvmodel import DEFAULT_LEAD
 
     led = kv.with_lead(DEFAULT_LEAD)
     chunks = led.encode(CHUNKS)
@@ -364,7 +364,7 @@ def test_a_lead_is_encoded_before_every_chunk_and_never_enters_the_prompt(kv):
     k, v = stacked_kv(ref.cache, 0, len(behind), len(behind) + len(chunks[2]))
     assert (chunks[2].keys - k).abs().max() < 1e-5 and (chunks[2].values - v).abs().max() < 1e-5
     # every context token recomputed: full prefill of the prompt without the lead, whatever the KV believed
-    from kvrag.strategies import register_strategy
+    from kvrag.plan.strategies import register_strategy
 
     @register_strategy("all_tokens_test")
     def _all(request):

@@ -13,10 +13,10 @@ from tiny import HashEmbedder, byte_tokenizer, save_tiny, tiny_model
 
 from kvrag.cli import main
 from kvrag.errors import DocumentError, InvalidRequestError, KVRAGError
-from kvrag.kvmodel import KVModel
-from kvrag.study import BUILTIN, StudyConfig, StudyRunner, builtin, load_items, load_jsonl, run_study
-from kvrag.study.data import MULTI, SINGLE, parse_item
-from kvrag.study.metrics import (
+from kvrag.model.kvmodel import KVModel
+from kvrag.lab.study import BUILTIN, StudyConfig, StudyRunner, builtin, load_items, load_jsonl, run_study
+from kvrag.lab.study.data import MULTI, SINGLE, parse_item
+from kvrag.lab.study.metrics import (
     bootstrap_diff,
     contains_answer,
     correct,
@@ -329,7 +329,7 @@ def test_cli_study_on_a_user_file_writes_every_output_and_reruns_from_cache(tmp_
 
 
 def test_a_default_row_runs_the_models_shipped_default_beside_the_same_strategy_named(tmp_path, capsys) -> None:
-    from kvrag.defaults import RECIPE
+    from kvrag.plan.defaults import RECIPE
 
     model = save_tiny(tmp_path / "model")
     out = tmp_path / "run"

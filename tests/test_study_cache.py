@@ -1,6 +1,6 @@
-"""kvrag.study.cache: append-only JSONL records read back whole, whatever an answer holds or a kill cut."""
+"""kvrag.lab.study.cache: append-only JSONL records read back whole, whatever an answer holds or a kill cut."""
 
-from kvrag.study.cache import Appender, digest, read_jsonl
+from kvrag.lab.study.cache import Appender, digest, read_jsonl
 
 
 def test_a_record_whose_answer_holds_a_unicode_line_separator_is_read_back(tmp_path) -> None:

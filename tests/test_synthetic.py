@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from kvrag import InvalidRequestError
-from kvrag.synthetic import dialogue, encyclopedia
+from kvrag.lab.synthetic import dialogue, encyclopedia
 
 SEEDS = [0, 1, 7]
 # Sizes are checked in whitespace words: the default model's tokenizer gives 1.3-1.9 tokens a word on these

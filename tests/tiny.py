@@ -95,7 +95,7 @@ def tiny_model(name: str, seed: int = 0, attn: str = "sdpa") -> Any:
     return model.float().eval()
 
 
-# The architectures kvrag's fast decode step takes (kvrag.fastdecode.TAKEN, with RoPE over the whole head).
+# The architectures kvrag's fast decode step takes (kvrag.cpu.decode.TAKEN, with RoPE over the whole head).
 FAST_DECODED = [
     name
     for name, (model_type, extra) in ARCHS.items()
@@ -119,9 +119,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_tiny(folder: Any) -> Any:
+def save_tiny(folder: Any, seed: int = 0) -> Any:
     """The tiny llama and the byte tokenizer saved as a model folder (for from_pretrained); returns the folder."""
-    tiny_model("llama").save_pretrained(folder)
+    tiny_model("llama", seed=seed).save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     return folder
 
@@ -183,8 +183,8 @@ class HashEmbedder:
 
 def plan_of(name: str, lengths: list[int], **options: Any) -> Any:
     """The planner's decision for a request over chunks of these lengths, no probe (strategies that need none)."""
-    from kvrag.planner import make_plan
-    from kvrag.request import Request
+    from kvrag.plan.planner import make_plan
+    from kvrag.plan.request import Request
 
     request = Request("q", ["x"] * len(lengths), strategy=name, **options).with_default(None)
     return make_plan(request, lengths, None)
@@ -206,3 +206,17 @@ STRATEGY_CHUNKS = [
     "The archive opens at nine and closes at five on weekdays.",
 ]
 STRATEGY_QUESTION = "When does the archive open?"
+
+
+def edit_manifest(folder: Any, **changes: Any) -> None:
+    """Change fields of an index folder's manifest as its owner would: re-signed with the user's key (what an edit
+    by someone without the key cannot do; tests of that edit write the file by hand)."""
+    import json
+
+    from kvrag.engine.folder import MANIFEST, IndexFolder
+
+    path = folder / MANIFEST
+    manifest = {**json.loads(path.read_text()), **changes}
+    if "mac" in manifest:
+        manifest["mac"] = IndexFolder(folder)._mac(manifest)
+    path.write_text(json.dumps(manifest))

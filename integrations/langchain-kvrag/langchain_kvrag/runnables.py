@@ -16,8 +16,8 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence, Un
 
 from kvrag import KVRAG, NO_CONTEXT, Answer, EmptyInputError, InvalidRequestError, KVModel, Request, Source
 from kvrag.answer import last_answer
-from kvrag.index import check_filters, check_top_k
-from kvrag.request import check_options, scores_of
+from kvrag.engine.index import check_filters, check_top_k
+from kvrag.plan.request import check_options, scores_of
 from langchain_core.callbacks import AsyncCallbackManagerForChainRun, CallbackManagerForChainRun
 from langchain_core.documents import Document
 from langchain_core.prompt_values import PromptValue

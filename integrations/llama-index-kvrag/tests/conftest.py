@@ -18,7 +18,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def embedder():
     """kvrag's default embedder, loaded once for the session."""
-    from kvrag.embed import Embedder
+    from kvrag.engine.embed import Embedder
 
     return Embedder()
 

@@ -4,14 +4,15 @@ import asyncio
 
 import pytest
 
-from kvrag import KVRAG, InvalidRequestError, KVModel, MemoryStore
+from kvrag import KVRAG, IndexLoadError, InvalidRequestError, KVModel, MemoryStore
 from llama_index.core import Document, VectorStoreIndex
 from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
 from llama_index.core.ingestion import IngestionCache, IngestionPipeline
 from llama_index.core.llms import MockLLM
 from llama_index.core.node_parser import SentenceSplitter
-from llama_index.core.schema import ImageNode, NodeWithScore, QueryBundle
+from llama_index.core.schema import ImageNode, NodeWithScore, QueryBundle, TextNode
 from llama_index.query_engine.kvrag import KVRAGKVTransform, KVRAGLLM, KVRAGQueryEngine, KVRAGRetriever
+from tiny import save_tiny
 
 TEXTS = [
     "The lighthouse of Karsa was built in 1872 by the engineer Mira Holt.",
@@ -92,3 +93,22 @@ def test_mixing_another_llm_and_non_text_nodes(rag, vector_index):
     engine = KVRAGQueryEngine(rag, vector_index.as_retriever(), llm=KVRAGLLM(rag.kvmodel))  # the cache's own model
     with pytest.raises(InvalidRequestError, match="ImageNode"):
         engine.synthesize(QueryBundle(Q), [NodeWithScore(node=ImageNode(image="aGk="), score=1.0)])
+
+
+def test_one_model_serves_settings_llm_and_the_engine_and_reopens_its_index(model_dir, tmp_path, embed_model):
+    """`Settings.llm = KVRAGLLM(kv)` and an engine built on `kv` share one copy of the weights: the query engine over
+    a LlamaIndex index takes that LLM, and the engine's folder reopens on the same model (another is refused)."""
+    kv = KVModel.from_pretrained(model_dir)
+    llm = KVRAGLLM(kv, max_new_tokens=4)
+    rag = KVRAG.from_defaults(tmp_path / "index", model=llm.kvmodel)
+    assert rag.kvmodel is kv
+    rag.ingest(TEXTS)
+    nodes = [TextNode(text=t) for t in TEXTS]
+    index = VectorStoreIndex(nodes, embed_model=embed_model)
+    response = KVRAGQueryEngine.from_index(index, rag, similarity_top_k=2, llm=llm).query(Q)
+    assert response.metadata["kvrag"]["new_tokens"] == 4
+    again = KVRAG.from_defaults(tmp_path / "index", model=kv)
+    assert again.kvmodel is kv and len(again.index) == len(rag.index)
+    other = KVModel.from_pretrained(save_tiny(tmp_path / "other", seed=1))
+    with pytest.raises(IndexLoadError, match="built with another model"):
+        KVRAG.from_defaults(tmp_path / "index", model=other)

@@ -11,7 +11,7 @@ KV_CACHE_BYTES = 1 << 30  # the paged KV of the in-process engine and the server
 
 @pytest.fixture(scope="session")
 def folder():
-    from kvrag.catalog import convert_default
+    from kvrag.model.catalog import convert_default
 
     return str(convert_default()[0])
 
@@ -30,7 +30,7 @@ def kv(folder):
 
 @pytest.fixture(scope="session")
 def store(store_root):
-    from kvrag.store import DiskStore
+    from kvrag.cache.store import DiskStore
 
     return DiskStore(store_root, "float32")
 

@@ -11,9 +11,11 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm only (make test runs these tests there)")
 
-from kvrag import InvalidRequestError, Request, pipeline
-from kvrag.chunks import ChunkSource
-from kvrag.study import load_items
+from kvrag import InvalidRequestError, Request
+
+from kvrag.run import pipeline
+from kvrag.cache.chunks import ChunkSource
+from kvrag.lab.study import load_items
 
 FILLER = " It is one of the old towns of the coast, with narrow streets, a market on Tuesdays and a lighthouse."
 TEXTS = [
@@ -111,8 +113,8 @@ def test_the_engine_retrieves_and_plans_here_and_answers_through_vllm(kv, execut
     """KVRAG over the same disk store as the connector: ingestion stores each chunk's KV once; a query on the
     vLLM executor reads it from there and answers as the engine does in-process."""
     from kvrag import KVRAG
-    from kvrag.embed import Embedder
-    from kvrag.store import DiskStore
+    from kvrag.engine.embed import Embedder
+    from kvrag.cache.store import DiskStore
 
     embedder = Embedder()
     here = KVRAG(kv, embedder=embedder, store=DiskStore(store_root, "float32"))
@@ -128,7 +130,7 @@ def test_the_engine_retrieves_and_plans_here_and_answers_through_vllm(kv, execut
 def test_a_tenant_executor_and_its_connector_share_one_view_of_the_store(kv, tmp_path):
     """The executor writes into its tenant's view (as the engine does); the connector configured with that
     `tenant` and `secret_file` reads it there, and a connector without the secret finds nothing usable."""
-    from kvrag.store import DiskStore
+    from kvrag.cache.store import DiskStore
     from vllm_kvrag.connector import open_store
     from vllm_kvrag.executor import PlannedRequests
 
@@ -170,8 +172,8 @@ def test_attach_runs_an_engines_plans_on_vllm_over_its_own_store(kv, llm, store_
     """`attach` gives an engine a vLLM executor over the store it already has; the connector's config for that
     store is the one the session's engine was started with."""
     from kvrag import KVRAG
-    from kvrag.embed import Embedder
-    from kvrag.store import DiskStore, MemoryStore, TieredStore
+    from kvrag.engine.embed import Embedder
+    from kvrag.cache.store import DiskStore, MemoryStore, TieredStore
     from vllm_kvrag.attach import attach, store_config
     from vllm_kvrag.executor import VLLMExecutor
 
@@ -198,7 +200,7 @@ def test_attach_runs_an_engines_plans_on_vllm_over_its_own_store(kv, llm, store_
 
 def test_the_connectors_memory_tier_and_its_bad_settings(tmp_path):
     from kvrag.errors import KVRAGError
-    from kvrag.store import TieredStore
+    from kvrag.cache.store import TieredStore
     from vllm_kvrag.connector import open_store
 
     tiered = open_store({"store": "disk", "path": str(tmp_path), "memory_bytes": 1 << 20})
@@ -284,7 +286,7 @@ def test_a_store_that_fails_while_the_worker_reads_is_a_miss_not_a_dead_worker(t
     from concurrent.futures import ThreadPoolExecutor
 
     from kvrag.errors import StoreError
-    from kvrag.store import DiskStore
+    from kvrag.cache.store import DiskStore
     from vllm_kvrag.connector import KVRAGConnector, KVRAGLoadWarning, _Load
     from vllm_kvrag.plan import Piece, TransferPlan
 
@@ -306,8 +308,8 @@ def test_an_entry_holding_other_tokens_than_the_prompts_is_never_written(tmp_pat
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
-    from kvrag.kv import ChunkKV
-    from kvrag.store import DiskStore
+    from kvrag.cache.kv import ChunkKV
+    from kvrag.cache.store import DiskStore
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     from vllm_kvrag.connector import KVRAGConnector, KVRAGLoadWarning, _Load
     from vllm_kvrag.plan import Piece, TransferPlan
@@ -338,7 +340,7 @@ def test_the_connector_opens_redis_over_tls_with_its_password_from_a_file_never_
     """vLLM logs kv_connector_extra_config: a password comes from password_file, a URL holding one is refused,
     and store_config writes none (the TLS files pass as given)."""
     from kvrag.errors import InvalidRequestError, KVRAGError
-    from kvrag.store import RedisStore
+    from kvrag.cache.store import RedisStore
     from vllm_kvrag.attach import store_config
     from vllm_kvrag.connector import open_store
 
@@ -399,7 +401,7 @@ def test_the_connector_writes_straight_into_the_blocks_only_where_that_is_what_v
     scale, keeps vLLM's op."""
     from types import SimpleNamespace
 
-    from kvrag import ckernel
+    from kvrag.cpu import ckernel
     from vllm_kvrag.connector import KVRAGConnector
 
     def layer(kv_dtype="auto", scale=1.0):

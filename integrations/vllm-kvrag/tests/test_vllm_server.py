@@ -74,8 +74,9 @@ def test_the_server_gives_kvrags_answers_for_planned_and_plain_requests(kv, stor
 def test_an_entry_gone_before_the_server_reads_it_is_counted_as_recomputed(kv, store, server):
     """The server reports how many prompt tokens it took from a cache: a chunk whose entry went missing between
     the plan and the load is counted as the work the server did (all of it), not as the plan meant."""
-    from kvrag import Request, pipeline
-    from kvrag.chunks import ChunkSource
+    from kvrag import Request
+    from kvrag.run import pipeline
+    from kvrag.cache.chunks import ChunkSource
 
     remote = VLLMServerExecutor(kv, server, store)
     question = "Who catalogued the maps of Mersa?"

@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm only (make t
 
 from test_vllm_connector import Q, TEXTS  # noqa: E402
 
-from kvrag.bench_storage import start_redis  # noqa: E402
+from kvrag.lab.bench.storage import start_redis  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvrag.cache.store import DiskStore, KVStore, RedisStore, TieredStore, without_credentials
 from kvrag.errors import InvalidRequestError
-from kvrag.store import DiskStore, KVStore, RedisStore, TieredStore, without_credentials
 
 if TYPE_CHECKING:
-    from kvrag.engine import KVRAG
+    from kvrag.engine.rag import KVRAG
 
 
 def store_config(store: KVStore, *, namespace: str = "", password_file: str | None = None) -> dict[str, Any]:
@@ -74,13 +74,16 @@ def attach(
             by default one is started here, over the engine's model, with `llm_options` passed to `vllm.LLM`.
         server: the URL of a `vllm serve` that loads kvrag's connector over the same store (then no vLLM is
             started here, and only httpx is needed).
-        secret_file: for an engine with a tenant secret, a file holding it, for the connector to read.
+        secret_file: for an engine keyed with a secret other than the user's kvrag key, a file holding it, for the
+            connector to read.
         password_file: for an engine whose Redis needs a password, a file holding it, for the connector to read.
         memory_bytes: the connector's memory tier (decoded entries kept in vLLM's worker).
     """
+    from kvrag.cache.secret import user_key, user_key_path
     from vllm_kvrag.executor import VLLMExecutor, connector_config
 
-    if rag.secret and not secret_file and server is None and llm is None:
+    default_key = bool(rag.secret) and user_key_path().is_file() and rag.secret == user_key()  # the connector's too
+    if rag.secret and not default_key and not secret_file and server is None and llm is None:
         raise InvalidRequestError(
             "this engine checksums its entries under a tenant secret: pass secret_file=, a file holding the same "
             "secret, so vLLM's connector can verify them"
@@ -93,11 +96,13 @@ def attach(
     if llm is None:
         from vllm import LLM
 
-        from kvrag.catalog import resolve
+        from kvrag.model.catalog import resolve
 
         extra = store_config(rag.store, namespace=rag.namespace, password_file=password_file)
         if secret_file:
             extra["secret_file"] = str(secret_file)
+        elif not rag.secret:
+            extra["unkeyed"] = True
         if memory_bytes:
             extra["memory_bytes"] = int(memory_bytes)
         model = resolve(rag.model_source)  # a named model's converted folder; None: the embedded default's

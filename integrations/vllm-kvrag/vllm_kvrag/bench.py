@@ -60,10 +60,10 @@ def run(
     from vllm import LLM
 
     from kvrag import KVModel
-    from kvrag.bench import context_texts
-    from kvrag.chunks import ChunkSource
-    from kvrag.catalog import resolve
-    from kvrag.store import DiskStore
+    from kvrag.cache.chunks import ChunkSource
+    from kvrag.cache.store import DiskStore
+    from kvrag.lab.bench.ttft import context_texts
+    from kvrag.model.catalog import resolve
     from vllm_kvrag.executor import VLLMExecutor, connector_config
 
     folder = resolve(folder)  # a named model's converted folder; None: the embedded default's
@@ -122,8 +122,9 @@ def _fit(kv: Any, pool: list[str], tokens: int) -> int:
 
 
 def _answer(kv: Any, executor: Any, store: Any, question: str, texts: list[str], strategy: str, tokens: int) -> Any:
-    from kvrag import Request, pipeline
-    from kvrag.chunks import ChunkSource
+    from kvrag import Request
+    from kvrag.cache.chunks import ChunkSource
+    from kvrag.run import pipeline
 
     request = Request.of(question, texts, strategy=strategy, target=0, max_new_tokens=tokens)
     chunks = ChunkSource(kv, store).chunks(request.chunks)

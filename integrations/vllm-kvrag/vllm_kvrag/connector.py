@@ -15,11 +15,12 @@ Configuration (`KVTransferConfig.kv_connector_extra_config`): `store` ("disk" or
 file holding it; TLS with a rediss:// URL or `ssl`, and `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`),
 `storage_dtype` (as the entries were written, default float16), and for a
 tenant: `tenant` (the engine's namespace: the connector reads that tenant's view of the store, as the
-engine writes it) and `secret_file` (a file holding the tenant secret its entries are checksummed with);
+engine writes it) and `secret_file` (a file holding the secret its entries are checksummed with; by default the
+user's kvrag key, `kvrag.cache.secret`, as the engine's default; `unkeyed: true` for entries written with none);
 `memory_bytes` (default 0: none) keeps entries, once read and verified, decoded (in their storage dtype) in
 the worker's memory, at most that many bytes, least recently used out first.
 
-Where kvrag's paged-write kernel builds (`kvrag.ckernel.paged_write`) and writes what vLLM's own write op writes
+Where kvrag's paged-write kernel builds (`kvrag.cpu.paged_write`) and writes what vLLM's own write op writes
 (checked once a cache layout, on a scratch cache, before the first load), reader threads read each entry, verify
 it, check its token ids against the prompt's, and write it straight into the request's blocks: keys rotated from
 the position they were encoded at to their place and converted on the way, one pass over each entry. Elsewhere a
@@ -32,10 +33,10 @@ from __future__ import annotations
 
 import os
 import re
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from pathlib import Path
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,12 +46,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvrag import ckernel
+from kvrag import cpu
+from kvrag.cache.kv import ChunkKV
+from kvrag.cache.secret import user_key
+from kvrag.cache.store import DiskStore, KVStore, MemoryStore, RedisStore, TieredStore, has_credentials, redact
 from kvrag.errors import KVRAGError
-from kvrag.kv import ChunkKV
-from kvrag.model import check_architecture
-from kvrag.rope import Repositioner, rotary_of_config
-from kvrag.store import DiskStore, KVStore, MemoryStore, RedisStore, TieredStore, has_credentials, redact
+from kvrag.model.loading import check_architecture
+from kvrag.model.rope import Repositioner, rotary_of_config
 from vllm_kvrag.plan import Piece, TransferPlan
 
 if TYPE_CHECKING:
@@ -154,6 +156,8 @@ def open_store(extra: dict[str, Any]) -> KVStore:
                 f"the kvrag connector's secret_file {extra['secret_file']} holds {len(store.secret)} bytes: a secret "
                 "needs at least 16"
             )
+    elif not extra.get("unkeyed"):
+        store.secret = user_key()  # as kvrag's engine keys a disk or Redis store by default
     memory = extra.get("memory_bytes", 0)
     if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
         raise KVRAGError(
@@ -424,7 +428,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         cos = sin = None
         if piece.position != piece.start:
             cos, sin = self._angles(piece.position - piece.start)
-        if not ckernel.paged_write(
+        if not cpu.paged_write(
             keys, values, *caches, slots, keys_transposed=transposed, cos=cos, sin=sin, threads=1
         ):
             # checked above and on the layout: a kvrag bug, said as such, and vLLM computes the tokens meanwhile
@@ -453,7 +457,7 @@ class KVRAGConnector(KVConnectorBase_V1):
             for transposed in (True, False):
                 mine = torch.zeros_like(scratch)
                 k, v = _cache_views(mine)
-                written = ckernel.paged_write(keys, values, [k], [v], slots, keys_transposed=transposed, threads=1)
+                written = cpu.paged_write(keys, values, [k], [v], slots, keys_transposed=transposed, threads=1)
                 if written and torch.equal(mine, scratch):
                     found = transposed
                     break

@@ -18,17 +18,17 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
-from kvrag.chunks import ChunkSource
+from kvrag.cache.chunks import ChunkSource
+from kvrag.cache.kv import ChunkKV, chunk_key
+from kvrag.cache.store import KVStore
 from kvrag.errors import InvalidRequestError
-from kvrag.executor import Job, StoredChunk
-from kvrag.generate import Sampling
-from kvrag.kv import ChunkKV, chunk_key
-from kvrag.store import KVStore
+from kvrag.run.executor import Job, StoredChunk
+from kvrag.run.generate import Sampling
 from kvrag.timing import Phases
 from vllm_kvrag.plan import Piece, TransferPlan
 
 if TYPE_CHECKING:
-    from kvrag.kvmodel import KVModel
+    from kvrag.model.kvmodel import KVModel
 
 _ids = itertools.count()
 

@@ -13,13 +13,13 @@ import json
 import shlex
 from typing import TYPE_CHECKING, Any, Iterator
 
+from kvrag.cache.store import KVStore
 from kvrag.errors import StoreError
-from kvrag.generate import Sampling
-from kvrag.store import KVStore
+from kvrag.run.generate import Sampling
 from vllm_kvrag.executor import PlannedRequests, VLLMPrefill, count_cached
 
 if TYPE_CHECKING:
-    from kvrag.kvmodel import KVModel
+    from kvrag.model.kvmodel import KVModel
 
 
 class VLLMServerExecutor(PlannedRequests):

@@ -8,12 +8,12 @@ from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.bridge.pydantic import PrivateAttr
 
 from kvrag import KVRAG, InvalidRequestError
-from kvrag.embed import Embedder
+from kvrag.engine.embed import Embedder
 
 
 class KVRAGEmbedding(BaseEmbedding):
     """kvrag's embedder (all-MiniLM-L6-v2 from the installed package by default, offline; any sentence-transformers
-    model through `kvrag.embed.Embedder(name)`).
+    model through `kvrag.engine.embed.Embedder(name)`).
 
     Args:
         embedder: the embedder, e.g. a KVRAG engine's `engine.embedder`; default `Embedder()`.
@@ -30,7 +30,8 @@ class KVRAGEmbedding(BaseEmbedding):
             raise InvalidRequestError("KVRAGEmbedding takes an embedder, got a KVRAG engine: pass engine.embedder")
         if embedder is not None and not callable(getattr(embedder, "embed", None)):
             raise InvalidRequestError(
-                f"KVRAGEmbedding takes a kvrag Embedder, got a {type(embedder).__name__}: pass kvrag.embed.Embedder()"
+                f"KVRAGEmbedding takes a kvrag Embedder, got a {type(embedder).__name__}: pass "
+                f"kvrag.engine.embed.Embedder()"
             )
         super().__init__(model_name=kwargs.pop("model_name", "kvrag-default-embedder"), **kwargs)
         self._embedder = embedder or Embedder()

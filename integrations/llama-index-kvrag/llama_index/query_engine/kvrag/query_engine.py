@@ -28,8 +28,8 @@ from llama_index.llms.kvrag import KVRAGLLM
 from llama_index.retrievers.kvrag import KVRAGRetriever
 
 from kvrag import KVRAG, NO_CONTEXT, Answer, EmptyInputError, InvalidRequestError
-from kvrag.index import check_top_k
-from kvrag.request import SAMPLING_FIELDS, check_options, scores_of
+from kvrag.engine.index import check_top_k
+from kvrag.plan.request import SAMPLING_FIELDS, check_options, scores_of
 
 __all__ = ["KVRAGAnswerEvent", "KVRAGQueryEngine", "NO_CONTEXT", "node_texts"]
 
@@ -149,7 +149,8 @@ class KVRAGQueryEngine(BaseQueryEngine):
         if llm is not None and not (isinstance(llm, KVRAGLLM) and llm.kvmodel is engine.kvmodel):
             raise InvalidRequestError(
                 f"the query engine generates with the model that owns the KV cache; {type(llm).__name__} is not that "
-                "model and its caches cannot be mixed. Pass llm=None (or KVRAGLLM(engine.kvmodel))."
+                "model and its caches cannot be mixed. Pass llm=None (or KVRAGLLM(engine.kvmodel)), or build the "
+                "engine on the LLM's model: KVRAG.from_defaults(path, model=llm.kvmodel)."
             )
         generation = {**(llm.sampling() if llm is not None else {}), **generation}
         self.options = check_options(strategy=strategy, budget=budget, picker=picker, strict=strict, **generation)

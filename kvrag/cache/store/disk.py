@@ -1,0 +1,155 @@
+"""The disk store: one codec entry a file, written to a temporary file and renamed, private to the user."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+from kvrag.cache.store.base import HEX_KEY, KVStore, SerializedStore, check_namespace
+from kvrag.errors import StoreError
+from kvrag.files import DIR_MODE, make_dirs
+
+
+class DiskStore(SerializedStore):
+    """One safetensors file an entry under `root`, written to a temporary name and renamed into place.
+
+    Concurrent writers of one key each rename a complete file, so a reader never sees half an entry; a
+    full disk raises StoreError and leaves every stored entry as it was. Nothing under `root` is reached
+    through a symbolic link: a linked bucket folder or entry is refused (StoreError), never followed.
+    `read_only` opens an existing folder without creating, sweeping or writing anything.
+    """
+
+    SUFFIX = ".kv.safetensors"
+    STALE_TMP_S = 60.0  # a temporary file this old belongs to a writer that died (a live one renames in ms)
+
+    def __init__(self, root: str | Path, storage_dtype: str = "float16", *, read_only: bool = False) -> None:
+        super().__init__(storage_dtype)
+        self.root = Path(root)
+        self.read_only = read_only
+        if read_only:
+            return
+        try:
+            make_dirs(self.root)
+        except OSError as err:
+            raise StoreError(f"cannot create the KV store folder {self.root}: {err.strerror}") from err
+        self.sweep()
+
+    def scoped(self, namespace: str) -> KVStore:
+        root = self.root / f"ns-{check_namespace(namespace)}"
+        if root.is_symlink():
+            raise StoreError(
+                f"{root} is a symbolic link: kvrag never follows links inside a KV store folder; remove it"
+            )
+        scoped = DiskStore(root, self.storage_dtype, read_only=self.read_only)
+        scoped.view, scoped.legacy = namespace, self
+        return scoped
+
+    def sweep(self, *, older_than_s: float | None = None) -> int:
+        """Remove temporary files left by writers killed before their rename (older than `older_than_s`,
+        default STALE_TMP_S: never a live writer's); return how many."""
+        return len(self.stale_temp_files(older_than_s, remove=True))
+
+    def stale_temp_files(self, older_than_s: float | None = None, *, remove: bool = False) -> list[Path]:
+        """Temporary files older than `older_than_s` in the real (not linked) bucket folders; removed with `remove`."""
+        now, age, found = time.time(), self.STALE_TMP_S if older_than_s is None else older_than_s, []
+        for bucket in self.root.glob("[0-9a-f][0-9a-f]"):
+            if bucket.is_symlink() or not bucket.is_dir():
+                continue  # a link is never walked: its target is outside the store
+            for tmp in bucket.glob(".*.tmp"):
+                try:
+                    if not tmp.is_symlink() and now - tmp.lstat().st_mtime > age:
+                        if remove:
+                            tmp.unlink()
+                        found.append(tmp)
+                except OSError:
+                    pass
+        return found
+
+    def _path(self, key: str) -> Path:
+        if not key or not all(c in "0123456789abcdef" for c in key):
+            raise StoreError(f"invalid store key {key!r}: keys are hex digests from kvrag.chunk_key")
+        path = self.root / key[:2] / f"{key}{self.SUFFIX}"
+        if path.parent.is_symlink():
+            raise StoreError(
+                f"{path.parent} is a symbolic link: kvrag never follows links inside a KV store folder; "
+                "remove it (its entries are recomputed)"
+            )
+        return path
+
+    def _read(self, key: str) -> bytes | None:
+        from kvrag.engine.folder import read_regular
+
+        path = self._path(key)
+        try:
+            return read_regular(path)  # never through a link, never a FIFO's endless wait
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            if path.is_symlink():
+                raise StoreError(
+                    f"{path} is a symbolic link: kvrag never follows links inside a KV store folder; remove it"
+                ) from None
+            raise StoreError(f"cannot read {path}: {err.strerror or err}") from err
+
+    def _write(self, key: str, blob: bytes) -> None:
+        path = self._path(key)
+        tmp_name = None
+        try:
+            path.parent.mkdir(mode=DIR_MODE, exist_ok=True)
+            if path.parent.is_symlink():  # made a link since _path looked: never write through it
+                raise StoreError(f"{path.parent} is a symbolic link: kvrag never writes through one; remove it")
+            fd, tmp_name = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=path.parent)
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_name, path)
+            tmp_name = None
+        except OSError as err:
+            raise StoreError(
+                f"cannot write a KV entry under {self.root}: {err.strerror or err}; nothing stored "
+                "was changed. Free space or choose another folder."
+            ) from err
+        finally:
+            if tmp_name is not None:
+                try:
+                    os.unlink(tmp_name)
+                except OSError:
+                    pass
+
+    def delete(self, key: str) -> None:
+        if self.read_only:
+            raise StoreError(f"the KV store {self.root} is open read-only: nothing can be deleted")
+        try:
+            self._path(key).unlink()  # unlinks a link itself, never its target
+        except FileNotFoundError:
+            pass
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        path = self._path(key)
+        return not path.is_symlink() and path.is_file()
+
+    def _entries(self) -> Iterator[Path]:
+        for path in self.root.glob(f"[0-9a-f][0-9a-f]/*{self.SUFFIX}"):
+            if HEX_KEY.fullmatch(path.name[: -len(self.SUFFIX)]) and not path.is_symlink():
+                if not path.parent.is_symlink():
+                    yield path
+
+    def keys(self) -> Iterator[str]:
+        for path in self._entries():
+            yield path.name[: -len(self.SUFFIX)]
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for path in self._entries():
+            try:
+                total += path.lstat().st_size
+            except OSError:
+                pass
+        return total

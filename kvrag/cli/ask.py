@@ -1,0 +1,110 @@
+"""`kvrag ask`: a question over an index, in process or through vLLM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from kvrag.cli.common import compile_arg, import_vllm_kvrag, open_index, secret_arg
+from kvrag.errors import InvalidRequestError
+
+
+def add_ask(sub: Any) -> None:
+    """`kvrag ask`."""
+    ask = sub.add_parser("ask", help="answer a question from an index folder")
+    ask.add_argument("question")
+    ask.add_argument("--index", required=True, type=Path)
+    ask.add_argument(
+        "--strategy",
+        default=None,
+        help="default: the index's tuned default (kvrag tune), else kvrag.plan.defaults' for the model",
+    )
+    ask.add_argument(
+        "--picker",
+        default=None,
+        help="retriever, attention, likelihood, lexical, fused or oracle; set pickers (for set_recompute, set_only): "
+        "top2, top3, likelihood2, diverse2",
+    )
+    ask.add_argument("--budget", type=float, default=None, help="default: the tuned default's, else 0.05")
+    ask.add_argument("--top-k", type=int, default=5)
+    ask.add_argument("--bm25", "--hybrid", dest="bm25", action="store_true", help="fuse dense and BM25 rankings")
+    ask.add_argument("--max-new-tokens", type=int, default=256)
+    ask.add_argument(
+        "--parts",
+        default=None,
+        metavar="auto|Q1;;Q2",
+        help="answer a part at a time over the same chunks: auto (kvrag's splitter: 'What is A, and who is B?', "
+        "'... of each of X, Y and Z?'; a question it cannot split is answered whole), or the parts separated by ';;' "
+        "(a part holding {answer} takes the previous part's answer); printed whole, --stream aside",
+    )
+    ask.add_argument("--stream", action="store_true", help="print the answer as it is decoded")
+    ask.add_argument("--json", action="store_true", help="print one JSON object: text, finish_reason, sources, stats")
+    ask.add_argument("--redis", default=None, metavar="URL", help="read chunk KV from Redis (as given to ingest)")
+    secret_arg(ask)
+    ask.add_argument("--device", default="cpu")
+    ask.add_argument("--threads", type=int, default=None)
+    compile_arg(ask)
+    ask.add_argument(
+        "--backend",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="what runs the plan: kvrag's transformers engine (default) or vLLM through kvrag's connector (vllm-kvrag; "
+        "it stores the prompt prefix's KV, which the connector loads, if the store lacks it)",
+    )
+    ask.add_argument(
+        "--vllm-server",
+        default=None,
+        metavar="URL",
+        help="with --backend vllm: a `vllm serve` that loads the connector",
+    )
+
+
+def _ask(args: argparse.Namespace) -> None:
+    if args.backend != "vllm" and args.vllm_server:
+        raise InvalidRequestError("--vllm-server goes with --backend vllm")
+    # vLLM's connector needs the prompt prefix's KV in the store: the vLLM backend stores it if it is missing
+    rag = open_index(args, read_only=args.backend != "vllm")
+    if args.backend == "vllm":
+        _on_vllm(rag, args)
+    kwargs = dict(
+        strategy=args.strategy,
+        picker=args.picker,
+        budget=args.budget,
+        top_k=args.top_k,
+        bm25=args.bm25,
+        max_new_tokens=args.max_new_tokens,
+    )
+    if args.parts is not None:
+        parts = args.parts if args.parts == "auto" else [p for p in args.parts.split(";;")]
+        kwargs["parts"] = parts
+    if args.stream and not args.json and args.parts is None:
+        for item in rag.stream(args.question, **kwargs):
+            if isinstance(item, str):
+                print(item, end="", flush=True)
+        print()
+        return
+    answer = rag.query(args.question, **kwargs)
+    if args.json:
+        print(json.dumps(answer.to_dict(), ensure_ascii=False))
+    else:
+        print(answer.text.strip())
+        print(
+            f"\n[{answer.stats.strategy}, ttft {answer.stats.ttft_s:.3f} s, sources: "
+            f"{', '.join(s.id for s in answer.sources)}]"
+        )
+
+
+def _on_vllm(rag: Any, args: argparse.Namespace) -> None:
+    """Hand the engine's plans to vLLM: an in-process engine with kvrag's connector, or a `vllm serve`."""
+    if args.compile_decode:
+        raise InvalidRequestError("--compile-decode is kvrag's transformers decode: vLLM decodes with its own")
+    vllm_kvrag = import_vllm_kvrag("--backend vllm")
+    secret_file = str(args.secret_file) if args.secret_file else None  # the connector verifies under the same secret
+    vllm_kvrag.attach.attach(rag, server=args.vllm_server, secret_file=secret_file)
+
+
+COMMANDS = {
+    "ask": _ask,
+}

@@ -1,0 +1,189 @@
+"""What the command groups share: the model and store options, opening an index, interrupts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from kvrag.errors import InvalidRequestError
+
+
+def model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a named model (`kvrag models`: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), a Hugging Face "
+        "model id or a folder (default: the embedded smollm2-135m)",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
+    parser.add_argument("--cache-dir", default=None, help="where converted named models are kept")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+
+
+def cpu_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-cpu-kernels",
+        dest="cpu_kernels",
+        action="store_false",
+        help="keep the model as transformers made it: no kvrag CPU kernels or module swaps (the same tokens, slower)",
+    )
+
+
+def compile_arg(parser: argparse.ArgumentParser) -> None:
+    cpu_arg(parser)
+    parser.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="where the C decode step does not take the model: decode through torch.compile'd layer steps (seconds "
+        "of compiling at the first token, faster after)",
+    )
+
+
+def secret_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--secret-file",
+        type=Path,
+        default=None,
+        help="a file holding the secret the index was built with (keys and checksums are HMACs under it; default: "
+        "your kvrag key, ~/.config/kvrag/key, made on first use)",
+    )
+    parser.add_argument(
+        "--no-secret",
+        action="store_true",
+        help="key nothing: for an index built without a secret (whoever can write its store can forge entries)",
+    )
+
+
+def secret_of(args: argparse.Namespace) -> bytes | None:
+    """The tenant secret in --secret-file (surrounding whitespace dropped), b"" with --no-secret, or None (the
+    user's key)."""
+    path = getattr(args, "secret_file", None)
+    if getattr(args, "no_secret", False):
+        if path is not None:
+            raise InvalidRequestError("--no-secret and --secret-file contradict each other: give one")
+        return b""
+    if path is None:
+        return None
+    try:
+        secret = path.read_bytes().strip()
+    except OSError as err:
+        raise InvalidRequestError(f"cannot read the secret file {path}: {err.strerror}") from None
+    if len(secret) < 16:
+        raise InvalidRequestError(
+            f"the secret file {path} holds {len(secret)} bytes: a secret needs at least 16 (`openssl rand -hex 32`)"
+        )
+    return secret
+
+
+def store_of(args: argparse.Namespace, *, read_only: bool = False) -> Any:
+    """The KV store the command names (Redis behind memory), or None for the index folder's own."""
+    from kvrag.cache.store import MemoryStore, RedisStore, TieredStore
+
+    redis_url = getattr(args, "redis", None)
+    if not redis_url:
+        return None
+    storage = getattr(args, "storage_dtype", None) or "float16"
+    return TieredStore(MemoryStore(), RedisStore(redis_url, storage_dtype=storage, read_only=read_only))
+
+
+def index_is_a_folder(index: Path) -> None:
+    """Refuse an --index that names something other than a folder (a file is not an index, and ingest cannot make
+    a folder there)."""
+    if index.exists() and not index.is_dir():
+        raise InvalidRequestError(f"--index {index} is a file, not an index folder: give a folder's path")
+
+
+def open_index(args: argparse.Namespace, *, read_only: bool = True) -> Any:
+    """The engine over an existing index folder; read-only unless the command writes (tune, gc)."""
+    from kvrag.engine.folder import IndexFolder
+    from kvrag.engine.rag import KVRAG
+    from kvrag.errors import IndexLoadError
+
+    index_is_a_folder(args.index)
+    if not IndexFolder(args.index).exists():
+        raise IndexLoadError(
+            f"no kvrag index at {args.index}: create one with `kvrag ingest PATH --index {args.index}`"
+        )
+    return KVRAG.load(
+        args.index,
+        device=args.device,
+        store=store_of(args, read_only=read_only),
+        require_store=True,
+        secret=secret_of(args),
+        read_only=read_only,
+        compile_decode=getattr(args, "compile_decode", False),
+        cpu_kernels=getattr(args, "cpu_kernels", True),
+    )
+
+
+def interruptible(work: Callable[[], Any], *, interrupted: str) -> Any:
+    """`work()` in a worker thread, so Ctrl-C ends the command within a fraction of a second even while a
+    forward of many seconds runs; every write kvrag makes is atomic, so what committed stays whole."""
+    import os
+    import threading
+
+    result: list[Any] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(work())
+        except BaseException as err:  # re-raised in the main thread
+            failure.append(err)
+
+    worker = threading.Thread(target=run, name="kvrag-ingest", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.1)
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr, flush=True)
+        os._exit(130)  # the worker cannot be stopped mid-forward; exiting now is what a user asked for
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+def parse_csv(text: str, kind: type, what: str) -> list:
+    try:
+        values = [kind(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InvalidRequestError(f"{what} must be a comma-separated list, got {text!r}") from None
+    if not values:
+        raise InvalidRequestError(f"{what} is empty: give at least one")
+    return values
+
+
+def parse_shard(spec: str | None) -> tuple[int, int]:
+    """`--shard I/N` as (I, N); no shard is (0, 1)."""
+    if not spec:
+        return 0, 1
+    try:
+        index, count = (int(x) for x in spec.split("/"))
+    except ValueError:
+        index = count = -1
+    if not 0 <= index < count:
+        raise InvalidRequestError(f"--shard must be I/N with 0 <= I < N, e.g. 0/2, got {spec!r}")
+    return index, count
+
+
+def import_vllm_kvrag(what: str) -> Any:
+    """The vllm_kvrag package, or a clear error saying where it is installed."""
+    import os
+
+    # A command's stdout is its result (--json: one object): vLLM's log goes to stderr, warnings and worse
+    # only, unless the environment says otherwise (vLLM's own variables). Set before vLLM is imported.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm_kvrag.attach
+
+        return vllm_kvrag
+    except ImportError as err:
+        raise InvalidRequestError(
+            f"{what} needs vllm-kvrag and vLLM ({err}): `make install-vllm` puts both in .venv-vllm; run "
+            f"`.venv-vllm/bin/kvrag ...` from there, or `pip install -e integrations/vllm-kvrag` beside vLLM"
+        ) from None

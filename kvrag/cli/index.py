@@ -1,0 +1,197 @@
+"""`kvrag ingest`, `kvrag info` and `kvrag gc`: building, inspecting and cleaning an index folder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvrag.cli.common import (
+    cpu_arg,
+    index_is_a_folder,
+    interruptible,
+    model_args,
+    open_index,
+    secret_arg,
+    secret_of,
+    store_of,
+)
+from kvrag.errors import InvalidRequestError
+
+
+def add_ingest(sub: Any) -> None:
+    """`kvrag ingest`."""
+    ingest = sub.add_parser("ingest", help="split, embed and encode documents into an index folder")
+    ingest.add_argument("paths", nargs="+", type=Path, help=".txt, .md or .rst files, or folders of them")
+    ingest.add_argument("--index", required=True, type=Path, help="the index folder (created if missing)")
+    # The index flags default to None: a flag left out takes an existing index's value (or, for a fresh index,
+    # the default its help states); one given must agree with the index (`_index_settings`).
+    ingest.add_argument("--chunk-tokens", type=int, default=None, help="tokens a chunk (default 200)")
+    ingest.add_argument("--overlap", type=int, default=None, help="tokens shared by neighbouring chunks (default 20)")
+    ingest.add_argument("--storage-dtype", default=None, help="float16 (default), bfloat16, float32 or int8")
+    ingest.add_argument("--quiet", action="store_true", help="no progress bar")
+    ingest.add_argument("--redis", default=None, metavar="URL", help="keep chunk KV in Redis (redis:// or rediss://)")
+    ingest.add_argument(
+        "--namespace", default=None, help="a tenant name in every chunk's store key (kept in the index; default: none)"
+    )
+    ingest.add_argument(
+        "--follow-symlinks", action="store_true", help="read files and folders reached through symbolic links"
+    )
+    ingest.add_argument("--max-file-mb", type=float, default=None, help="the largest input file read (default 64)")
+    secret_arg(ingest)
+    model_args(ingest)
+    cpu_arg(ingest)
+    ingest.set_defaults(dtype=None)  # "auto", unless the index at --index was built with another
+
+
+def add_info(sub: Any) -> None:
+    """`kvrag info`."""
+    info = sub.add_parser("info", help="counts, bytes and the model fingerprint of an index folder (read-only)")
+    info.add_argument("--index", required=True, type=Path)
+    info.add_argument("--redis", default=None, metavar="URL", help="count the chunk KV in Redis (as given to ingest)")
+    secret_arg(info)
+    info.add_argument("--device", default="cpu")
+    info.add_argument("--threads", type=int, default=None)
+
+
+def add_gc(sub: Any) -> None:
+    """`kvrag gc`."""
+    gc = sub.add_parser(
+        "gc", help="delete stored chunk KV that no indexed chunk refers to, and dead writers' temporary files"
+    )
+    gc.add_argument("--index", required=True, type=Path)
+    gc.add_argument("--redis", default=None, metavar="URL", help="collect in Redis (needs --exclusive)")
+    gc.add_argument(
+        "--exclusive",
+        action="store_true",
+        help="with --redis: this index is the only one writing to that Redis namespace (else another index's entries "
+        "would look like orphans)",
+    )
+    gc.add_argument("--dry-run", action="store_true", help="count what would be removed, remove nothing")
+    secret_arg(gc)
+    gc.add_argument("--device", default="cpu")
+    gc.add_argument("--threads", type=int, default=None)
+
+
+def _ingest(args: argparse.Namespace) -> None:
+    from kvrag.engine.documents import MAX_FILE_BYTES
+    from kvrag.engine.rag import KVRAG, MANIFEST
+
+    index_is_a_folder(args.index)
+    fresh = not (args.index / MANIFEST).is_file()
+    _index_settings(args)
+    rag = KVRAG.from_defaults(
+        args.index,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        cache_dir=args.cache_dir,
+        chunk_tokens=args.chunk_tokens,
+        overlap=args.overlap,
+        storage_dtype=args.storage_dtype,
+        store=store_of(args),
+        namespace=args.namespace,
+        cpu_kernels=args.cpu_kernels,
+        require_store=True,
+        secret=secret_of(args),
+    )
+    if args.max_file_mb is not None and not 0 < args.max_file_mb <= 1 << 20:
+        raise InvalidRequestError(f"--max-file-mb must be a positive number of megabytes, got {args.max_file_mb}")
+    max_bytes = int(args.max_file_mb * (1 << 20)) if args.max_file_mb is not None else MAX_FILE_BYTES
+    stats = interruptible(
+        lambda: rag.ingest(
+            list(args.paths), progress=not args.quiet, follow_symlinks=args.follow_symlinks, max_file_bytes=max_bytes
+        ),
+        interrupted=f"kvrag: interrupted; the index at {args.index} is as last committed (the KV already encoded "
+        "is kept: ingesting again reuses it, `kvrag gc` removes it)",
+    )
+    print(
+        f"{'created' if fresh else 'updated'} {args.index}: {stats.documents} documents, {stats.chunks} chunks "
+        f"({stats.tokens} tokens); KV encoded for {stats.encoded}, already stored for {stats.store_hits}; "
+        f"{stats.seconds:.1f} s"
+    )
+
+
+# ingest's index flags: the manifest key each is kept under, and its default for a fresh index.
+_INDEX_FLAGS = {
+    "model": ("--model", None),
+    "dtype": ("--dtype", "auto"),
+    "chunk_tokens": ("--chunk-tokens", 200),
+    "overlap": ("--overlap", 20),
+    "storage_dtype": ("--storage-dtype", "float16"),
+    "namespace": ("--namespace", ""),
+}
+
+
+def _index_settings(args: argparse.Namespace) -> None:
+    """Fill ingest's index flags left out: from the index at --index, else the defaults.
+
+    A flag given with a value other than the one the existing index was built with is an InvalidRequestError
+    naming both (the index keeps its own: ingesting would otherwise ignore the flag, or mix chunkings).
+    `--dtype auto` states no preference; `--model` must be the model as the index names it.
+    """
+    from kvrag.engine.folder import IndexFolder
+    from kvrag.model.loading import resolve_dtype
+
+    folder = IndexFolder(args.index, read_only=True, secret=secret_of(args))  # None: the user's key
+    if not folder.exists():
+        for key, (_, default) in _INDEX_FLAGS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, default)
+        return
+    manifest = folder.manifest()
+    for key, (flag, default) in _INDEX_FLAGS.items():
+        given, built = getattr(args, key), manifest.get(key, default)
+        if key == "dtype" and given is not None:
+            given = None if given == "auto" else str(resolve_dtype(given, args.device)).removeprefix("torch.")
+        same = given is None or given == built or (key == "model" and built is not None and _same_folder(given, built))
+        if not same:
+            shown = "None (the embedded default)" if built is None else shlex.quote(str(built))
+            raise InvalidRequestError(
+                f"{flag} {shlex.quote(str(getattr(args, key)))} conflicts with the index at {args.index}, built with "
+                f"{key} {shown}: drop the flag or ingest into a new folder"
+            )
+        setattr(args, key, built)
+
+
+def _same_folder(a: str, b: str) -> bool:
+    """Whether two model names are one local folder, written differently."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.is_dir() and pb.is_dir() and pa.resolve() == pb.resolve()
+
+
+def _info(args: argparse.Namespace) -> None:
+    info = open_index(args).info()
+    print(json.dumps(info, indent=1))
+    ingested = info.get("kv_store_at_ingest")
+    if isinstance(ingested, str) and ingested.startswith("memory in front of redis") and not args.redis:
+        print(
+            f"kvrag: the KV of this index was stored in {ingested.split(' in front of ')[1]}: pass --redis URL to "
+            "count those entries (the counts above are of the index folder's own kv/)",
+            file=sys.stderr,
+        )
+
+
+def _gc(args: argparse.Namespace) -> None:
+    if args.redis and not args.exclusive:
+        raise InvalidRequestError(
+            "--redis needs --exclusive: a Redis namespace may hold other indexes' entries, which this index would "
+            "take for orphans. Pass --exclusive only if this index alone writes to it"
+        )
+    rag = open_index(args, read_only=args.dry_run)  # a dry run opens read-only: it sweeps nothing either
+    done = rag.gc(dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    print(
+        f"{args.index}: {verb} {done['orphan_entries']} orphan KV entries and {done['temp_files']} temporary files "
+        f"from {rag.info()['kv_store']}"
+    )
+
+
+COMMANDS = {
+    "ingest": _ingest,
+    "info": _info,
+    "gc": _gc,
+}

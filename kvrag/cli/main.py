@@ -1,0 +1,76 @@
+"""The `kvrag` command line: the parser, and the one place errors become exit codes. User mistakes print one line
+and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from kvrag import __version__
+from kvrag.cli import ask, bench, index, models, study
+from kvrag.errors import InvalidRequestError, KVRAGError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvrag", description="Reuse attention (KV) state in retrieval-augmented generation."
+    )
+    parser.add_argument("--version", action="version", version=f"kvrag {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    adders = (
+        models.add_demo,
+        models.add_models,
+        index.add_ingest,
+        ask.add_ask,
+        study.add_agree_and_tune,
+        bench.add_bench,
+        study.add_study,
+        index.add_info,
+        index.add_gc,
+    )
+    for add in adders:
+        add(sub)
+    return parser
+
+
+COMMANDS = {**models.COMMANDS, **index.COMMANDS, **ask.COMMANDS, **bench.COMMANDS, **study.COMMANDS}
+
+
+def _run(args: argparse.Namespace) -> None:
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight-loading bars are noise on a command line
+    if args.threads is not None:
+        if not 1 <= args.threads <= 1024:
+            raise InvalidRequestError(f"--threads must be in 1..1024, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    COMMANDS[args.command](args)
+
+
+def _redacted(argv: Sequence[str]) -> list[str]:
+    """The command line, each URL in it (`--redis`) with its password replaced by '***'."""
+    from kvrag.cache.store import redact
+
+    return [redact(a) if "://" in a else a for a in argv]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["bench-vllm"]:  # its options are vllm_kvrag.bench's own, --help included
+        args = argparse.Namespace(command="bench-vllm", rest=raw[1:], threads=None)
+    else:
+        args = build_parser().parse_args(raw)
+    args.argv = _redacted(raw)  # recorded in outputs: never a password
+    try:
+        _run(args)
+    except BrokenPipeError:  # the reader went away (`kvrag ask ... | head`): stop quietly, as cat does
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush goes nowhere
+        return 141  # 128 + SIGPIPE, the status a shell reports for cat
+    except (KVRAGError, OSError) as err:  # a user's mistake or the world's; anything else is a bug: a traceback
+        print(f"kvrag: error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,62 @@
+"""`kvrag demo` and `kvrag models`: the bundled demo and the named models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from kvrag.cli.common import compile_arg, model_args
+
+
+def add_demo(sub: Any) -> None:
+    """`kvrag demo`."""
+    demo = sub.add_parser("demo", help="retrieve and answer over a bundled excerpt of the Python docs, offline")
+    model_args(demo)
+    compile_arg(demo)
+    demo.add_argument("--questions", type=int, default=3, help="how many bundled questions to ask (default 3)")
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+
+
+def add_models(sub: Any) -> None:
+    """`kvrag models`."""
+    models = sub.add_parser("models", help="the models kvrag installs offline: size, installed or not, where, how")
+    models.add_argument("--cache-dir", default=None, help="where converted named models are kept")
+    models.add_argument("--json", action="store_true", help="one JSON object a model instead of a table")
+    models.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from kvrag.lab.demo import run_demo
+
+    load = dict(
+        name_or_path=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        cache_dir=args.cache_dir,
+        compile_decode=args.compile_decode,
+        cpu_kernels=args.cpu_kernels,
+    )
+    run_demo(load=load, questions=args.questions, max_new_tokens=args.max_new_tokens)
+
+
+def _models(args: argparse.Namespace) -> None:
+    from kvrag.model.catalog import MODELS, status
+
+    rows = [status(m, args.cache_dir) for m in MODELS.values()]
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return
+    print(f"{'name':<20}{'size':>6}  {'GGUF':>9}  {'installed':<10} {'converted':<10} where / how to install")
+    for row in rows:
+        where = row["converted"] or row["gguf"] if row["installed"] else f"`{row['install']}`"
+        installed, converted = ("yes" if row[k] else "no" for k in ("installed", "converted"))
+        size = f"{row['gguf_bytes'] / 1e6:>7.0f}MB"
+        print(f"{row['name']:<20}{row['params']:>6}  {size}  {installed:<10} {converted:<10} {where}")
+
+
+COMMANDS = {
+    "demo": _demo,
+    "models": _models,
+}

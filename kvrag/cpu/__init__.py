@@ -1,0 +1,122 @@
+"""kvrag's CPU engine: an optional accelerator for llama-family models on CPU, behind this one door.
+
+The core (`kvrag.model`, `kvrag.run`) calls only the functions below; every one of them either takes the work and
+returns its result, or declines (None or False) and the caller's torch path runs, giving the same tokens. What is
+behind the door (see README.md beside this file): module swaps for a bfloat16 prefill (attention without copying
+the kv heads, linear layers, RMSNorms, rotary, the MLP's SiLU(gate) * up), a decode step in C or compiled, the key
+rotation and the stitch of a reused cache in one pass, a whole bfloat16 prefill in one C call, and a paged write for
+serving engines. The C sources are in `csrc/`, built once per machine by `ckernel` on first use.
+
+Switch it off per model with `install(model, enabled=False)`, which `KVModel(..., cpu_kernels=False)` and the CLI's
+`--no-cpu-kernels` call: nothing is swapped, nothing is built, and every answer runs on transformers' forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvrag.cpu import ckernel
+from kvrag.cpu import decode as _decode
+from kvrag.cpu import prefill as _prefill
+from kvrag.cpu.attention import GQA_SDPA, use_gqa_sdpa
+from kvrag.cpu.ckernel import MAX_TOKENS, Stitch
+from kvrag.cpu.decode import Room
+from kvrag.cpu.linear import use_prefill_linears
+from kvrag.cpu.mlp import use_prefill_mlps
+from kvrag.cpu.norm import use_prefill_norms
+from kvrag.cpu.rotary import use_prefill_rotary
+
+__all__ = [
+    "GQA_SDPA",
+    "MAX_TOKENS",
+    "Room",
+    "Stitch",
+    "available",
+    "compile_decoding",
+    "decode_room",
+    "decoder_of",
+    "enabled",
+    "install",
+    "paged_write",
+    "prefill_forward",
+    "prefill_may_take",
+    "rotate_keys",
+    "stitch_plan",
+]
+
+_FLAG = "_kvrag_cpu_kernels"
+
+
+def install(model: Any, enabled: bool = True) -> bool:
+    """Put the CPU engine's modules into `model` (each swap is a no-op where it does not apply: another device,
+    dtype or architecture), or with `enabled=False` keep the model as transformers made it and have every function
+    here decline for it. Call once, before the model's first forward. True where the engine is on for `model`."""
+    setattr(model, _FLAG, bool(enabled))
+    if enabled:
+        use_gqa_sdpa(model)  # sdpa without copying kv heads on CPU, bitwise the same
+        use_prefill_linears(model)  # bfloat16 prefills' linear layers on the CPU's dot products
+        use_prefill_norms(model)  # and their RMSNorms in one pass
+        use_prefill_rotary(model)  # and their rotary embeddings, bitwise the same
+        use_prefill_mlps(model)  # and their MLPs' SiLU(gate) * up in one pass
+    return bool(enabled)
+
+
+def enabled(model: Any) -> bool:
+    """Whether the CPU engine may take `model`'s work (True unless `install(model, enabled=False)` said so)."""
+    return bool(getattr(model, _FLAG, True))
+
+
+def available() -> bool:
+    """Whether the C kernels built and loaded on this machine (a C compiler, Linux)."""
+    return ckernel.available()
+
+
+def compile_decoding(model: torch.nn.Module) -> bool:
+    """Decode `model` through the compiled step from its next decoded token on (`decode.compile_decoding`); False
+    where it is not taken."""
+    return enabled(model) and _decode.compile_decoding(model)
+
+
+def decoder_of(model: torch.nn.Module) -> _decode.FastDecoder | None:
+    """The model's fast decode step, or None where the engine does not take the model (transformers decodes)."""
+    return _decode.decoder_of(model) if enabled(model) else None
+
+
+def decode_room(model: torch.nn.Module, tokens: int) -> int:
+    """Free cache slots to keep after a prompt for `tokens` decoded ones (more where the compiled step reads whole
+    blocks)."""
+    return _decode.decode_room(model, tokens) if enabled(model) else tokens
+
+
+def rotate_keys(
+    model: Any, out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> bool:
+    """Rotate `keys` into `out` in one pass in C; False where it declines (the caller rotates with torch).
+    `model` may be None (a serving engine's worker that holds only the rotary module)."""
+    return (model is None or enabled(model)) and ckernel.rotate_keys(out, keys, cos, sin)
+
+
+def stitch_plan(model: Any, keys: torch.Tensor, values: torch.Tensor, parts: list, cos: torch.Tensor,
+                sin: torch.Tensor) -> Stitch | None:
+    """A stitch of the prefix and the kept pieces, prepared (not run); None where it declines."""
+    if model is not None and not enabled(model):
+        return None
+    return ckernel.stitch_plan(keys, values, parts, cos, sin)
+
+
+def prefill_may_take(model: Any, cache: torch.Tensor) -> bool:
+    """Whether a forward over a cache like `cache` may run in one C call for `model`."""
+    return enabled(model) and _prefill.may_take(cache)
+
+
+def prefill_forward(model: torch.nn.Module, *args: Any) -> torch.Tensor | None:
+    """A whole prefill's forward in one C call (`prefill.forward`); None where it declines."""
+    return _prefill.forward(model, *args) if enabled(model) else None
+
+
+def paged_write(*args: Any, **kwargs: Any) -> bool:
+    """Write stored pieces into a serving engine's paged blocks in one pass (`ckernel.paged_write`); False where the
+    kernel is missing (the caller writes with its own op)."""
+    return ckernel.paged_write(*args, **kwargs)

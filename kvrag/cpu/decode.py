@@ -1,0 +1,727 @@
+"""One decode step written for speed, on the model's own weights: what `generate.decode` runs for llama-family
+models instead of a whole transformers forward.
+
+On CPU a token's step is mostly vector-matrix products, and torch runs each of them on one core at about a
+third of the memory bandwidth (docs/performance.md). Here each product is split by output rows into one part
+a thread, run as one batched matmul over views of the same weights: the same dot products (bitwise), on every
+core. q, k and v are one such product, and so are gate and up: their weights are stacked once and the
+model's own modules view the stack (no second copy). The rest of a step is a short loop over layers: the
+rotary embedding looked up from a table that the model's own rotary module computes (so scaled RoPE is the
+model's), the new key and value written into the cache's preallocated room, attention over the filled slots,
+and no mask, position or cache bookkeeping. On CPU that attention is `kvrag.cpu.ckernel`'s C kernel where it built
+(every key and value read once, in float32 vectors, blocks of slots across the threads), else torch's. Its
+tokens are those of the transformers forward (tested in float32 on every architecture it takes). It never
+builds a prompt or a cache: the prefill's cache is read and extended in place.
+
+Taken: llama, mistral, qwen2, qwen3 and phi3 (rotate-half RoPE over the whole head, RMSNorm, gated SiLU MLP, no
+sliding window; phi3's stacked q/k/v and gate/up modules are read as they are).
+Anything else decodes through transformers (`supports` says why).
+
+In C (the default where it builds): `kvrag.cpu.ckernel.DecodeStep` runs the same step, every layer and the head,
+in one call a token (`kernels/decode_step.c`), over the same weights and cache, float32 or bfloat16; `steps`
+runs up to eight consecutive tokens in one pass over the weights, each one's logits bit for bit its own step's
+(what greedy decoding's prompt-lookup drafts are checked with, where `batched` says so: `kvrag.run.generate.decode`).
+Its products read each weight row in order, so the cores stream the weights near the memory bandwidth (twice the
+torch step's rate in bfloat16 here: docs/performance.md, "Decoding"), and nothing runs in Python between the
+layers. Its logits equal the torch step's to float32 rounding in float32; in bfloat16 it rounds where the torch
+step rounds, so they differ by the order of sums (about one bfloat16 step of a logit). `native_decoding(model,
+False)` puts a model back on the torch step.
+
+On CUDA (the default there): `GraphSteps` captures the whole step, every layer and the head, as one CUDA graph
+per set of cache buffers (`static_step`: its inputs are device tensors and its attention reads every slot of the
+buffers, the free ones masked, so no shape depends on the token) and replays it, one launch a token in place of
+a few hundred small kernels from Python (docs/performance.md, "On a GPU"). `native_decoding(model, False)` puts
+it back on the torch step.
+
+Compiled (`compile_decoding(model)`, `KVModel(compile_decode=True)`, `--compile-decode`): each layer's step is
+one function that torch.compile (inductor) turns into a few fused C++ kernels, compiled once a model and
+replayed for every layer and token; the number of cached tokens is a dynamic dimension, so a longer cache
+compiles nothing. Its products are written as reductions, which inductor generates as vectorized dot products
+over the weight rows on every core (closer to the memory bandwidth than a vector-matrix product through
+MKL). Its attention is the C kernel's where it built (`kvrag::decode_attention`, an op the graph calls as it
+is); else the graph's own, split into blocks of BLOCK cache slots (flash-decoding), so every cached key and
+value is read once and the cores share the blocks; the cache keeps the room for whole blocks (`decode_room`).
+It costs seconds of compilation on a model's first decoded token (inductor keeps the result on disk for later
+processes), so it pays off in a process that answers many questions. Its logits equal the eager step's to
+float32 rounding (the sums run in another order); where the compiler is missing or fails, decoding warns once
+and stays on the eager step.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvrag.cpu import ckernel, hugepages
+from kvrag.cpu.linear import PrefillLinear
+from kvrag.model.loading import rope_parameters
+
+TAKEN = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+PLAIN_LINEARS = (torch.nn.Linear, PrefillLinear)  # the same product (`kvrag.cpu.linear`)
+BLOCK = 256  # cache slots an attention block of the compiled step reads (docs/performance.md, "Decoding")
+
+
+class Product:
+    """x [in] times a weight [out, in], split by output rows into `parts` batched products (one a thread).
+
+    The parts are views of the weight, so nothing is copied, and each output is the same dot product as
+    `F.linear`'s.
+    """
+
+    __slots__ = ("weight", "bias", "parts", "split")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parts: int) -> None:
+        self.weight, self.bias = weight, bias
+        self.resplit(parts)
+
+    def resplit(self, parts: int) -> None:
+        """Split into `parts` (one part when `parts` does not divide the rows)."""
+        out, inner = self.weight.shape
+        self.parts = parts if out % parts == 0 else 1
+        self.split = self.weight.view(self.parts, out // self.parts, inner).transpose(1, 2)  # [P, in, out / P]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.expand(self.parts, 1, x.shape[-1])
+        if self.bias is None:
+            return torch.bmm(x, self.split).view(self.weight.shape[0])
+        # the bias inside the product, as F.linear adds it (after the sum, before rounding in low precision)
+        return torch.baddbmm(self.bias.view(self.parts, 1, -1), x, self.split).view(self.weight.shape[0])
+
+
+@dataclass(slots=True)
+class FastLayer:
+    """One decoder layer's weights as a single-token step reads them."""
+
+    norm_in: torch.Tensor  # [D] input RMSNorm weight
+    qkv: Product  # q, k and v stacked: [(Hq + 2 Hkv) d, D]
+    q_norm: torch.Tensor | None  # [d] per-head RMSNorm of queries (qwen3), else None
+    k_norm: torch.Tensor | None  # [d] per-head RMSNorm of keys (qwen3), else None
+    o: Product  # [D, Hq d]
+    norm_post: torch.Tensor  # [D] post-attention RMSNorm weight
+    gate_up: Product  # gate and up stacked: [2F, D]
+    down: Product  # [D, F]
+
+
+def supports(model: torch.nn.Module) -> str | None:
+    """None when `FastDecoder` takes this model; else why it decodes through transformers."""
+    config = model.config
+    if config.model_type not in TAKEN:
+        return f"model type {config.model_type!r} (fast decoding takes {', '.join(TAKEN)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "a sliding attention window"
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not hasattr(model, "lm_head"):
+        return "no model.layers / lm_head"
+    if rope_parameters(config).get("partial_rotary_factor", 1.0) != 1.0:
+        return "partial rotary embeddings"
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, o, gate_up, down = _projections(layer)
+        linears = [*qkv, o, *gate_up, down]
+        # plain float linears only: a quantized, adapted (LoRA), offloaded or hooked module computes something else
+        if any(type(m) not in PLAIN_LINEARS or m._forward_hooks or m._forward_pre_hooks for m in linears):
+            return "projections that are not plain nn.Linear (quantized, adapted or hooked)"
+        if any(not m.weight.is_floating_point() or m.weight.is_meta for m in linears):
+            return "weights that are not floating-point tensors in memory"
+        activation = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+        if hasattr(layer, "_hf_hook") or type(activation).__name__ not in ("SiLU", "SiLUActivation"):
+            return "a hooked layer or an activation other than SiLU"
+        if any(getattr(m, "bias", None) is not None for m in (o, *gate_up, down)):
+            return "biases outside the q/k/v projections"
+        if getattr(attn, "sliding_window", None):
+            return "a sliding attention window"
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
+        return "logit soft-capping"
+    return None
+
+
+def _projections(layer: torch.nn.Module) -> tuple[tuple[Any, ...], Any, tuple[Any, ...], Any]:
+    """A decoder layer's (q, k and v), o, (gate and up) and down linears: separate modules in llama, mistral and
+    qwen, one stacked module each for q/k/v and gate/up in phi3 (the same products, in the same order).
+    Missing modules are None (then `supports` refuses the model)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if hasattr(attn, "qkv_proj"):
+        return (attn.qkv_proj,), attn.o_proj, (getattr(mlp, "gate_up_proj", None),), getattr(mlp, "down_proj", None)
+    qkv = tuple(getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj"))
+    gate_up = tuple(getattr(mlp, n, None) for n in ("gate_proj", "up_proj"))
+    return qkv, getattr(attn, "o_proj", None), gate_up, getattr(mlp, "down_proj", None)
+
+
+class FastDecoder:
+    """One model's weights as a step reads them, and its single-token step over a prefill's cache."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        reason = supports(model)
+        if reason is not None:
+            raise ValueError(f"fast decoding does not take this model: {reason}")
+        config, inner = model.config, model.model
+        self.model = model
+        self.eps = config.rms_norm_eps
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scale = inner.layers[0].self_attn.scaling
+        self.norm = inner.norm.weight  # [D]
+        self.threads = max(1, torch.get_num_threads())
+        self.layers = [self._layer(layer, self.threads) for layer in inner.layers]
+        (head,) = _arranged([(model.lm_head,)])  # the embedding too, where the model ties them
+        self.embed = inner.embed_tokens.weight  # [V, D]
+        self.lm_head = Product(head, None, self.threads)  # [V, D]
+        self.native = ckernel.DecodeStep.of(self)  # the whole step in C, where the kernels built and take it
+        self.graphs = GraphSteps(self) if self.embed.is_cuda else None  # on CUDA, the whole step as one graph
+        self.use_native = True  # `native_decoding(model, False)` turns both off (the torch step decodes)
+        self.compiled: tuple[Any, Any] | None = None  # (layer step, head) once `compile` is called
+        self._compiled_ran = False  # whether a compiled step has run: a failure after that is no missing compiler
+
+    @staticmethod
+    def _layer(layer: torch.nn.Module, parts: int) -> FastLayer:
+        attn = layer.self_attn
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        projections, o_proj, gate_up_projs, down_proj = _projections(layer)
+        qkv, o, gate_up, down = _arranged([projections, (o_proj,), gate_up_projs, (down_proj,)])
+        return FastLayer(
+            norm_in=layer.input_layernorm.weight,
+            qkv=Product(qkv, _stacked_bias(*projections), parts),
+            q_norm=q_norm.weight if q_norm is not None else None,
+            k_norm=k_norm.weight if k_norm is not None else None,
+            o=Product(o, None, parts),
+            norm_post=layer.post_attention_layernorm.weight,
+            gate_up=Product(gate_up, None, parts),
+            down=Product(down, None, parts),
+        )
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        """A copied or pickled model carries no decoder (it holds C pointers to the original's weights): its
+        copy makes its own at its first decoded token."""
+        return _no_decoder, ()
+
+    def current(self) -> bool:
+        """Whether the model still computes with the weights this decoder reads (none replaced, cast or moved)."""
+        inner = self.model.model
+        head = self.model.lm_head.weight
+        if inner.embed_tokens.weight is not self.embed or head.data_ptr() != self.lm_head.weight.data_ptr():
+            return False
+        for layer, fast in zip(inner.layers, self.layers):
+            qkv, o, gate_up, down = _projections(layer)
+            if (
+                qkv[0].weight.data_ptr() != fast.qkv.weight.data_ptr()
+                or gate_up[0].weight.data_ptr() != fast.gate_up.weight.data_ptr()
+                or o.weight.data_ptr() != fast.o.weight.data_ptr()
+                or down.weight.data_ptr() != fast.down.weight.data_ptr()
+                or layer.input_layernorm.weight is not fast.norm_in
+            ):
+                return False
+        return True
+
+    def _resplit(self, threads: int) -> None:
+        self.threads = threads
+        for product in [
+            self.lm_head,
+            *(p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+        ]:
+            product.resplit(threads)
+
+    def rotary(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [count, d] for positions start.. from the model's rotary module (its scaling included)."""
+        positions = torch.arange(start, start + count, device=self.embed.device)[None]
+        probe = self.embed[:1][None]  # the module reads only its dtype and device
+        cos, sin = self.model.model.rotary_emb(probe, positions)
+        return cos[0], sin[0]
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, weight, self.eps)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def compile(self) -> None:
+        """Run steps through torch.compile'd layer and head functions from the next step on (compiled then)."""
+        if self.compiled is None:
+            self.compiled = _compiled()
+
+    @torch.inference_mode()
+    def step(
+        self,
+        token: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        filled: int,
+    ) -> torch.Tensor:
+        """Logits [V] for `token` at the position whose rotary rows are cos, sin [d]; its key and value go to slot
+        `filled` of every layer's keys/values buffers [H_kv, capacity, d], whose first `filled` slots attend."""
+        if self.native is not None and self.use_native and self.native.takes(cos, keys, values):
+            return self.native(token, cos, sin, keys, values, filled)
+        if self.graphs is not None and self.use_native:
+            return self.graphs(token, cos, sin, keys, values, filled)
+        # compiled where the buffers hold whole blocks up to this slot (`decode_room` keeps them), else eager
+        if self.compiled is not None and keys[0].shape[1] >= -(-(filled + 1) // BLOCK) * BLOCK:
+            try:
+                return self._compiled_step(token, cos, sin, keys, values, filled)
+            except Exception as error:  # noqa: BLE001 - no compiler, or one that fails: the eager step is exact
+                if self._compiled_ran:
+                    raise  # it compiled and ran before: this is no missing compiler
+                self.compiled = None
+                warnings.warn(
+                    f"compiled decoding is off, the eager step decodes: torch.compile failed "
+                    f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if torch.get_num_threads() != self.threads:  # one part a thread, as many as torch runs now
+            self._resplit(max(1, torch.get_num_threads()))
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        kernel = _kernel_takes(keys, values, hq // hkv)
+        scratch = torch.empty(ckernel.scratch_size(hkv, hq // hkv, d, filled + 1)) if kernel else None
+        x = self.embed[token]  # [D]
+        for i, layer in enumerate(self.layers):
+            h = self._rms(x, layer.norm_in)
+            q, k, v = _heads(layer.qkv(h), hq, hkv, d, layer.q_norm, layer.k_norm, self.eps, cos, sin)
+            keys[i][:, filled] = k
+            values[i][:, filled] = v
+            if kernel:
+                out = ckernel.decode_attention(q.float() * self.scale, keys[i], values[i], filled + 1, scratch)
+                out = out.to(x.dtype)
+            else:
+                # the heads that share a kv head form that head's query rows: attention needs no repeated keys and,
+                # for one new token seeing every cached one, no mask; the scale goes on q alone (torch's attention
+                # also scales every cached key, a pass over the whole cache)
+                scores = (q.view(hkv, hq // hkv, d) * self.scale) @ keys[i][:, : filled + 1].transpose(1, 2)
+                weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # [H_kv, G, T]
+                out = weights @ values[i][:, : filled + 1]  # [H_kv, G, d]
+            x = x + layer.o(out.reshape(hq * d))
+            h = self._rms(x, layer.norm_post)
+            gate, up = layer.gate_up(h).chunk(2)
+            x = x + layer.down(F.silu(gate) * up)
+        return self.lm_head(self._rms(x, self.norm)).float()
+
+    def static_step(
+        self,
+        token: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        slot: torch.Tensor,
+    ) -> torch.Tensor:
+        """`step` with its inputs as tensors on the model's device (token and slot [1]) and every shape fixed by
+        the buffers, not by the slot: what a CUDA graph captures once and replays (`GraphSteps`). Attention reads
+        every slot of the buffers and masks those after `slot`, which must hold finite numbers (`Room.of` zeroes
+        them on CUDA). Nothing in it reads a tensor's value on the host."""
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        seen = torch.arange(keys[0].shape[1], device=slot.device) <= slot  # [capacity]
+        x = F.embedding(token, self.embed)[0]  # [D]
+        for i, layer in enumerate(self.layers):
+            h = self._rms(x, layer.norm_in)
+            qkv = F.linear(h, layer.qkv.weight, layer.qkv.bias)
+            q, k, v = _heads(qkv, hq, hkv, d, layer.q_norm, layer.k_norm, self.eps, cos, sin)
+            keys[i].index_copy_(1, slot, k[:, None])
+            values[i].index_copy_(1, slot, v[:, None])
+            scores = (q.view(hkv, hq // hkv, d) * self.scale) @ keys[i].transpose(1, 2)  # [H_kv, G, capacity]
+            scores = scores.float().masked_fill(~seen, float("-inf"))
+            out = torch.softmax(scores, dim=-1).to(v.dtype) @ values[i]  # [H_kv, G, d]
+            x = x + F.linear(out.reshape(hq * d), layer.o.weight)
+            h = self._rms(x, layer.norm_post)
+            gate, up = F.linear(h, layer.gate_up.weight).chunk(2)
+            x = x + F.linear(F.silu(gate) * up, layer.down.weight)
+        return F.linear(self._rms(x, self.norm), self.lm_head.weight).float()
+
+    def batched(self, cos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
+        """Whether `native.steps` runs several tokens in one pass over the weights here: the C step decodes and
+        takes this cache and rotary table [steps, d]."""
+        native = self.native
+        return native is not None and self.use_native and native.takes(cos[0], keys, values)
+
+    def _compiled_step(
+        self,
+        token: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        filled: int,
+    ) -> torch.Tensor:
+        layer_step, head_step = self.compiled  # type: ignore[misc]
+        span = -(-(filled + 1) // BLOCK) * BLOCK  # whole blocks of slots, the last one partly filled
+        slot = torch.tensor([filled], device=self.embed.device)  # a tensor: a new slot compiles nothing
+        x = self.embed[token]  # [D]
+        # attention in the C kernel where it takes the cache (an opaque op inside the layer's graph, over the
+        # whole buffer), else the graph's own over whole blocks
+        kernel = _kernel_takes(keys, values, self.heads // self.kv_heads)
+        for i, layer in enumerate(self.layers):
+            k, v = (keys[i], values[i]) if kernel else (keys[i][:, :span], values[i][:, :span])
+            torch._dynamo.maybe_mark_dynamic(k, 1)  # (one block compiles apart: a dimension of 1 is static)
+            torch._dynamo.maybe_mark_dynamic(v, 1)
+            x = layer_step(
+                x,
+                layer.norm_in,
+                layer.qkv.weight,
+                layer.qkv.bias,
+                layer.q_norm,
+                layer.k_norm,
+                layer.o.weight,
+                layer.norm_post,
+                layer.gate_up.weight,
+                layer.down.weight,
+                cos,
+                sin,
+                k,
+                v,
+                slot,
+                self.heads,
+                self.eps,
+                self.scale,
+                kernel,
+            )
+        logits = head_step(x, self.norm, self.lm_head.weight, self.eps)
+        self._compiled_ran = True
+        return logits
+
+
+class GraphSteps:
+    """A decoder's step on CUDA as one CUDA graph per set of cache buffers: every layer and the head replayed in
+    one launch, so a token costs the GPU's work and not hundreds of kernel launches from Python.
+
+    A graph is captured at the first step over a set of buffers (the step runs once eagerly on a side stream
+    first, as a capture requires, and that run is the step's result) and replayed for every later step over the
+    same buffers, in this answer and in later ones that reuse them (the executor pools its stitched caches). A
+    graph writes to its buffers' addresses, so it holds the buffers: the KEPT most recent graphs keep theirs
+    alive after their answers (a cache of another size or a plain prefill's cache brings new buffers and a new
+    graph, and the oldest graph and its buffers are let go).
+    """
+
+    KEPT = 2
+
+    def __init__(self, decoder: FastDecoder) -> None:
+        self.decoder = decoder
+        self.graphs: dict[tuple[Any, ...], _Graph] = {}
+        self.captures = 0  # graphs captured so far (a replay captures nothing)
+
+    def __call__(
+        self,
+        token: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        filled: int,
+    ) -> torch.Tensor:
+        key = (tuple(t.data_ptr() for t in (*keys, *values)), keys[0].shape, keys[0].stride(), keys[0].dtype)
+        graph = self.graphs.pop(key, None)
+        if graph is not None:
+            self.graphs[key] = graph  # the most recent last
+            return graph.replay(token, cos, sin, filled)
+        graph = _Graph(self.decoder, keys, values)
+        logits = graph.capture(token, cos, sin, filled)
+        self.captures += 1
+        self.graphs[key] = graph
+        while len(self.graphs) > self.KEPT:
+            del self.graphs[next(iter(self.graphs))]
+        return logits
+
+
+class _Graph:
+    """One captured step over one set of cache buffers, and its static inputs and output."""
+
+    def __init__(self, decoder: FastDecoder, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        device = keys[0].device
+        self.decoder, self.keys, self.values = decoder, keys, values
+        self.token = torch.zeros(1, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.cos = torch.zeros(decoder.head_dim, dtype=decoder.embed.dtype, device=device)
+        self.sin = torch.zeros_like(self.cos)
+        self.graph = torch.cuda.CUDAGraph()
+        self.logits = torch.empty(0)
+
+    def _inputs(self, token: int, cos: torch.Tensor, sin: torch.Tensor, filled: int) -> None:
+        self.token.fill_(token)
+        self.slot.fill_(filled)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+    def _run(self) -> torch.Tensor:
+        return self.decoder.static_step(self.token, self.cos, self.sin, self.keys, self.values, self.slot)
+
+    def capture(self, token: int, cos: torch.Tensor, sin: torch.Tensor, filled: int) -> torch.Tensor:
+        """This step's logits, from an eager run on a side stream; then the graph of the same step."""
+        self._inputs(token, cos, sin, filled)
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            logits = self._run().clone()  # writes this token's key and value: the capture below writes nothing
+        current.wait_stream(side)
+        with torch.cuda.graph(self.graph):
+            self.logits = self._run()
+        return logits
+
+    def replay(self, token: int, cos: torch.Tensor, sin: torch.Tensor, filled: int) -> torch.Tensor:
+        self._inputs(token, cos, sin, filled)
+        self.graph.replay()
+        return self.logits.clone()  # the next replay overwrites the graph's own output
+
+
+def _no_decoder() -> None:
+    return None
+
+
+def _kernel_takes(keys: list[torch.Tensor], values: list[torch.Tensor], group: int) -> bool:
+    """Whether the C kernel attends over this cache (its layers' buffers are alike: the first ones say)."""
+    return ckernel.supports(keys[0], group) and ckernel.supports(values[0], group)
+
+
+def _dot(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [in] times weight [out, in] as a reduction over each row (summed in float32), for inductor to generate."""
+    out = (weight.float() * x.float()).sum(-1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def _heads(
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token's stacked q, k and v [(Hq + 2 Hkv) d] as q [Hq, d], k and v [Hkv, d]: q and k normalized per
+    head where the model does (qwen3) and rotated."""
+    q = qkv[: heads * d].view(heads, d)
+    k = qkv[heads * d : (heads + kv_heads) * d].view(kv_heads, d)
+    v = qkv[(heads + kv_heads) * d :].view(kv_heads, d)
+    if q_norm is not None:
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)  # type: ignore[arg-type]
+    return FastDecoder._rope(q, cos, sin), FastDecoder._rope(k, cos, sin), v
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' RMSNorm: in float32, then back to the input dtype before the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _layer_step(
+    x: torch.Tensor,
+    norm_in: torch.Tensor,
+    qkv_w: torch.Tensor,
+    qkv_b: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    o_w: torch.Tensor,
+    norm_post: torch.Tensor,
+    gate_up_w: torch.Tensor,
+    down_w: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slot: torch.Tensor,
+    heads: int,
+    eps: float,
+    scale: float,
+    kernel: bool = False,
+) -> torch.Tensor:
+    """One decoder layer for one token, as `FastDecoder.step`'s loop body.
+
+    The token's key and value go to slot `slot` ([1]) of keys/values [H_kv, T, d], and it attends to slots
+    0..slot. With `kernel`, the C kernel does both (`kvrag::decode_attention`, an op inductor calls as it is),
+    over the whole buffer. Else keys/values are whole blocks of BLOCK slots of the cache and attention is split
+    by blocks (flash-decoding): each block's scores, softmax and weighted values on their own, then the blocks'
+    partial results merged by their maxima, so every key and value is read once and each core takes whole
+    blocks. Slots after `slot` may hold anything (they are masked out before any arithmetic reads them).
+    """
+    kv_heads, span, d = keys.shape
+    h = _rms_norm(x, norm_in, eps)
+    q, k, v = _heads(_dot(qkv_w, h, qkv_b), heads, kv_heads, d, q_norm, k_norm, eps, cos, sin)
+    if kernel:
+        out = torch.ops.kvrag.decode_attention(q, k, v, keys, values, slot, scale)  # [H, d] float32
+    else:
+        keys.index_copy_(1, slot, k[:, None])
+        values.index_copy_(1, slot, v[:, None])
+        blocks, group = span // BLOCK, heads // kv_heads
+        grouped = (q.view(kv_heads, 1, group, 1, d) * scale).float()  # the query rows of each kv head
+        scores = (grouped * keys.view(kv_heads, blocks, 1, BLOCK, d).float()).sum(-1)  # [H_kv, S, G, B]
+        seen = torch.arange(span, device=keys.device).view(blocks, 1, BLOCK) <= slot  # [S, 1, B]
+        scores = torch.where(seen, scores, float("-inf"))
+        top = scores.amax(-1)  # [H_kv, S, G]: every block holds a seen slot, so this is finite
+        weights = torch.exp(scores - top[..., None])
+        mass = weights.sum(-1)  # [H_kv, S, G]
+        weighted = weights[..., None] * values.view(kv_heads, blocks, 1, BLOCK, d).float()
+        partial = torch.where(seen[..., None], weighted, 0.0).sum(-2)  # [H_kv, S, G, d]
+        rescale = torch.exp(top - top.amax(1, keepdim=True))  # [H_kv, S, G]
+        out = (partial * rescale[..., None]).sum(1) / (mass * rescale).sum(1)[..., None]  # [H_kv, G, d]
+    x = x + _dot(o_w, out.to(x.dtype).reshape(heads * d))
+    gate, up = _dot(gate_up_w, _rms_norm(x, norm_post, eps)).chunk(2)
+    return x + _dot(down_w, F.silu(gate) * up)
+
+
+def _head_step(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
+    return _dot(lm_head, _rms_norm(x, norm, eps)).float()
+
+
+@functools.cache
+def _compiled() -> tuple[Any, Any]:
+    """The compiled layer step and head, made once a process (compiled code is kept per function and its shapes,
+    so every decoder of every model shares them)."""
+    return torch.compile(_layer_step, dynamic=False), torch.compile(_head_step, dynamic=False)
+
+
+def decodes_compiled(model: torch.nn.Module) -> bool:
+    """Whether `compile_decoding` turned the compiled step on for `model`."""
+    return bool(getattr(model, "_kvrag_compile_decode", False))
+
+
+def decodes_native(model: torch.nn.Module) -> bool:
+    """Whether `model` decodes through the C step where it takes the model (on unless `native_decoding` turned
+    it off)."""
+    return bool(getattr(model, "_kvrag_native_decode", True))
+
+
+def native_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
+    """Decode `model` through the whole step in one call, the default: in C on CPU (`kvrag.cpu.ckernel.DecodeStep`),
+    as a CUDA graph on CUDA (`GraphSteps`); or, with `enabled=False`, through the torch step (compiled where
+    `compile_decoding` asked). True where the C step takes the model on this machine."""
+    model._kvrag_native_decode = enabled  # type: ignore[attr-defined]
+    decoder = decoder_of(model)
+    return decoder is not None and decoder.native is not None
+
+
+def decode_room(model: torch.nn.Module, tokens: int) -> int:
+    """Free cache slots to keep after a prompt for `tokens` decoded ones: BLOCK - 1 more when `model` decodes
+    compiled, whose attention reads whole blocks of slots (the extra slots hold no token and take no
+    position: they never count against the context)."""
+    return tokens + BLOCK - 1 if decodes_compiled(model) and tokens > 1 else tokens
+
+
+def compile_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
+    """Decode `model` through the compiled step from its next decoded token on (see the module's docstring), or
+    with `enabled=False` through the eager step again. False where the fast step does not take the model (it
+    then decodes through transformers either way)."""
+    model._kvrag_compile_decode = enabled  # type: ignore[attr-defined]
+    decoder = decoder_of(model)
+    if decoder is not None and not enabled:
+        decoder.compiled = None
+    return decoder is not None
+
+
+def _arranged(groups: list[tuple[torch.nn.Linear, ...]]) -> list[torch.Tensor]:
+    """Each group's weights stacked by rows (q, k and v; gate and up), the groups one after the other in one
+    buffer, in the order a step reads them, on huge pages where the CPU memory has them (`kvrag.cpu.hugepages`: a
+    step streams its weights faster from there); the linears' own weights then view the buffer. One product a
+    group here, the same values for the transformers forward, and no second copy of the weights (the old ones are
+    freed as the modules let go of them). On another device the groups are only stacked."""
+    weights = [[m.weight for m in group] for group in groups]
+    shapes = [(sum(w.shape[0] for w in group), group[0].shape[1]) for group in weights]
+    first = weights[0][0]
+    if first.device.type == "cpu" and all(w.dtype == first.dtype for group in weights for w in group):
+        size = [rows * inner for rows, inner in shapes]
+        whole = hugepages.empty((sum(size),), first.dtype)
+        fused = [part.view(shape) for part, shape in zip(whole.split(size), shapes)]
+    else:
+        fused = [group[0].new_empty(shape) for group, shape in zip(weights, shapes)]
+    for group, linears, out in zip(weights, groups, fused):
+        torch.cat([w.detach() for w in group], out=out)
+        row = 0
+        for m in linears:
+            rows = m.weight.shape[0]
+            m.weight.data = out[row : row + rows]
+            row += rows
+    return fused
+
+
+def _stacked_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    """The linears' biases stacked the same way (a missing one as zeros); None when none has one."""
+    if all(m.bias is None for m in linears):
+        return None
+    fused = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in linears])
+    row = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        if m.bias is not None:
+            m.bias.data = fused[row : row + rows]
+        row += rows
+    return fused
+
+
+def decoder_of(model: torch.nn.Module) -> FastDecoder | None:
+    """The model's FastDecoder, made once and kept on the model; None when it does not take the model."""
+    decoder = getattr(model, "_kvrag_fast_decoder", None)
+    if decoder is not None and not decoder.current():
+        decoder = None  # the model's weights were replaced (loaded, cast, moved) since it was made
+    if decoder is None and supports(model) is None:
+        # made outside inference mode: the fused tensors become the model's weights, which autograd may see
+        with torch.inference_mode(False), torch.no_grad():
+            decoder = FastDecoder(model)
+        model._kvrag_fast_decoder = decoder  # type: ignore[attr-defined]
+    if decoder is not None:
+        decoder.use_native = decodes_native(model)
+        if decodes_compiled(model):
+            decoder.compile()
+    return decoder
+
+
+def _has_room(layer: Any, length: int) -> bool:
+    """Whether the layer's keys and values are still the head of its buffers, with room for `length` slots (a
+    GrowingLayer's own test; the same for a plain layer that an earlier fast decode gave buffers)."""
+    in_room = getattr(layer, "_in_room", None)
+    if in_room is not None:
+        return in_room(length)
+    return all(
+        view.data_ptr() == buf.data_ptr() and view.stride() == buf.stride() and length <= buf.shape[-2]
+        for view, buf in ((layer.keys, layer._keys), (layer.values, layer._values))
+    )
+
+
+@dataclass(slots=True)
+class Room:
+    """A cache's keys and values as buffers with free slots after the filled ones, for `FastDecoder.step`."""
+
+    keys: list[torch.Tensor]  # per layer [H_kv, capacity, d]
+    values: list[torch.Tensor]  # per layer [H_kv, capacity, d]
+    filled: int  # slots in use, the same in every layer
+
+    @classmethod
+    def of(cls, cache: Any, room: int) -> Room:
+        """The cache's own preallocated room when it has enough (a StitchedCache), else its KV copied once into
+        buffers with `room` free slots, which the cache then holds."""
+        filled = cache.layers[0].keys.shape[-2]
+        keys, values = [], []
+        for layer in cache.layers:
+            own = getattr(layer, "_keys", None)
+            if own is None or not _has_room(layer, filled + room):
+                k, v = layer.keys, layer.values  # [1, H_kv, T, d]
+                own = k.new_empty((*k.shape[:2], filled + room, k.shape[-1]))
+                own_v = v.new_empty((*v.shape[:2], filled + room, v.shape[-1]))
+                own[:, :, :filled].copy_(k)
+                own_v[:, :, :filled].copy_(v)
+                layer._keys, layer._values = own, own_v
+            keys.append(layer._keys[0])
+            values.append(layer._values[0])
+            if layer._keys.is_cuda:  # finite numbers in the free slots, which a CUDA graph's step masks out
+                layer._keys[:, :, filled:].zero_()
+                layer._values[:, :, filled:].zero_()
+        return cls(keys, values, filled)
+
+    def commit(self, cache: Any, filled: int) -> None:
+        """Show the cache's layers the first `filled` slots, as a transformers forward leaves them."""
+        self.filled = filled
+        for layer in cache.layers:
+            layer.keys, layer.values = layer._keys[:, :, :filled], layer._values[:, :, :filled]

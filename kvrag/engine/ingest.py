@@ -1,0 +1,232 @@
+"""Ingestion: documents split, embedded, encoded and stored; a document's chunks deleted. The KVRAG engine's
+half that writes (`KVRAG` takes it in as a base class); committing the index is `kvrag.engine.rag`'s."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from kvrag.engine.documents import MAX_FILE_BYTES, Item, split_text, to_documents
+from kvrag.engine.index import ChunkRecord
+from kvrag.errors import (
+    InvalidRequestError,
+    StoreError,
+)
+
+
+@dataclass(slots=True)
+class IngestStats:
+    """What one ingest did."""
+
+    documents: int  # documents read
+    chunks: int  # chunks indexed
+    tokens: int  # LM tokens in those chunks
+    encoded: int  # chunks whose KV was computed now
+    store_hits: int  # chunks whose KV was already stored (nothing encoded)
+    seconds: float  # wall time of the whole ingest
+    encode_s: float  # of which encoding KV
+
+
+class Ingesting:
+    """What `KVRAG` does to take documents in (see `kvrag.engine.rag.KVRAG` for the attributes it uses)."""
+
+    def ingest(
+        self,
+        items: Item | Iterable[Item],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        split: bool = True,
+        progress: bool = True,
+        on_progress: Callable[[int, int], None] | None = None,
+        follow_symlinks: bool = False,
+        max_file_bytes: int = MAX_FILE_BYTES,
+    ) -> IngestStats:
+        """Split, embed and index documents; encode and store each chunk's KV unless it is stored already.
+
+        Args:
+            items: texts (str), files or folders (pathlib.Path), (text, metadata) pairs or Documents.
+            metadata: merged into every document's metadata. Metadata keys are str, values a str, finite number,
+                bool or None or a list of them (what JSON keeps as it was); anything else raises InvalidRequestError.
+            split: False keeps each document as one chunk (caller-given chunks).
+            progress: show a tqdm progress bar over chunk encoding.
+            on_progress: called with (chunks done, chunks total) after each encoding batch.
+            follow_symlinks: read files and folders reached through symbolic links (refused by default).
+            max_file_bytes: the largest file read (default 64 MiB); a larger one is a DocumentError.
+        """
+        t0 = time.perf_counter()
+        self._check_writable("ingest")
+        docs = to_documents(items, metadata, follow_symlinks=follow_symlinks, max_file_bytes=max_file_bytes)
+        # Encoding takes the model's lock one group at a time and no folder lock: queries in this process and
+        # readers in others go on meanwhile. Only the commit holds the locks.
+        records, chunk_ids = self._chunk_records(docs, split)
+        seen: set[str] = set()
+        stored = [r.key in self.store for r in records]
+        missing = [i for i, r in enumerate(records) if not stored[i] and not (r.key in seen or seen.add(r.key))]
+        try:
+            encode_s = self._encode_and_store(
+                [records[i] for i in missing],
+                [chunk_ids[i] for i in missing],
+                progress=progress,
+                on_progress=on_progress,
+            )
+        except StoreError as err:  # a full disk, a Redis out of memory: what this ingest wrote goes again
+            left = self._remove_unindexed([records[i].key for i in missing])
+            raise StoreError(
+                f"{err} (the index is as last committed; "
+                + (
+                    f"{left} entries this ingest wrote could not be removed: `kvrag gc` removes them)"
+                    if left
+                    else "the entries this ingest wrote were removed)"
+                )
+            ) from err
+        vectors = self.embedder.embed([r.text for r in records])
+        with self._writing():
+            # a `gc` or `delete` may have removed an entry this ingest found stored or wrote: store it again
+            again = {r.key: i for i, r in enumerate(records) if r.key not in self.store}
+            if again:
+                self.source.encode_and_store([chunk_ids[i] for i in again.values()], list(again))
+            before = self.index
+            self.index = before.copy()
+            try:
+                for doc in docs:  # re-ingesting a document replaces its chunks (their KV stays stored)
+                    self.index.remove_doc(doc.id)
+                    source = doc.metadata.get("source")
+                    if isinstance(source, str) and source != doc.id and doc.id == _resolved(source):
+                        self.index.remove_doc(source)  # a file indexed before ids were resolved paths
+                self.index.add(records, vectors)
+                if self.folder is not None:
+                    self._commit(self.folder)
+            except BaseException:
+                self.index = before  # nothing half-added: the index stays as committed
+                raise
+        return IngestStats(
+            documents=len(docs),
+            chunks=len(records),
+            tokens=sum(r.n_tokens for r in records),
+            encoded=len(missing),
+            store_hits=sum(stored),
+            seconds=time.perf_counter() - t0,
+            encode_s=encode_s,
+        )
+
+    def _remove_unindexed(self, keys: Sequence[str]) -> int:
+        """Delete the entries among `keys` that no indexed chunk refers to; the number that could not be removed."""
+        with self._lock:
+            live = {r.key for r in self.index.records.values()}
+        left = 0
+        for key in set(keys) - live:
+            try:
+                self.store.delete(key)
+            except (StoreError, OSError):
+                left += 1
+        return left
+
+    def _chunk_records(self, docs: Sequence[Any], split: bool) -> tuple[list[ChunkRecord], list[list[int]]]:
+        """Each document's chunks as index records (ids, text, metadata, store key), and their token ids."""
+        records: list[ChunkRecord] = []
+        chunk_ids: list[list[int]] = []
+        for doc in docs:
+            texts = (
+                split_text(doc.text, self.kvmodel.tokenizer, chunk_tokens=self.chunk_tokens, overlap=self.overlap)
+                if split
+                else [doc.text.strip()]
+            )
+            for n, text in enumerate(texts):
+                ids = self.kvmodel.chunk_ids(n, text)
+                records.append(
+                    ChunkRecord(
+                        id=f"{doc.id}#{n}",
+                        doc_id=doc.id,
+                        text=text,
+                        metadata=dict(doc.metadata),
+                        key=self.source.key(ids),
+                        n_tokens=len(ids),
+                    )
+                )
+                chunk_ids.append(ids)
+        return records, chunk_ids
+
+    def _encode_and_store(
+        self,
+        records: Sequence[ChunkRecord],
+        ids: Sequence[list[int]],
+        *,
+        progress: bool,
+        on_progress: Callable[[int, int], None] | None,
+    ) -> float:
+        if not records:
+            return 0.0
+        from tqdm.auto import tqdm
+
+        t0 = time.perf_counter()
+        bar = tqdm(total=len(records), desc="encoding chunk KV", unit="chunk", disable=not progress)
+        done = 0
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            bar.update(n)
+            if on_progress is not None:
+                on_progress(done, len(records))
+
+        try:
+            self.source.encode_and_store(ids, [r.key for r in records], on_batch=advance)
+        finally:
+            bar.close()
+        return time.perf_counter() - t0
+
+    def store_kv(self, texts: Sequence[str], *, progress: bool = False) -> IngestStats:
+        """Encode and store the KV of chunk texts that are not stored yet, without indexing them.
+
+        For chunks that another framework retrieves (a LlamaIndex node, a LangChain document): a later
+        `answer(question, chunks=texts)` then loads their KV instead of encoding it.
+        """
+        t0 = time.perf_counter()
+        self._check_writable("store KV")
+        ids = [self.kvmodel.chunk_ids(i, t) for i, t in enumerate(texts)]
+        keys = [self.source.key(c) for c in ids]
+        seen: set[str] = set()
+        missing = [i for i, k in enumerate(keys) if k not in self.store and not (k in seen or seen.add(k))]
+        records = [ChunkRecord(id=f"given#{i}", doc_id="", text=texts[i], key=keys[i]) for i in missing]
+        encode_s = self._encode_and_store(records, [ids[i] for i in missing], progress=progress, on_progress=None)
+        return IngestStats(
+            documents=0,
+            chunks=len(texts),
+            tokens=sum(map(len, ids)),
+            encoded=len(missing),
+            store_hits=len(texts) - len(missing),
+            seconds=time.perf_counter() - t0,
+            encode_s=encode_s,
+        )
+
+    def delete(self, doc_id: str) -> int:
+        """Remove a document's chunks, vectors and stored KV (unless another chunk shares it); return the count."""
+        if not isinstance(doc_id, str):
+            raise InvalidRequestError(
+                f"doc_id is a {type(doc_id).__name__}: give a document's str id (a Source's id before its '#')"
+            )
+        self._check_writable("delete")
+        with self._writing():
+            before = self.index
+            self.index = before.copy()
+            gone = self.index.remove_doc(doc_id)
+            try:
+                if gone and self.folder is not None:
+                    self._commit(self.folder)
+            except BaseException:
+                self.index = before
+                raise
+            live = {r.key for r in self.index.records.values()}
+            for record in gone:  # after the commit: a crash before it leaves the document whole
+                if record.key not in live:
+                    self.store.delete(record.key)
+        return len(gone)
+
+
+def _resolved(path: str) -> str:
+    try:
+        return str(Path(path).resolve())
+    except (OSError, RuntimeError, ValueError):
+        return ""

@@ -1,0 +1,246 @@
+"""Answering: retrieval, the request made and handed with its chunks to `kvrag.run.pipeline`, streaming, parts
+and answers over given chunks. The KVRAG engine's half that reads (`KVRAG` takes it in as a base class)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from dataclasses import replace
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from kvrag.answer import Answer, Source, last_answer
+from kvrag.cache.chunks import Chunks
+from kvrag.engine.index import Filters, check_filters, check_top_k
+from kvrag.errors import (
+    BusyError,
+    EmptyInputError,
+    InvalidRequestError,
+    NoMatchError,
+)
+from kvrag.model.layout import check_unicode
+from kvrag.plan.defaults import default_parts, shipped_default
+from kvrag.plan.parts import Part, resolve_parts
+from kvrag.plan.request import Request
+from kvrag.run import pipeline
+from kvrag.timing import Phases
+
+
+class Querying:
+    """What `KVRAG` does to answer (see `kvrag.engine.rag.KVRAG` for the attributes it uses)."""
+
+    def retrieve(
+        self,
+        question: str,
+        *,
+        top_k: int = 5,
+        filters: Filters | None = None,
+        bm25: bool = False,
+        hybrid: bool | None = None,
+    ) -> list[Source]:
+        """Top-k chunks for a question, best first, among those that pass `filters` (applied before top-k).
+
+        `bm25=True` fuses the dense ranking with BM25's by reciprocal rank (`hybrid` is its deprecated name).
+        """
+        bm25 = _bm25_flag(bm25, hybrid)
+        if not isinstance(question, str):
+            raise InvalidRequestError(f"the question is a {type(question).__name__}: give a str")
+        if not question.strip():
+            raise EmptyInputError("the question is empty or whitespace only: ask something")
+        check_top_k(top_k)
+        check_unicode(question, "the question")
+        filters = check_filters(filters)
+        vector = self.embedder.embed([question])[0]
+        with self._lock:
+            if not len(self.index):
+                where = f" at {self.path}" if self.path is not None else ""
+                raise EmptyInputError(f"the index{where} holds no chunks: ingest documents first")
+            hits = self.index.search(vector, question, top_k=top_k, filters=filters, bm25=bm25)
+        return [Source(id=r.id, text=r.text, score=s, metadata=dict(r.metadata)) for r, s in hits]
+
+    def stream(
+        self,
+        question: str,
+        *,
+        started_at: float | None = None,
+        phases: Phases | None = None,
+        top_k: int = 5,
+        filters: Filters | None = None,
+        bm25: bool = False,
+        hybrid: bool | None = None,
+        **options: Any,
+    ) -> Iterator[str | Answer]:
+        """Retrieve, then yield the answer's text pieces as decoded, then the final Answer (with sources).
+
+        `options` are the request's (`KVModel.stream`: strategy, picker, budget, strict and decoding). With
+        no `strategy`, the index's tuned default runs (`kvrag tune`), else the model's shipped default
+        (`kvrag.plan.defaults`: target_only on the named models, target_recompute on others); a `budget` or
+        `picker` left out comes with that default. A stream answers whole (`query` splits as the default says).
+        """
+        t0 = started_at if started_at is not None else time.perf_counter()
+        request = Request.of(question, **options)  # checked before any retrieval work
+        with self._admitted():
+            sources = self.retrieve(question, top_k=top_k, filters=filters, bm25=_bm25_flag(bm25, hybrid))
+            if not sources:
+                raise NoMatchError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
+            request.with_chunks([s.text for s in sources], [s.score for s in sources])
+            yield from self._answer(request, sources, t0, time.perf_counter() - t0, phases)
+
+    @contextlib.contextmanager
+    def _admitted(self) -> Iterator[None]:
+        """One of the `max_in_flight` query slots, or BusyError at once when every slot is taken."""
+        if not self._slots.acquire(blocking=False):
+            raise BusyError(
+                f"{self.max_in_flight} queries are already in flight, this engine's bound (max_in_flight): retry "
+                "when one ends, or open the engine with a larger max_in_flight"
+            )
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+    def _answer(
+        self,
+        request: Request,
+        sources: list[Source],
+        t0: float,
+        retrieve_s: float,
+        phases: Phases | None,
+        chunks: Chunks | None = None,
+    ) -> Iterator[str | Answer]:
+        request.with_default(self.defaults)  # the index's tuned default; else the model's shipped one (pipeline)
+        chunks = chunks if chunks is not None else self.source.chunks(request.chunks)
+        yield from pipeline.stream(
+            self.kvmodel,
+            request,
+            chunks,
+            self.executor,
+            started_at=t0,
+            phases=phases,
+            sources=sources,
+            retrieve_s=retrieve_s,
+        )
+
+    def query(self, question: str, *, parts: str | Sequence[str] | None = None, **kwargs: Any) -> Answer:
+        """Retrieve and answer; the arguments are those of `stream`.
+
+        `parts`: answer a part at a time (`KVModel.answer`'s `parts`: a list of part questions, or "auto" for the
+        built-in splitter). The chunks are retrieved once for the whole question and their KV read once; each
+        part's retrieval scores are its own question's against those chunks, so each part picks its own target.
+        None with no strategy named: as the default says (the index's tuned one, else the model's shipped one;
+        "auto" on Qwen2.5-Coder-0.5B). `stream` answers whole.
+        """
+        if parts is None and kwargs.get("strategy") in (None, "default"):  # the default may split questions
+            parts = default_parts(self.defaults or shipped_default(self.kvmodel.fingerprint.weights))
+        if parts is None:
+            return last_answer(self.stream(question, **kwargs))
+        split_parts = resolve_parts(question, parts)
+        if split_parts is None:
+            return last_answer(self.stream(question, **kwargs))
+        return self._query_parts(question, split_parts, **kwargs)
+
+    def _query_parts(
+        self,
+        question: str,
+        parts: list[Part],
+        *,
+        top_k: int = 5,
+        filters: Filters | None = None,
+        bm25: bool = False,
+        hybrid: bool | None = None,
+        **options: Any,
+    ) -> Answer:
+        t0 = time.perf_counter()
+        request = Request.of(question, **options)
+        with self._admitted():
+            sources = self.retrieve(question, top_k=top_k, filters=filters, bm25=_bm25_flag(bm25, hybrid))
+            if not sources:
+                raise NoMatchError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
+            request.with_chunks([s.text for s in sources], [s.score for s in sources])
+            request.with_default(self.defaults)
+            vectors = torch.as_tensor(self.embedder.embed([s.text for s in sources]))
+
+            def scores_of(part: str) -> list[float]:
+                return (vectors @ torch.as_tensor(self.embedder.embed([part]))[0]).tolist()
+
+            return pipeline.answer_parts(
+                self.kvmodel,
+                request,
+                parts,
+                self.source.chunks(request.chunks),
+                self.executor,
+                started_at=t0,
+                scores_of=scores_of,
+                sources=sources,
+                retrieve_s=time.perf_counter() - t0,
+            )
+
+    def stream_over(
+        self,
+        question: str,
+        chunks: Sequence[str | Source],
+        *,
+        scores: Sequence[float] | None = None,
+        started_at: float | None = None,
+        retrieve_s: float = 0.0,
+        phases: Phases | None = None,
+        **options: Any,
+    ) -> Iterator[str | Answer]:
+        """`stream` over caller-given chunks (no retrieval); their KV comes from the store when stored.
+
+        `chunks` are texts, or the `Source`s of a `retrieve` the caller ran itself (their ids, scores and
+        metadata are kept; `retrieve_s` is the seconds it took, reported in the stats).
+        """
+        t0 = started_at if started_at is not None else time.perf_counter()
+        if isinstance(chunks, (str, bytes, bytearray, Mapping)) or not isinstance(chunks, Iterable):
+            raise InvalidRequestError(
+                f"chunks is a {type(chunks).__name__}: give a list of chunk texts (or of Sources from retrieve)"
+            )
+        chunks = list(chunks)
+        if not chunks:
+            raise EmptyInputError("no chunks given: pass at least one chunk text")
+        retrieved = all(isinstance(c, Source) for c in chunks)
+        texts = [c.text for c in chunks] if retrieved else list(chunks)
+        if retrieved and scores is None:
+            scores = [c.score for c in chunks]
+        request = Request.of(question, texts, scores=scores, **options)
+        with self._admitted():
+            given = self.source.chunks(request.chunks)  # tokenized once: the keys here, the KV in the pipeline
+            if retrieved:
+                sources = [replace(c, metadata=dict(c.metadata)) for c in chunks]
+            else:
+                sources = self._sources_of(request, given)
+            yield from self._answer(request, sources, t0, retrieve_s, phases, given)
+
+    def _sources_of(self, request: Request, given: Chunks) -> list[Source]:
+        """Sources for caller-given texts: the indexed chunk's id and metadata where the text is indexed."""
+        with self._lock:
+            by_key = {r.key: r for r in self.index.records.values()}
+        sources = []
+        for i, text in enumerate(request.chunks):
+            record = by_key.get(self.source.key(given.ids[i]))
+            sources.append(
+                Source(
+                    id=record.id if record else f"given#{i}",
+                    text=str(text),
+                    score=request.scores[i] if request.scores is not None else 0.0,
+                    metadata=dict(record.metadata) if record else {},
+                )
+            )
+        return sources
+
+    def answer(self, question: str, chunks: Sequence[str | Source], **kwargs: Any) -> Answer:
+        """Answer over caller-given chunk texts; the arguments are those of `stream_over`."""
+        return last_answer(self.stream_over(question, chunks, **kwargs))
+
+
+def _bm25_flag(bm25: bool, hybrid: bool | None) -> bool:
+    """The retrieval flag, from its deprecated name when that is given."""
+    if hybrid is not None:
+        warnings.warn("the retrieval flag hybrid= is renamed bm25=", DeprecationWarning, stacklevel=3)
+        bm25 = hybrid
+    if not isinstance(bm25, bool):
+        raise InvalidRequestError(f"bm25 must be True or False, got {bm25!r}")
+    return bm25

@@ -1,0 +1,491 @@
+"""KVRAG: the KV-aware retrieval engine. Documents in, answers out; every chunk's KV computed once and kept.
+
+It owns the index (records, vectors), the KV store and one KVModel, and wires them: ingestion splits,
+embeds, encodes and stores; a query retrieves, makes the request, and hands it with its chunks (through
+the store: only the KV a plan reuses is read, misses are encoded) to `kvrag.run.pipeline`. Planning and
+model work stay out of it; the index folder on disk is `kvrag.engine.folder`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+from kvrag.answer import Answer, Source
+from kvrag.cache.chunks import ChunkSource
+from kvrag.cache.secret import check_secret, resolve_secret
+from kvrag.cache.store import (
+    DiskStore,
+    KVStore,
+    MemoryStore,
+    SerializedStore,
+    StoreWarning,
+    TieredStore,
+    check_namespace,
+)
+from kvrag.engine.aio import in_thread, to_thread
+from kvrag.engine.embed import Embedder
+from kvrag.engine.folder import MANIFEST, IndexFolder
+from kvrag.engine.index import ChunkIndex
+from kvrag.engine.ingest import Ingesting, IngestStats  # noqa: E402
+from kvrag.engine.query import Querying  # noqa: E402
+from kvrag.errors import (
+    IndexLoadError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    StoreError,
+)
+from kvrag.files import make_dirs
+from kvrag.model.kvmodel import KVModel
+from kvrag.plan.defaults import load_default
+from kvrag.run.executor import Executor
+
+__all__ = ["IngestStats", "KVRAG", "MANIFEST", "StoreWarning"]
+
+
+class KVRAG(Ingesting, Querying):
+    """Retrieval-augmented generation over stored per-chunk KV.
+
+    Args:
+        kv: the LM wrapper.
+        embedder: scores chunks against questions.
+        store: where chunk KV is kept (bound to `kv`'s model and prefix).
+        path: the index folder; None keeps everything in memory.
+        chunk_tokens, overlap: the splitter's window and overlap, in LM tokens.
+        namespace: a tenant name that enters every chunk's store key, so engines of different namespaces
+            sharing one store (one Redis, one folder, one MemoryStore) never serve each other's KV and
+            cannot probe it by timing. "" (default) is the shared namespace.
+        require_store: raise StoreError when the store cannot be reached at start; by default the engine
+            starts with a StoreWarning and recomputes chunks until the store answers again.
+        executor: what runs the plans (`kvrag.run.executor`); default the model's in-process one. A serving
+            engine's (`vllm_kvrag.executor.VLLMExecutor`) runs them there; retrieval and planning stay here.
+        secret: the secret entries are keyed with (bytes or str of 16 bytes or more). Store keys become HMACs
+            under it and stored entries and index files are checksummed with it, so another writer of the store
+            can neither probe this engine's chunks nor forge its KV. The index keeps only a check value: opening
+            it needs the same secret again. None (default): the user's own key (`kvrag.cache.secret`, made on
+            first use) for an engine with a path or a disk or Redis store, none for memory alone. "" keys nothing
+            (anyone who can write the store can forge its entries: for indexes built before keys were the default).
+        read_only: never write: nothing stored, committed, deleted or created (what `kvrag ask` opens).
+        max_in_flight: queries admitted at once (one runs on the model, the rest wait for it); one more
+            raises BusyError at once instead of growing memory without bound.
+
+    With a namespace the store is that namespace's view (`KVStore.scoped`): its own Redis key prefix or
+    disk subfolder, so `info`, `keys()` and `gc` see this tenant's entries only.
+
+    Many processes may open one index folder: ingest and delete encode without the folder's lock, then
+    hold it exclusively to take in what another process committed and commit; loading holds a shared lock.
+    """
+
+    def __init__(
+        self,
+        kv: KVModel,
+        *,
+        embedder: Embedder,
+        store: KVStore,
+        path: str | Path | None = None,
+        index: ChunkIndex | None = None,
+        chunk_tokens: int = 200,
+        overlap: int = 20,
+        model_source: str | None = None,
+        namespace: str = "",
+        require_store: bool = False,
+        generation: str | None = None,
+        executor: Executor | None = None,
+        secret: bytes | str | None = None,
+        read_only: bool = False,
+        max_in_flight: int = 32,
+    ) -> None:
+        self.kvmodel = kv
+        self.executor = executor or kv.executor  # what runs the plans: in-process by default
+        self.embedder = embedder
+        self.namespace = check_namespace(namespace) if namespace else ""
+        self.secret = resolve_secret(secret, durable=path is not None or durable_store(store))
+        self._unkeyed_by_choice = secret is not None and not self.secret  # secret="": never key a folder
+        self.read_only = bool(read_only)
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise InvalidRequestError(f"max_in_flight must be an int of at least 1, got {max_in_flight!r}")
+        self.max_in_flight = max_in_flight
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self.store = store.view_of(self.namespace)
+        try:
+            self.store.check()
+        except StoreError as err:
+            if require_store:
+                raise
+            warnings.warn(
+                f"kvrag: the KV store is unreachable at start ({err}); answering by recomputing chunks until "
+                "it answers again",
+                StoreWarning,
+                stacklevel=2,
+            )
+        # the one chunk key; binds the store
+        self.source = ChunkSource(kv, self.store, self.namespace, self.secret, read_only=self.read_only)
+        self.path = Path(path) if path is not None else None
+        self.folder = (
+            IndexFolder(self.path, read_only=self.read_only, secret=self.secret) if self.path is not None else None
+        )
+        dim = int(embedder.embed(["dimension probe"]).shape[1])
+        self.index = index or ChunkIndex(dim)
+        self.chunk_tokens, self.overlap = chunk_tokens, overlap
+        self.model_source = model_source
+        self._generation = generation  # the committed index generation this engine's index reflects
+        # the strategy, picker and budget a query runs with when it names no strategy: `kvrag tune`'s choice
+        # saved with the index, else the model's shipped default (kvrag.plan.defaults)
+        self.defaults: dict[str, Any] | None = None
+        if self.path is not None:
+            self.defaults = load_default(self.path)
+        self._lock = kv.lock  # one lock: the model, the index and the store change together
+
+    # -- construction -----------------------------------------------------------------------------------
+
+    @classmethod
+    def from_defaults(
+        cls,
+        path: str | Path | None = None,
+        *,
+        model: str | KVModel | None = None,
+        embedder: str | None = None,
+        store: KVStore | None = None,
+        storage_dtype: str = "float16",
+        memory_bytes: int = 1 << 30,
+        device: str = "cpu",
+        dtype: str = "auto",
+        chunk_tokens: int = 200,
+        overlap: int = 20,
+        cache_dir: str | Path | None = None,
+        namespace: str = "",
+        require_store: bool = False,
+        secret: bytes | str | None = None,
+        compile_decode: bool = False,
+        cpu_kernels: bool = True,
+        create: bool = True,
+    ) -> KVRAG:
+        """An engine on the embedded defaults (or the given model and embedder), loading `path` if it holds an index.
+
+        The KV store defaults to memory in front of a disk store in `path/kv` (memory only without a path).
+        `namespace`, `require_store` and `secret` are those of `KVRAG`; `compile_decode` and `cpu_kernels` those of
+        `KVModel`. `model` is a named model (`kvrag models`), a Hugging Face id or a folder, or a `KVModel` already
+        loaded (the one a `KVRAGLLM` or `ChatKVRAG` holds: one copy of the weights serves both; an index at `path`
+        must have been built with that model). `create=False` refuses a `path`
+        that holds no index (IndexLoadError naming it) instead of starting a new, empty one there: for code that
+        only reads an index, where a mistyped path would otherwise answer from nothing.
+        """
+        check_secret(secret)  # a bad secret or namespace is refused before the model loads or a folder is made
+        if namespace:
+            check_namespace(namespace)
+        if not create and (path is None or not IndexFolder(path).exists()):
+            raise IndexLoadError(
+                f"no kvrag index at {path}: check the path, or build one there with `kvrag ingest PATH --index {path}` "
+                "(create=True starts an empty one)"
+            )
+        if path is not None and IndexFolder(path).exists():
+            return cls.load(
+                path,
+                store=store,
+                memory_bytes=memory_bytes,
+                device=device,
+                cache_dir=cache_dir,
+                namespace=namespace or None,
+                require_store=require_store,
+                secret=secret,
+                compile_decode=compile_decode,
+                cpu_kernels=cpu_kernels,
+                model=model if isinstance(model, KVModel) else None,
+            )
+        if isinstance(model, KVModel):
+            kv, source = model, model.loaded_from
+        else:
+            kv, source = (
+                KVModel.from_pretrained(
+                    model,
+                    dtype=dtype,
+                    device=device,
+                    cache_dir=cache_dir,
+                    compile_decode=compile_decode,
+                    cpu_kernels=cpu_kernels,
+                ),
+                model,
+            )
+        if store is None:
+            store = MemoryStore(memory_bytes)
+            if path is not None:
+                store = TieredStore(store, DiskStore(IndexFolder(path).kv_folder(), storage_dtype))
+        return cls(
+            kv,
+            embedder=Embedder(embedder, device=device),
+            store=store,
+            path=path,
+            chunk_tokens=chunk_tokens,
+            overlap=overlap,
+            model_source=source,
+            namespace=namespace,
+            require_store=require_store,
+            secret=secret,
+        )
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        store: KVStore | None = None,
+        memory_bytes: int = 1 << 30,
+        device: str = "cpu",
+        cache_dir: str | Path | None = None,
+        namespace: str | None = None,
+        require_store: bool = False,
+        secret: bytes | str | None = None,
+        read_only: bool = False,
+        compile_decode: bool = False,
+        cpu_kernels: bool = True,
+        model: KVModel | None = None,
+    ) -> KVRAG:
+        """Open an index folder written by an engine with a path; the model and embedder are those it was built with.
+
+        The namespace is the one the index was built with; passing another raises IndexLoadError, and so does
+        a `secret` other than the one it was built with. `read_only` opens it without writing anything (a
+        chunk recomputed for lack of stored KV is not stored). `compile_decode` and `cpu_kernels` are those of
+        `KVModel`; `model`, a `KVModel` already loaded with the index's model, is used instead of loading another
+        copy (refused, naming both, when its weights are not the index's).
+        """
+        folder = IndexFolder(path, read_only=read_only, secret=None if secret is None else check_secret(secret))
+        if not folder.exists():
+            raise IndexLoadError(
+                f"no kvrag index at {folder.path}: create one with `kvrag ingest PATH --index {folder.path}`"
+            )
+        with folder.lock(shared=True):
+            manifest = folder.manifest()
+            if namespace is not None and namespace != manifest.get("namespace", ""):
+                raise IndexLoadError(
+                    f"the index at {folder.path} was built for namespace {manifest.get('namespace', '')!r}, not "
+                    f"{namespace!r}: open it without a namespace or ingest into another folder"
+                )
+            kv = model or KVModel.from_pretrained(
+                manifest["model"],
+                dtype=manifest["dtype"],
+                device=device,
+                cache_dir=cache_dir,
+                compile_decode=compile_decode,
+                cpu_kernels=cpu_kernels,
+            )
+            if kv.fingerprint.digest != manifest["fingerprint"]:
+                given = f", not {kv.fingerprint.architecture} {kv.fingerprint.weights} ({kv.fingerprint.dtype})"
+                raise IndexLoadError(
+                    f"the index at {folder.path} was built with another model ({manifest['architecture']}, "
+                    f"{manifest['weights']}, {manifest['dtype']}{given if model is not None else ''}): open it with "
+                    "that model or re-ingest"
+                )
+            try:
+                embedder = Embedder(manifest["embedder"], device=device)
+            except ModelNotFoundError as err:
+                raise IndexLoadError(
+                    f"the index manifest {folder.path / MANIFEST} names an embedder kvrag cannot load (field "
+                    f"'embedder'): {err}"
+                ) from None
+            index = folder.load_index(manifest, embed=embedder.embed)
+        if store is None:
+            disk = DiskStore(folder.kv_folder(), manifest["storage_dtype"], read_only=read_only)
+            store = TieredStore(MemoryStore(memory_bytes), disk)
+        return cls(
+            kv,
+            embedder=embedder,
+            store=store,
+            path=folder.path,
+            index=index,
+            chunk_tokens=manifest["chunk_tokens"],
+            overlap=manifest["overlap"],
+            model_source=manifest["model"],
+            namespace=manifest.get("namespace", ""),
+            require_store=require_store,
+            generation=manifest["index"],
+            secret=secret,
+            read_only=read_only,
+        )
+
+    def persist(self, path: str | Path | None = None) -> Path:
+        """Write the index and manifest to `path` (default: the engine's path). KV in a disk store is already there.
+
+        The index files are written under a fresh generation name and committed by renaming the manifest
+        over the old one: a process killed at any point leaves the previous index or the new one, whole. A
+        write that fails (a full disk) raises StoreError and leaves the index on disk as it was.
+        """
+        if path is not None:  # a memory-only engine's folder is keyed as any other (the user's key by default)
+            keyed = self.secret or (b"" if self._unkeyed_by_choice else resolve_secret(None, durable=True))
+            folder = IndexFolder(path, secret=keyed)
+        else:
+            folder = self.folder
+        if folder is None:
+            raise InvalidRequestError("this engine has no path: pass persist(path)")
+        self._check_writable("persist")
+        with self._lock, folder.lock():
+            self._commit(folder)
+        return folder.path
+
+    def _commit(self, folder: IndexFolder) -> None:
+        """Commit the index to `folder` (the caller holds the locks)."""
+        fp = self.kvmodel.fingerprint
+        generation = folder.commit(
+            self.index,
+            {
+                "model": self.model_source,
+                "dtype": fp.dtype,
+                "fingerprint": fp.digest,
+                "architecture": fp.architecture,
+                "weights": fp.weights,
+                "embedder": self.embedder.name,
+                "dim": self.index.dim,
+                "chunk_tokens": self.chunk_tokens,
+                "overlap": self.overlap,
+                "storage_dtype": getattr(getattr(self.store, "back", self.store), "storage_dtype", "float16"),
+                "namespace": self.namespace,
+                "kv_store": describe_store(self.store),  # where the KV went (`info` shows it beside the store opened)
+            },
+        )
+        if self.path is not None and folder.path.resolve() == self.path.resolve():
+            self._generation = generation
+
+    def _take_in_commits(self) -> None:
+        """Reload the index if another process committed a newer one (the caller holds the folder lock)."""
+        if self.folder is None or not self.folder.exists():
+            return
+        manifest = self.folder.manifest()
+        if manifest["index"] == self._generation:
+            return
+        if (
+            manifest["fingerprint"] != self.kvmodel.fingerprint.digest
+            or manifest.get("namespace", "") != self.namespace
+        ):
+            raise IndexLoadError(
+                f"another process wrote an index at {self.path} with another model or namespace: "
+                "ingest into another folder"
+            )
+        self.index = self.folder.load_index(manifest, embed=self.embedder.embed)
+        self._generation = manifest["index"]
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise InvalidRequestError(f"this engine was opened read-only: it cannot {what}; open it without read_only")
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Hold the engine's lock and, with a path, the folder's exclusive lock, with the latest commit taken in."""
+        with self._lock:
+            if self.folder is None:
+                yield
+                return
+            make_dirs(self.folder.path)
+            with self.folder.lock():
+                self._take_in_commits()
+                yield
+
+    @property
+    def kv(self) -> KVModel:
+        """Deprecated name of `kvmodel`."""
+        warnings.warn("KVRAG.kv is renamed KVRAG.kvmodel", DeprecationWarning, stacklevel=2)
+        return self.kvmodel
+
+    # -- ingestion --------------------------------------------------------------------------------------
+
+    # -- retrieval and answers --------------------------------------------------------------------------
+
+    async def aquery(self, question: str, **kwargs: Any) -> Answer:
+        """`query` in a worker thread, so the event loop keeps running."""
+        return await to_thread(self.query, question, **kwargs)
+
+    async def astream(self, question: str, **kwargs: Any) -> AsyncIterator[str | Answer]:
+        """`stream` in a worker thread; pieces arrive as they are decoded, then the Answer."""
+        async for item in in_thread(lambda: self.stream(question, **kwargs)):
+            yield item
+
+    async def astream_over(
+        self, question: str, chunks: Sequence[str | Source], **kwargs: Any
+    ) -> AsyncIterator[str | Answer]:
+        """`stream_over` in a worker thread."""
+        async for item in in_thread(lambda: self.stream_over(question, chunks, **kwargs)):
+            yield item
+
+    async def aanswer(self, question: str, chunks: Sequence[str | Source], **kwargs: Any) -> Answer:
+        """`answer` in a worker thread."""
+        return await to_thread(self.answer, question, chunks, **kwargs)
+
+    def _ingested_into(self) -> str | None:
+        """The store the committed index was last ingested into, as its manifest records it."""
+        if self.folder is None or not self.folder.exists():
+            return None
+        return self.folder.manifest().get("kv_store")
+
+    def gc(self, *, dry_run: bool = False) -> dict[str, int]:
+        """Delete the store's entries that no indexed chunk refers to (a killed ingest's, a deleted document's
+        when another chunk shared nothing) and dead writers' temporary files; return what was (or, with
+        `dry_run`, would be) removed.
+
+        The store is this engine's namespace's view. Entries that `store_kv` wrote for another framework's
+        chunks are not indexed either: they go too (re-encoded on their next use). Run it only on a store no
+        other index writes to (the index folder's own `kv/`, or a namespace this index alone uses). A dry run
+        removes nothing and works on an engine opened read-only.
+        """
+        if not dry_run:
+            self._check_writable("collect garbage")
+        with self._lock if dry_run else self._writing():  # an ingest re-checks its entries under this lock
+            live = {r.key for r in self.index.records.values()}
+            orphans = [k for k in self.store.keys() if k not in live]
+            if not dry_run:
+                for key in orphans:
+                    self.store.delete(key)
+            temp = sum(len(d.stale_temp_files(remove=not dry_run)) for d in _disk_stores(self.store))
+        return {"orphan_entries": len(orphans), "temp_files": temp}
+
+    def info(self) -> dict[str, Any]:
+        """Counts, bytes and the model fingerprint; the store's entries, and how many are orphans (no indexed
+        chunk refers to them: `gc` removes them) or missing (indexed, not stored: recomputed when read)."""
+        with self._lock:
+            live = {r.key for r in self.index.records.values()}
+            index = self.index
+        stored = set(self.store.keys())  # outside the lock: a long listing holds up no query
+        return {
+            "path": str(self.path) if self.path else None,
+            "documents": len(index.docs()),
+            "chunks": len(index),
+            "tokens": sum(r.n_tokens for r in index.records.values()),
+            "kv_store": describe_store(self.store),
+            "kv_store_at_ingest": self._ingested_into(),
+            "kv_entries": len(stored),
+            "kv_bytes": self.store.nbytes,
+            "kv_orphans": len(stored - live),
+            "kv_missing": len(live - stored),
+            "model": asdict(self.kvmodel.fingerprint),
+            "fingerprint": self.kvmodel.fingerprint.digest,
+            "embedder": self.embedder.source,
+            "chunk_tokens": self.chunk_tokens,
+            "overlap": self.overlap,
+            "namespace": self.namespace,
+        }
+
+
+def _disk_stores(store: KVStore) -> list[DiskStore]:
+    if isinstance(store, TieredStore):
+        return _disk_stores(store.front) + _disk_stores(store.back)
+    return [store] if isinstance(store, DiskStore) else []
+
+
+def durable_store(store: KVStore) -> bool:
+    """Whether entries written to `store` outlive this process or are shared (disk, Redis, a tier over either)."""
+    if isinstance(store, TieredStore):
+        return durable_store(store.front) or durable_store(store.back)
+    return isinstance(store, SerializedStore)
+
+
+def describe_store(store: KVStore) -> str:
+    """Where a store keeps entries, in one line without credentials (for `info` and the manifest)."""
+    if isinstance(store, TieredStore):
+        return f"{describe_store(store.front)} in front of {describe_store(store.back)}"
+    if isinstance(store, DiskStore):
+        return f"disk {store.root}"
+    url = getattr(store, "url", None)
+    if url is not None:
+        return f"redis {url} under {getattr(store, 'prefix', '')}*"
+    return "memory" if "Memory" in type(store).__name__ else type(store).__name__

@@ -1,0 +1,240 @@
+"""`kvrag bench-decode`: milliseconds a decoded token after a kvrag prefill, beside the transformers forward step
+and the floor the machine's memory bandwidth sets.
+
+A decode step must read every weight and every cached key and value once; nothing is faster than those bytes
+over the bandwidth measured here (`kvrag.lab.roofline`: a step's FLOPs are far below what the matmul rate allows).
+Each size is measured
+side by side in one run: kvrag's step in C (`kvrag`, what decodes by default where the C kernels build), its
+torch step eager (`kvrag_torch`) and compiled (`kvrag_compiled`, `compile_decoding`; the compile itself is timed
+apart, in the warm-up), the transformers forward step over the same cache, and the floor.
+
+Two more pairs time the C step with prompt-lookup drafts (`kvrag.run.generate.PromptLookup`, the default in an
+answer) and without, over the same answers: `kvrag_lookup` beside `kvrag` on the bench's question, and
+`kvrag_lookup_quote` beside `kvrag_quote` on an answer that copies a chunk (QUOTE), the kind of answer drafts
+are for. Their tokens are the same; a token costs less than a step where drafts are confirmed, so these rows can
+sit below the floor, which prices one step.
+
+`kvrag_small_pages` times the C step over a copy of its weights in ordinary 4 KB pages, beside `kvrag`, whose
+weights the decoder keeps on 2 MB pages where the system gives them (`kvrag.cpu.hugepages`).
+
+`memory_read` is the floor measured in the same rounds: the time to read, front to back (`kernels/stream_read.c`,
+from huge pages), as many bytes as a step must (every weight, every cached key and value). The machine's read
+rate moves by up to 2x within minutes here, with what else it runs; a calibration before and after the rounds
+can land in a fast spell and the steps in a slow one, or the other way round (the step then comes out below its
+"floor"). Each row is therefore also shown against this paired read (`over_read`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import time
+from types import SimpleNamespace
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kvrag.cache.kv import ChunkKV
+from kvrag.cpu import ckernel, hugepages
+from kvrag.cpu.decode import compile_decoding, decoder_of, decodes_compiled, decodes_native, native_decoding
+from kvrag.lab.bench.ttft import context_texts
+from kvrag.lab.demo import sample_docs
+from kvrag.lab.roofline import Machine, forward_cost
+from kvrag.model.kvmodel import KVModel
+from kvrag.run import pipeline
+from kvrag.run.generate import Sampling, decode
+
+QUOTE = "Copy the last paragraph above word for word."  # the question of the `_quote` rows
+
+
+def _decode_time(
+    kv: KVModel, question: str, encoded: list[ChunkKV], tokens: int, fast: bool, lookup: bool = False
+) -> tuple[float, int, int]:
+    """Seconds a token over `tokens` greedy tokens after a target_recompute prefill (one step each, or with
+    prompt-lookup drafts); the cached tokens; the tokens decoded."""
+    request = kv.request(question, encoded, strategy="target_recompute", max_new_tokens=tokens)
+    chunks = kv.source.chunks(request.chunks)
+    run = pipeline.prefill(kv, request, chunks, kv.executor, room=tokens, pooled=True)
+    prefill = run.prefill
+    sampling = Sampling(max_new_tokens=tokens, prompt_lookup=Sampling().prompt_lookup if lookup else 0)
+    context = (prefill.prompt_ids or ()) if lookup else ()
+    steps = decode(
+        kv.model,
+        prefill.cache,
+        prefill.logits[-1],
+        prefill.next_position,
+        sampling,
+        (),
+        fast_decoding=fast,
+        context=context,
+    )
+    next(steps)  # the first token comes from the prefill's logits: not a step
+    t0 = time.perf_counter()
+    count = sum(1 for _ in steps)
+    seconds = time.perf_counter() - t0
+    kv.executor.release(prefill)
+    return seconds / max(count, 1), prefill.next_position, count
+
+
+def decode_benchmark(
+    kv: KVModel,
+    *,
+    contexts: Sequence[int] = (1000, 4000),
+    tokens: int = 32,
+    runs: int = 3,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """Per context size: ms a token for kvrag's eager and compiled steps and the transformers forward (median of
+    `runs`, interleaved), and the bandwidth floor; the ratios are to that floor. Where the fast step does not
+    take the model, only the transformers forward is timed."""
+    _, questions = sample_docs()
+    question = questions[0]["question"]
+    machine = Machine.calibrate(kv.prefix.keys.dtype, kv.prefix.keys.device)
+    bandwidth = machine.read_bytes
+    fast = decoder_of(kv.model) is not None
+    log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; fast step: {'yes' if fast else 'no'}")
+    compiled_before, native_before = decodes_compiled(kv.model), decodes_native(kv.model)
+    paths: dict[str, Callable[[int], tuple[float, int, int]]] = {
+        "transformers_step": lambda n: _decode_time(kv, question, texts, n, False)
+    }
+    if fast:
+        if native_decoding(kv.model, True):
+            paths["kvrag"] = lambda n: _on_step(kv, True, False, lambda: _decode_time(kv, question, texts, n, True))
+            for name, asked in (("", question), ("_quote", QUOTE)):
+                if name:
+                    paths["kvrag" + name] = functools.partial(_native, kv, asked, lambda: texts, False)
+                paths["kvrag_lookup" + name] = functools.partial(_native, kv, asked, lambda: texts, True)
+            small = _on_small_pages(decoder_of(kv.model))
+            if small is not None:
+                paths["kvrag_small_pages"] = lambda n: _with_step(
+                    kv, small, lambda: _on_step(kv, True, False, lambda: _decode_time(kv, question, texts, n, True))
+                )
+        elif decoder_of(kv.model).graphs is not None:  # on CUDA the default step is the captured graph
+            paths["kvrag"] = lambda n: _on_step(kv, True, False, lambda: _decode_time(kv, question, texts, n, True))
+        paths["kvrag_torch"] = lambda n: _on_step(kv, False, False, lambda: _decode_time(kv, question, texts, n, True))
+        paths["kvrag_compiled"] = lambda n: _on_step(
+            kv, False, True, lambda: _decode_time(kv, question, texts, n, True)
+        )
+    reader = _MemoryRead(kv)
+    if reader.runs():
+        paths["memory_read"] = reader
+    rows = []
+    compile_s = None
+    try:
+        for size in contexts:
+            texts = kv.encode(context_texts(kv, size, 200))  # encoded once: only the prefill and decoding repeat
+            for name, path in paths.items():  # warm-up of every path (the compile happens in the first one)
+                t0 = time.perf_counter()
+                reader.cached = max(reader.cached, path(4)[1])
+                if name == "kvrag_compiled" and compile_s is None:
+                    compile_s = time.perf_counter() - t0
+            times: dict[str, list[float]] = {name: [] for name in paths}
+            cached = 0
+            for _ in range(runs):
+                for name, path in paths.items():
+                    t, cached, _steps = path(tokens)
+                    times[name].append(t)
+            machine = machine.best(Machine.calibrate(kv.prefix.keys.dtype, kv.prefix.keys.device))  # the best so far
+            rows.append(_row(kv, machine, times, cached, tokens, compile_s, log))
+            reader.cached = 0
+    finally:
+        compile_decoding(kv.model, compiled_before)
+        native_decoding(kv.model, native_before)
+    return rows
+
+
+def _native(
+    kv: KVModel, question: str, texts: Callable[[], list[ChunkKV]], lookup: bool, tokens: int
+) -> tuple[float, int, int]:
+    """The C step's seconds a token, with or without prompt-lookup drafts."""
+    return _on_step(kv, True, False, lambda: _decode_time(kv, question, texts(), tokens, True, lookup))
+
+
+class _MemoryRead:
+    """A path that reads, front to back, the bytes a step in the middle of the answer must read, from huge pages,
+    in C: the seconds of one read, in place of a token's."""
+
+    def __init__(self, kv: KVModel) -> None:
+        self.kv, self.cached, self.buffer = kv, 0, torch.empty(0)
+
+    def runs(self) -> bool:
+        return self.kv.prefix.keys.device.type == "cpu" and ckernel.available()
+
+    def __call__(self, tokens: int) -> tuple[float, int, int]:
+        count = int(forward_cost(self.kv, 1, self.cached + tokens // 2).bytes) // 256 * 64  # float32s, 256 B a loop
+        if self.buffer.numel() != count:
+            self.buffer = hugepages.empty((count,), torch.float32).fill_(1)
+        t0 = time.perf_counter()
+        ckernel.stream_read(self.buffer)
+        return time.perf_counter() - t0, self.cached, tokens
+
+
+def _on_small_pages(decoder) -> ckernel.DecodeStep | None:  # type: ignore[no-untyped-def]
+    """The C step over a copy of the decoder's weights in ordinary pages, or None where the C step does not take
+    the decoder."""
+    if decoder is None or decoder.native is None:
+        return None
+    shared = ("heads", "kv_heads", "head_dim", "norm", "eps", "scale")
+    copied = SimpleNamespace(**{name: getattr(decoder, name) for name in shared})
+    copied.embed, copied.lm_head = _small(decoder.embed), SimpleNamespace(weight=_small(decoder.lm_head.weight))
+    copied.layers = [copy.copy(layer) for layer in decoder.layers]
+    for own in copied.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            product = getattr(own, name)
+            setattr(own, name, SimpleNamespace(weight=_small(product.weight), bias=product.bias))
+    return ckernel.DecodeStep.of(copied)
+
+
+def _small(tensor: torch.Tensor) -> torch.Tensor:
+    return hugepages.empty(tensor.shape, tensor.dtype, huge=False).copy_(tensor)
+
+
+def _with_step(
+    kv: KVModel, step: ckernel.DecodeStep, run: Callable[[], tuple[float, int, int]]
+) -> tuple[float, int, int]:
+    """`run` with the model's decoder on another C step over the same shapes."""
+    decoder = decoder_of(kv.model)
+    own, decoder.native = decoder.native, step
+    try:
+        return run()
+    finally:
+        decoder.native = own
+
+
+def _on_step(
+    kv: KVModel, native: bool, compiled: bool, run: Callable[[], tuple[float, int, int]]
+) -> tuple[float, int, int]:
+    """`run` with the model on the C step, or on the torch step eager or compiled."""
+    native_decoding(kv.model, native)
+    compile_decoding(kv.model, compiled)
+    return run()
+
+
+def _row(
+    kv: KVModel,
+    machine: Machine,
+    times: dict[str, list[float]],
+    cached: int,
+    tokens: int,
+    compile_s: float | None,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """One size's row: the median ms a token of each path, and each as a ratio to the floor."""
+    floor = forward_cost(kv, 1, cached + tokens // 2).floor(machine)  # a step in the middle of the answer
+    ms = {name: 1000 * sorted(v)[len(v) // 2] for name, v in times.items()}
+    read = ms.get("memory_read")
+    row = {
+        "context_tokens": cached,
+        "ms_per_token": ms,
+        "floor_ms": 1000 * floor,
+        "over_floor": {name: m / (1000 * floor) for name, m in ms.items()},
+        "over_read": {name: m / read for name, m in ms.items()} if read else None,
+        "bandwidth_gb_s": machine.read_bytes / 1e9,
+        "compile_s": compile_s,
+    }
+    shown = ", ".join(f"{name} {m:.1f} ms/token ({m / (1000 * floor):.2f}x)" for name, m in ms.items())
+    log(f"{cached:>6} cached tokens: floor {1000 * floor:.1f} ms ({machine.read_bytes / 1e9:.1f} GB/s); {shown}")
+    if read:
+        paired = ", ".join(f"{name} {m / read:.2f}x" for name, m in ms.items() if name != "memory_read")
+        log(f"{'':>6} against the paired read of the same bytes ({read:.1f} ms): {paired}")
+    return row

@@ -1,0 +1,427 @@
+"""Benchmarks that measure time to first token side by side in one process (figures, never asserted in tests).
+
+`run_bench`: for each context size, every strategy's time to first token through the engine (chunk KV in
+its memory store), beside two references run in the same process: plain transformers generating one token
+from the whole prompt, and the lower bound (one forward of the target and suffix tokens over an already
+stitched cache, nothing of kvrag's planning, loading or stitching around it). Phases are timed inside the real
+code path (`kvrag.timing`).
+In the same rounds, every strategy, full prefill and the model's shipped default (`DEFAULT`) answer with a
+fixed number of tokens through the engine, EOS ignored, greedy: the whole answer's time beside its first
+token and its decode steps. Storage figures (ingest, store reads, bytes a token, int8 error) are in
+`kvrag.lab.bench.storage`; files are written by `kvrag.lab.bench.report`.
+
+A row of `ttft_benchmark` (one context size) holds, beside the time-to-first-token figures:
+    answer_tokens: tokens every answer decodes (the first from the prefill, the rest one step each).
+    answer_s: name -> median seconds of a whole answer, from the call to its last token.
+    answer_ttft_s: name -> median time to first token of those same answers.
+    decode_ms: name -> median milliseconds a decode step, (whole - first token) / (answer_tokens - 1).
+    answer_speedup: name -> answer_s of full prefill over the name's answer_s, at this context.
+    answer_runs_s: name -> every run's whole-answer seconds.
+Names are the strategies, FULL_PREFILL where the strategies leave it out, and DEFAULT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvrag.cache.store import DiskStore, MemoryStore, TieredStore
+from kvrag.compat import with_cache
+from kvrag.engine.documents import split_text
+from kvrag.engine.embed import Embedder
+from kvrag.engine.rag import KVRAG
+from kvrag.lab.demo import sample_docs
+from kvrag.lab.roofline import Machine, forward_cost
+from kvrag.model.encode import _batches, encode_chunks, prefix_cache
+from kvrag.model.kvmodel import KVModel
+from kvrag.plan.strategies import BUILTIN_STRATEGIES
+from kvrag.run.recompute import stitch_cache, stitch_layout, stitched_forward
+from kvrag.timing import Phases
+
+DEFAULT_CONTEXTS = (1000, 2000, 4000, 8000)
+BUDGET = 0.05
+ANSWER_TOKENS = 32
+FULL_PREFILL = "full_prefill"
+# The answer a query gets when it names no strategy: the engine's default (kvrag.plan.defaults.shipped_default here).
+DEFAULT = "default"
+# The phases of a time to first token, in the order they happen; "other" is what no phase covers.
+PHASES = ("store load", "plan", "re-positioning", "cache assembly and mask", "forward", "first token")
+TRANSFORMERS = "transformers generate"
+LOWER_BOUND = "lower bound"
+LOWER_BOUND_SUFFIX = "lower bound (suffix only)"
+# Forwards over a whole prompt. On this project's machine the first short forward after one ran up to 35 ms
+# slower, now and then (at 8k, the suffix-only forward took 0.098 s against 0.064 s just after `generate`, then
+# 0.064 again): each is followed by an untimed suffix-only forward, so that no timed answer carries it.
+HEAVY = frozenset({FULL_PREFILL, TRANSFORMERS})
+# Floors from kvrag.lab.roofline: FLOPs and bytes of the forward each strategy family must run, on this machine.
+ROOFLINE = "roofline (target + suffix)"
+ROOFLINE_SUFFIX = "roofline (suffix only)"
+ROOFLINE_FULL = "roofline (full prefill)"
+
+
+def _median_time(fn: Callable[[], Any], runs: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def context_texts(kv: KVModel, tokens: int, chunk_tokens: int) -> list[str]:
+    """Chunks of the bundled Python-docs excerpt (`chunk_tokens` each), repeated until they hold `tokens` tokens.
+
+    Repeats carry a copy mark, so every chunk is distinct and has its own stored KV.
+    """
+    docs, _ = sample_docs()
+    pieces = split_text("\n\n".join(d["text"] for d in docs), kv.tokenizer, chunk_tokens=chunk_tokens, overlap=0)
+    texts: list[str] = []
+    total = 0
+    while total < tokens:
+        n = len(texts)
+        text = pieces[n % len(pieces)] + (f"\n(copy {n // len(pieces)})" if n >= len(pieces) else "")
+        texts.append(text)
+        total += len(kv.layout.chunk_ids(text))
+    return texts
+
+
+class _Context:
+    """One context size: the chunks stored in an engine's memory store, the question and the prepared references."""
+
+    def __init__(self, kv: KVModel, rag: KVRAG, texts: list[str], question: str) -> None:
+        self.kv, self.rag, self.texts, self.question = kv, rag, texts, question
+        self.ids = [kv.layout.chunk_ids(t) for t in texts]
+        self.suffix = kv.layout.suffix_ids(question)
+        self.device = kv.prefix.keys.device
+        rag.store_kv(texts)  # encoded and stored once; not timed
+        self.chunks = [rag.store.get(rag.source.key(ids)) for ids in self.ids]  # the engine's own keys
+
+    @property
+    def context_tokens(self) -> int:
+        return sum(map(len, self.ids))
+
+    def strategy(self, name: str) -> tuple[float, dict[str, float]]:
+        """One answer's time to first token through the engine, and its phases."""
+        phases = Phases(self.device)
+        answer = self.rag.answer(self.question, self.texts, **_options(name), max_new_tokens=1, phases=phases)
+        return answer.stats.ttft_s, phases.seconds
+
+    def answer(self, name: str, tokens: int) -> tuple[float, float]:
+        """One answer of exactly `tokens` tokens through the engine: its time to first token and its whole time.
+
+        `name` DEFAULT gives no strategy or budget, so the engine runs its default.
+        """
+        options = _options(name)
+        with _past_eos(self.kv):
+            answer = self.rag.answer(self.question, self.texts, max_new_tokens=tokens, **options)
+        if answer.stats.new_tokens != tokens:
+            raise RuntimeError(f"{name} answered {answer.stats.new_tokens} tokens, not the {tokens} asked for")
+        return answer.stats.ttft_s, answer.stats.total_s
+
+    def transformers_generate(self) -> Callable[[], float]:
+        """What a user runs without kvrag: `generate` one token from the whole prompt."""
+        ids = torch.tensor([self.kv.prompt_ids(self.question, self.ids, range(len(self.ids)))], device=self.device)
+        pad = self.kv.tokenizer.pad_token_id or self.kv.eos_ids[0]
+
+        @torch.inference_mode()
+        def run() -> float:
+            _sync(self.device)
+            t0 = time.perf_counter()
+            self.kv.model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=pad)
+            _sync(self.device)
+            return time.perf_counter() - t0
+
+        return run
+
+    def lower_bound(self, recompute_target: bool) -> Callable[[], float]:
+        """One forward of the target's and the suffix's tokens (or the suffix's alone) over a ready cache.
+
+        Everything else is prepared beforehand: the reused KV re-positioned into a stitched cache with room for
+        the new tokens (the cache the engine's forward runs on: the new tokens' KV is written into the room, no
+        layer's KV is copied), ids and positions; each run starts from the same filled slots. The forward is the
+        engine's (`stitched_forward`: in one C call where it takes the model, else the model's own with its 4-D
+        mask made as the engine makes it).
+        """
+        kv, n = self.kv, len(self.chunks)
+        order = [*range(1, n), 0] if recompute_target else list(range(n))
+        S = {0: torch.arange(len(self.chunks[0]))} if recompute_target else {}
+        lengths, starts = [len(c) for c in self.chunks], [c.start for c in self.chunks]
+        layout = stitch_layout(len(kv.prefix), lengths, starts, order, S, len(self.suffix), self.device)
+        new_ids = ([*self.ids[0]] if recompute_target else []) + self.suffix
+        built = stitch_cache(kv.repositioner, kv.prefix, self.chunks, order, S, layout, room=len(new_ids))
+        filled = built.layers[0].keys.shape[-2]
+        input_ids = torch.tensor([new_ids], device=self.device)
+
+        @torch.inference_mode()
+        def run() -> float:
+            cache = built.refilled(filled)  # the room's slots are written again each run
+            _sync(self.device)
+            t0 = time.perf_counter()
+            # the forward the engine runs (the 4-D mask made in it, as the engine makes it, where the model's runs)
+            stitched_forward(kv.model, cache, input_ids, layout.query_positions, layout.key_positions)
+            _sync(self.device)
+            return time.perf_counter() - t0
+
+        return run
+
+
+def _options(name: str) -> dict[str, Any]:
+    """A row's request: a strategy whose target is the first chunk (the oracle), or NAME:PICKER, whose picker
+    chooses it as a user's query would (the chunks come unscored, best first)."""
+    if name == DEFAULT:  # no strategy, picker or budget: the engine runs its default
+        return {"target": 0}
+    strategy, _, picker = name.partition(":")
+    return {"strategy": strategy, "budget": BUDGET, "target": 0} | ({"picker": picker} if picker else {})
+
+
+@contextlib.contextmanager
+def _past_eos(kv: KVModel) -> Iterator[None]:
+    """No token ends an answer: the engine has no switch for it, and answers compared must be one length."""
+    eos, kv.eos_ids = kv.eos_ids, []
+    try:
+        yield
+    finally:
+        kv.eos_ids = eos
+
+
+def _peak_memory(device: torch.device) -> dict[str, float]:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    peak = {"rss_high_water_mb": rss / (1 << 20) if sys.platform == "darwin" else rss / 1024}
+    if device.type == "cuda":
+        peak["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / (1 << 20)
+    return peak
+
+
+def ttft_benchmark(
+    kv: KVModel,
+    rag: KVRAG,
+    *,
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    chunk_tokens: int = 200,
+    strategies: Sequence[str] = BUILTIN_STRATEGIES,
+    runs: int = 5,
+    answer_tokens: int = ANSWER_TOKENS,
+    log: Callable[[str], None] = print,
+    on_row: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Time to first token of every strategy and of both references at each context size (median of `runs`),
+    and the whole time of an `answer_tokens`-token answer of every strategy, full prefill and the default.
+
+    One warm-up of everything at the first size; then, size by size, `runs` rounds, each running every
+    strategy, reference and answer once (interleaved, so a slow spell of the machine touches all of them alike),
+    each forward over a whole prompt followed by an untimed suffix-only forward (HEAVY).
+    """
+    if answer_tokens < 2:
+        raise ValueError(f"answer_tokens must be at least 2 (a first token and a decode step), got {answer_tokens}")
+    answered = list(dict.fromkeys([*strategies, FULL_PREFILL, DEFAULT]))
+    _, questions = sample_docs()
+    question = questions[0]["question"]
+    device = kv.prefix.keys.device
+    machine = Machine.calibrate(kv.prefix.keys.dtype, device)
+    log(f"roofline calibration: {machine.matmul_flops / 1e9:.0f} GFLOP/s, {machine.read_bytes / 1e9:.1f} GB/s")
+    rows = []
+    for size_index, size in enumerate(contexts):
+        ctx = _Context(kv, rag, context_texts(kv, size, chunk_tokens), question)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        references = {
+            TRANSFORMERS: ctx.transformers_generate(),
+            LOWER_BOUND: ctx.lower_bound(recompute_target=True),
+            LOWER_BOUND_SUFFIX: ctx.lower_bound(recompute_target=False),
+        }
+        if size_index == 0:  # warm-up: every code path once
+            for name in strategies:
+                ctx.strategy(name)
+            for run in references.values():
+                run()
+            for name in answered:
+                ctx.answer(name, answer_tokens)
+        times: dict[str, list[float]] = {name: [] for name in [*strategies, *references]}
+        phases: dict[str, list[dict[str, float]]] = {name: [] for name in strategies}
+        answers: dict[str, list[tuple[float, float]]] = {name: [] for name in answered}
+        settle = references[LOWER_BOUND_SUFFIX]  # run untimed after each forward over a whole prompt (HEAVY)
+        for _ in range(runs):
+            for name in strategies:
+                ttft, spent = ctx.strategy(name)
+                times[name].append(ttft)
+                phases[name].append(spent)
+                if name in HEAVY:
+                    settle()
+            for name, run in references.items():
+                times[name].append(run())
+                if name in HEAVY:
+                    settle()
+            for name in answered:
+                answers[name].append(ctx.answer(name, answer_tokens))
+                if name in HEAVY:
+                    settle()
+        # calibrated again after the rounds, the best of every calibration so far kept: the floor is the least
+        # time, and one calibration can fall in a slow spell of a shared machine
+        machine = machine.best(Machine.calibrate(kv.prefix.keys.dtype, device))
+        row = _row(ctx, times, phases, device, machine) | _answer_fields(answers, answer_tokens)
+        rows.append(row)
+        if on_row is not None:
+            on_row(rows)  # a long run keeps what it measured so far
+        t = row["ttft_s"]
+        log(
+            f"{'':>6} roofline calibration, best so far: {machine.matmul_flops / 1e9:.0f} GFLOP/s, "
+            f"{machine.read_bytes / 1e9:.1f} GB/s"
+        )
+        log(
+            f"{row['context_tokens']:>6} context tokens: "
+            + ", ".join(f"{name} {t[name]:.3f} s" for name in [*strategies, *references])
+        )
+        log(
+            f"{'':>6} {answer_tokens}-token answer: "
+            + ", ".join(
+                f"{name} {row['answer_s'][name]:.3f} s ({row['decode_ms'][name]:.1f} ms/token)" for name in answered
+            )
+        )
+    return rows
+
+
+def _row(
+    ctx: _Context,
+    times: dict[str, list[float]],
+    phases: dict[str, list[dict[str, float]]],
+    device: Any,
+    machine: Machine,
+) -> dict:
+    """One context size's figures: medians of every strategy and reference, their floors, phases, peak memory."""
+    kv = ctx.kv
+    prefix, target, suffix = len(kv.prefix), len(ctx.ids[0]), len(ctx.suffix)
+    floors = {
+        ROOFLINE: forward_cost(kv, target + suffix, prefix + ctx.context_tokens - target),
+        ROOFLINE_SUFFIX: forward_cost(kv, suffix, prefix + ctx.context_tokens),
+        ROOFLINE_FULL: forward_cost(kv, prefix + ctx.context_tokens + suffix),
+    }
+    return {
+        "floor_s": {name: cost.floor(machine) for name, cost in floors.items()},
+        "machine": machine.to_dict(),
+        "context_tokens": ctx.context_tokens,
+        "chunks": len(ctx.texts),
+        "target_tokens": len(ctx.ids[0]),
+        "suffix_tokens": len(ctx.suffix),
+        "prompt_tokens": len(kv.prefix) + ctx.context_tokens + len(ctx.suffix),
+        "ttft_s": {name: statistics.median(t) for name, t in times.items()},
+        "runs_s": times,
+        "phases_s": {name: _median_phases(p, times[name]) for name, p in phases.items()},
+        "peak_memory": _peak_memory(device),
+    }
+
+
+def _answer_fields(answers: dict[str, list[tuple[float, float]]], tokens: int) -> dict[str, Any]:
+    """The whole-answer figures of one context size from each name's (first token, whole) seconds a run."""
+    whole = {name: statistics.median(total for _, total in runs) for name, runs in answers.items()}
+    return {
+        "answer_tokens": tokens,
+        "answer_s": whole,
+        "answer_ttft_s": {name: statistics.median(ttft for ttft, _ in runs) for name, runs in answers.items()},
+        "decode_ms": {
+            name: statistics.median(1000 * (total - ttft) / (tokens - 1) for ttft, total in runs)
+            for name, runs in answers.items()
+        },
+        "answer_speedup": {name: whole[FULL_PREFILL] / s for name, s in whole.items()},
+        "answer_runs_s": {name: [total for _, total in runs] for name, runs in answers.items()},
+    }
+
+
+def _median_phases(runs: list[dict[str, float]], ttfts: list[float]) -> dict[str, float]:
+    """Per phase, the median over runs; "other" is the median of what the phases leave of each run's ttft."""
+    out = {name: statistics.median(r.get(name, 0.0) for r in runs) for name in PHASES}
+    out["other"] = statistics.median(max(0.0, t - sum(r.values())) for r, t in zip(runs, ttfts))
+    return out
+
+
+@torch.inference_mode()
+def raw_forward(kv: KVModel, chunk_ids: list[list[int]]) -> None:
+    """The least work encoding can be: the same batched forwards behind the prefix, nothing extracted or kept."""
+    device = kv.prefix.keys.device
+    start = len(kv.prefix)
+    for group in _batches([len(c) for c in chunk_ids], kv.batch_tokens):
+        width = max(len(chunk_ids[i]) for i in group)
+        ids = torch.zeros((len(group), width), dtype=torch.long, device=device)
+        for row, i in enumerate(group):
+            ids[row, : len(chunk_ids[i])] = torch.as_tensor(chunk_ids[i])
+        positions = torch.arange(start, start + width, device=device).expand(len(group), -1)
+        kv.model(
+            input_ids=ids,
+            position_ids=positions,
+            **with_cache(kv.model, prefix_cache(kv.prefix, len(group))),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+
+
+def ingest_benchmark(
+    kv: KVModel,
+    *,
+    copies: int = 3,
+    runs: int = 3,
+    embedder: Embedder | None = None,
+    texts: Sequence[str] | None = None,
+    print_fn: Callable[[str], None] = print,
+) -> dict:
+    """Chunks/s and tokens/s of raw forward, kvrag encoding, and ingestion into memory and disk stores.
+
+    The chunks are `texts`, or else `copies` copies of the bundled excerpt's chunks.
+    """
+    if texts is None:
+        chunks, _ = sample_docs()
+        texts = [f"{c['text']}\n(copy {n})" for n in range(copies) for c in chunks]
+    ids = [kv.chunk_ids(i, t) for i, t in enumerate(texts)]
+    tokens = sum(map(len, ids))
+    embedder = embedder or Embedder()
+    results = {
+        "raw batched forward": _median_time(lambda: raw_forward(kv, ids), runs),
+        "kvrag encode_chunks": _median_time(
+            lambda: encode_chunks(kv.model, kv.chunk_prefix, ids, batch_tokens=kv.batch_tokens, encoder=kv.encoder_id),
+            runs,
+        ),
+    }
+
+    def ingest(store_factory: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            rag = KVRAG(kv, embedder=embedder, store=store_factory())
+            rag.ingest(texts, split=False, progress=False)
+
+        return run
+
+    results["ingest, memory store"] = _median_time(ingest(MemoryStore), runs)
+    with tempfile.TemporaryDirectory() as tmp:
+        counter = iter(range(10**6))
+        results["ingest, memory + disk (fp16)"] = _median_time(
+            ingest(lambda: TieredStore(MemoryStore(), DiskStore(f"{tmp}/{next(counter)}"))), runs
+        )
+    raw = results["raw batched forward"]
+    print_fn(
+        f"{len(texts)} chunks, {tokens} tokens, batch_tokens {kv.batch_tokens}, {torch.get_num_threads()} threads, "
+        f"median of {runs} runs after a warm-up"
+    )
+    print_fn(f"{'':<30}{'seconds':>9}{'chunks/s':>10}{'tokens/s':>10}{'x raw':>8}")
+    for name, seconds in results.items():
+        print_fn(
+            f"{name:<30}{seconds:>9.3f}{len(texts) / seconds:>10.1f}{tokens / seconds:>10.0f}{raw / seconds:>8.2f}"
+        )
+    return {
+        "chunks": len(texts),
+        "tokens": tokens,
+        "runs": runs,
+        "seconds": results,
+        "tokens_per_s": {name: tokens / s for name, s in results.items()},
+        "x_raw": {name: raw / s for name, s in results.items()},
+    }

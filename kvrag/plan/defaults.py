@@ -1,0 +1,83 @@
+"""The default a query runs with when it names no strategy.
+
+First `kvrag tune`'s choice, kept beside the index manifest; else the default shipped for the model: on each
+named model (`kvrag models`) the plan that won the built-in study on it (docs/study.md, docs/models.md), on any
+other model the study's recipe, target_recompute. A default may also say how a question is split
+(`"parts": "auto"`: kvrag.plan.parts' splitter, a question it cannot split answered whole). This module reads and
+writes the one small JSON file and knows the shipped defaults; measuring and choosing live in
+kvrag.lab.study.agreement.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvrag.errors import IndexLoadError, KVRAGError
+from kvrag.files import write_atomic
+from kvrag.model import catalog
+from kvrag.model.loading import EMBEDDED_WEIGHTS
+from kvrag.plan.pickers import get_picker
+from kvrag.plan.strategies import get_strategy
+
+TUNED = "kvrag-tuned.json"  # the chosen default, beside the index manifest
+# The study's recipe: move the picked target next to the question and recompute it.
+RECIPE: dict[str, Any] = {"strategy": "target_recompute", "picker": None, "budget": 0.05}
+# The embedded model's default, from the built-in studies on it (docs/study.md): one chunk alone, whose stored KV
+# is its full-prefill KV, kept more of full prefill's context-dependent answers than any repair (68.8% against
+# target_recompute's 45.8%, McNemar p = 0.013), at the cost of the question; the chunk is the one of the
+# retriever's best three behind which the model finds the question most likely (right against the gold answer
+# on 17 more items and 2 fewer than the retriever's pick, p = 0.0007, in the fifth run). A question that asks for
+# several things is split into parts, each answered so (docs/models.md: at seed 0 over the eight built-in sets,
+# 45% right against 25% whole and 22% for full prefill over the top three; lists 88% against 0%).
+EMBEDDED: dict[str, Any] = {"strategy": "target_only", "picker": "likelihood", "budget": 0.05, "parts": "auto"}
+# Qwen2.5-Coder-0.5B-Instruct's, chosen on the built-in sets at seed 0 (64 items, eight families) and judged on
+# seed 1 (docs/models.md): the question split into parts where kvrag's splitter can, each part answered from the
+# one chunk (of the retriever's best three for that part) behind which the model finds it most likely. At seed 0
+# it answered 66% against full prefill's 41%, the top chunk's 31% and the top three's 38%, and every
+# multi-part family (lists 100% against 0%) more often than any answer over the whole context.
+QWEN_05B: dict[str, Any] = {"strategy": "target_only", "picker": "likelihood", "budget": 0.05, "parts": "auto"}
+SHIPPED: dict[str, dict[str, Any]] = {EMBEDDED_WEIGHTS: EMBEDDED, catalog.QWEN_05B.weights: QWEN_05B}
+PARTS = ("auto",)  # what a default's "parts" may say (absent: answer whole)
+
+
+def shipped_default(weights: str) -> dict[str, Any]:
+    """The default kvrag ships for a model, by its weights id: strategy, picker, budget and maybe parts."""
+    return dict(SHIPPED.get(weights, RECIPE))
+
+
+def default_parts(default: dict[str, Any] | None) -> str | None:
+    """How a default splits questions ("auto"), or None: answer whole."""
+    return (default or {}).get("parts")
+
+
+def save_default(folder: str | Path, choice: dict[str, Any]) -> Path:
+    """Write the chosen default beside the index manifest, atomically."""
+    path = Path(folder) / TUNED
+    write_atomic(path, (json.dumps(choice, indent=1) + "\n").encode("utf-8"))
+    return path
+
+
+def load_default(folder: str | Path) -> dict[str, Any] | None:
+    """The default saved by `kvrag tune` in an index folder ({strategy, picker, budget}), or None; a file that
+    names no registered strategy, picker or valid budget is refused with an IndexLoadError."""
+    path = Path(folder) / TUNED
+    if not path.is_file() or path.is_symlink():
+        return None
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        strategy, picker, budget = saved["strategy"], saved.get("picker"), float(saved["budget"])
+        parts = saved.get("parts")
+        if parts is not None and parts not in PARTS:
+            raise ValueError(f"parts {parts!r}")
+        get_strategy(strategy)
+        if picker is not None:
+            get_picker(picker)
+        if not 0 < budget <= 1:
+            raise ValueError(f"budget {budget}")
+    except (OSError, ValueError, KeyError, TypeError, KVRAGError) as err:
+        raise IndexLoadError(
+            f"{path} is not a default written by `kvrag tune` ({err}): delete it or run kvrag tune again"
+        ) from None
+    return {"strategy": strategy, "picker": picker, "budget": budget} | ({"parts": parts} if parts else {})

@@ -1,0 +1,302 @@
+"""One request from chunks to an Answer: plan, execute, decode, and the stats built once from all three.
+
+The seam: `plan` decides (picker, strategy, probe) and `job_of` turns the decision into an executor's
+`Job`; the executor (`kvrag.run.executor`) prefills and decodes. This module holds no model state of its own:
+KVModel and the engine call it with a `Request` that is already valid.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+from kvrag import cpu
+from kvrag.answer import Answer, AnswerStats, Source, last_answer
+from kvrag.cache.chunks import Chunks
+from kvrag.errors import ContextOverflowError
+from kvrag.plan.defaults import shipped_default
+from kvrag.plan.parts import Part, compose
+from kvrag.plan.planner import Decision, make_plan
+from kvrag.plan.probe import Probe
+from kvrag.plan.request import Request
+from kvrag.run.executor import Executor, Job
+from kvrag.run.generate import Detokenizer, Sampling
+from kvrag.run.recompute import Prefill
+from kvrag.timing import Phases, phase
+
+if TYPE_CHECKING:
+    from kvrag.model.kvmodel import KVModel
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A request's prefill, ready to decode, with what was decided and what it cost."""
+
+    prefill: Prefill  # logits and cache
+    decision: Decision  # the plan that was run, the picker and the picked target
+    probe: Probe  # what measuring cost (extra_token_layers, extra_work)
+    chunks: Chunks  # the request's chunks (their store hits, encoding count and time)
+    context_tokens: int  # chunk tokens in the prompt
+
+    @property
+    def encoded(self) -> int:
+        return self.chunks.encoded
+
+    @property
+    def encode_s(self) -> float:
+        return self.chunks.encode_s
+
+
+def plan(kvmodel: KVModel, request: Request, chunks: Chunks, probe: Probe) -> Decision:
+    """The checked plan of a request (its strategy and picker run here, measuring through `probe`)."""
+    return make_plan(request, chunks.lengths, probe)
+
+
+def reused(decision: Decision) -> list[int]:
+    """The chunks whose stored KV the plan reads, in stitched order (none for a full prefill)."""
+    plan_ = decision.plan
+    return [] if plan_.full_prefill else [c for c in plan_.order if c not in plan_.replace]
+
+
+def job_of(
+    decision: Decision,
+    chunks: Chunks,
+    suffix_ids: Sequence[int],
+    *,
+    room: int,
+    logits_to_keep: int,
+    reads_store: bool = False,
+) -> Job:
+    """The executor's job: the plan's chunks in stitched order, their KV read only where the plan reuses it.
+
+    `reads_store`: the executor reads stored KV itself, so a reused chunk the store holds is not read here.
+    """
+    plan_ = decision.plan
+    ids = [chunks.ids[c] for c in plan_.order]
+    if plan_.full_prefill:
+        return Job(ids, [], list(suffix_ids), full_prefill=True, room=room, logits_to_keep=logits_to_keep)
+    kept = reused(decision)
+    stored = dict(zip(kept, chunks.stored(kept) if reads_store else chunks.kv(kept)))
+    at = {c: j for j, c in enumerate(plan_.order)}
+    return Job(
+        ids,
+        [plan_.replace.get(c) or stored[c] for c in plan_.order],
+        list(suffix_ids),
+        recompute={at[c]: s for c, s in plan_.recompute.items()},
+        key_scale={at[c]: f for c, f in plan_.key_scale.items()},
+        room=room,
+        logits_to_keep=logits_to_keep,
+    )
+
+
+def prefill(
+    kvmodel: KVModel,
+    request: Request,
+    chunks: Chunks,
+    executor: Executor,
+    *,
+    room: int = 0,
+    logits_to_keep: int = 1,
+    phases: Phases | None = None,
+    pooled: bool = False,
+    probe: type[Probe] = Probe,
+) -> Prefilled:
+    """Plan the request and run its prefill (under the model's lock, taken here once).
+
+    `room`: tokens that will be decoded after the prompt (they must fit the context too). `probe` is the
+    class that measures for the picker and the strategy (the study passes one that keeps what it measured).
+    `pooled`: see `HFExecutor`.
+    """
+    request.with_default(shipped_default(kvmodel.fingerprint.weights))
+    suffix = kvmodel.layout.suffix_ids(request.question)
+    check_fits(kvmodel, chunks, suffix, room)
+    with chunks.deferring():  # misses encoded under the lock are stored once it is released
+        with phase(phases, "plan"):  # outside the lock: a measurement takes it, reading the chunk KV it needs
+            measure = probe.of(kvmodel, chunks, suffix, request.question)
+            decision = plan(kvmodel, request, chunks, measure)
+        if not executor.reads_store:
+            with phase(phases, "store load"):  # outside the lock: a slow store holds up this request only
+                chunks.prefetch(reused(decision))
+        with kvmodel.lock:
+            with phase(phases, "store load"):  # the KV the plan reuses and nothing read yet: store, else encode
+                # the cache keeps the room decoding needs (a compiled step reads whole blocks of slots)
+                job = job_of(
+                    decision,
+                    chunks,
+                    suffix,
+                    room=cpu.decode_room(kvmodel.model, room),
+                    logits_to_keep=logits_to_keep,
+                    reads_store=executor.reads_store,
+                )
+            out = executor.prefill(job, phases=phases, pooled=pooled)
+    if out.prompt_ids is None:  # what decoding's prompt-lookup drafts are looked up in
+        out.prompt_ids = [*kvmodel.layout.prefix_ids, *(t for ids in job.chunk_ids for t in ids), *job.suffix_ids]
+    return Prefilled(out, decision, measure, chunks, job.context_tokens)
+
+
+def check_fits(kvmodel: KVModel, chunks: Chunks, suffix: Sequence[int], max_new_tokens: int) -> None:
+    """Refuse a prompt that, with the tokens to decode, would not fit the model's context."""
+    total = len(kvmodel.prefix) + sum(chunks.lengths) + len(suffix)
+    if total + max_new_tokens > kvmodel.max_positions:
+        raise ContextOverflowError(
+            f"the stitched prompt has {total} tokens and max_new_tokens is {max_new_tokens}: "
+            f"{total + max_new_tokens} > the model's {kvmodel.max_positions}-token context. Pass fewer or "
+            "shorter chunks, a shorter question, or lower max_new_tokens."
+        )
+
+
+def stream(
+    kvmodel: KVModel,
+    request: Request,
+    chunks: Chunks,
+    executor: Executor,
+    *,
+    started_at: float,
+    phases: Phases | None = None,
+    sources: Sequence[Source] = (),
+    retrieve_s: float = 0.0,
+) -> Iterator[str | Answer]:
+    """Prefill, then yield the answer's text pieces as they become final, then the Answer with its stats.
+
+    `retrieve_s`: seconds the caller spent retrieving before this call (the store reads are added to it).
+    """
+    run = prefill(kvmodel, request, chunks, executor, room=request.sampling.max_new_tokens, phases=phases, pooled=True)
+
+    def stats(tokens: list[int], ttft: float, total: float) -> AnswerStats:
+        return stats_of(request, run, tokens, ttft, total, retrieve_s + chunks.load_s)
+
+    yield from decode_answer(kvmodel, executor, run.prefill, request.sampling, started_at, stats, phases, sources)
+
+
+def stats_of(
+    request: Request, run: Prefilled, tokens: list[int], ttft: float, total: float, retrieve_s: float
+) -> AnswerStats:
+    """What one answer cost and what was decided, from the request, its prefill and the decode timings."""
+    decision, recomputed = run.decision, run.prefill.recomputed_tokens
+    return AnswerStats(
+        strategy=str(request.strategy),
+        picker=decision.picker,
+        order=list(decision.plan.order),
+        target=decision.target,
+        targets=decision.targets,
+        target_given=request.target,
+        context_tokens=run.context_tokens,
+        recomputed_tokens=recomputed,
+        budget=float(request.budget or 0.0),
+        budget_tokens=decision.budget_tokens,
+        overspend_tokens=0 if decision.plan.full_prefill else max(0, recomputed - decision.budget_tokens),
+        extra_token_layers=run.probe.extra_token_layers,
+        extra_work=list(run.probe.extra_work),
+        prompt_tokens=run.prefill.next_position,
+        chunks_encoded=run.chunks.encoded,
+        encode_s=run.chunks.encode_s,
+        ttft_s=ttft,
+        new_tokens=len(tokens),
+        total_s=total,
+        store_hits=run.chunks.store_hits,
+        retrieve_s=retrieve_s,
+    )
+
+
+def decode_answer(
+    kvmodel: KVModel,
+    executor: Executor,
+    prefill: Prefill,
+    sampling: Sampling,
+    started_at: float,
+    make_stats: Callable[[list[int], float, float], AnswerStats],
+    phases: Phases | None = None,
+    sources: Sequence[Source] = (),
+) -> Iterator[str | Answer]:
+    """Decode after a prefill: text pieces as they become final (stop strings honoured), then the Answer."""
+    prefilled = time.perf_counter()
+    detok = Detokenizer(kvmodel.tokenizer, sampling.stop)
+    tokens: list[int] = []
+    ttft = 0.0
+    finish = "length"
+    steps = executor.decode(prefill, sampling)
+    try:
+        for token in steps:
+            if not ttft:
+                now = time.perf_counter()
+                ttft = now - started_at
+                if phases is not None:
+                    phases.add("first token", now - prefilled)
+            if token in kvmodel.eos_ids:
+                finish = "eos"
+                break
+            tokens.append(token)
+            piece = detok.push(token)
+            if piece:
+                yield piece
+            if detok.stopped:
+                finish = "stop"
+                break
+    finally:
+        steps.close()  # type: ignore[attr-defined]  # a generator: closing ends its forwards at once
+        executor.release(prefill)  # the cache dies with this call: its buffers serve the next
+    tail = detok.finish()
+    if tail:
+        yield tail
+    yield Answer(
+        text=detok.text,
+        token_ids=tokens,
+        finish_reason=finish,
+        stats=make_stats(tokens, ttft, time.perf_counter() - started_at),
+        sources=list(sources),
+    )
+
+
+def answer_parts(
+    kvmodel: KVModel,
+    request: Request,
+    parts: Sequence[Part],
+    chunks: Chunks,
+    executor: Executor,
+    *,
+    started_at: float,
+    scores_of: Callable[[str], list[float]] | None = None,
+    sources: Sequence[Source] = (),
+    retrieve_s: float = 0.0,
+) -> Answer:
+    """Each part answered as its own request over the same chunks (their KV read once, shared by every part),
+    then one Answer: the parts' answers a line each, every part's own Answer kept in `parts`.
+
+    `scores_of(question)`: the chunks' retrieval scores for one part (the engine scores each part's question
+    against the retrieved chunks); without it a part whose request names no picker and no default picker is
+    picked by the model's likelihood of the part behind each chunk: one question's scores would give every
+    part the same chunk.
+    """
+    request.with_default(shipped_default(kvmodel.fingerprint.weights))
+    answers: list[Answer] = []
+    previous: str | None = None
+    waited = time.perf_counter() - started_at  # before the first part's own clock starts (retrieval)
+    for part in parts:
+        question = part.asked(previous)
+        scores = scores_of(question) if scores_of is not None else request.scores
+        picker = request.picker or (None if scores_of is not None else "likelihood")
+        sub = replace(request, question=question, scores=scores, picker=picker)
+        one = last_answer(stream(kvmodel, sub, chunks, executor, started_at=time.perf_counter(), sources=sources))
+        answers.append(one)
+        previous = one.text
+    first = answers[0].stats
+    stats = replace(
+        first,
+        ttft_s=waited + first.ttft_s,  # the first part's first token: what a streaming reader sees first
+        new_tokens=sum(a.stats.new_tokens for a in answers),
+        recomputed_tokens=sum(a.stats.recomputed_tokens for a in answers),
+        extra_token_layers=sum(a.stats.extra_token_layers for a in answers),
+        extra_work=[w for a in answers for w in a.stats.extra_work],
+        total_s=time.perf_counter() - started_at,
+        retrieve_s=retrieve_s + first.retrieve_s,
+        overspend_tokens=sum(a.stats.overspend_tokens for a in answers),
+    )
+    return Answer(
+        text=compose(parts, [a.text for a in answers]),
+        token_ids=[t for a in answers for t in a.token_ids],
+        finish_reason=answers[-1].finish_reason,
+        stats=stats,
+        sources=list(sources),
+        parts=answers,
+    )

@@ -1,0 +1,68 @@
+"""The CPU engine behind one door: the core imports `kvrag.cpu` and nothing inside it, and a model with the engine
+off runs every answer on transformers' forward, giving the tokens the engine gives."""
+
+import ast
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrag import KVModel, cpu
+from kvrag.cpu import ckernel
+from tiny import STRATEGY_CHUNKS, STRATEGY_QUESTION, byte_tokenizer, tiny_model
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kvrag"
+OUTSIDE = ("cpu", "lab")  # the engine itself, and the benchmarks that time its parts
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_the_core_imports_the_cpu_engine_through_its_door_only():
+    reached = {}
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] in OUTSIDE:
+            continue
+        inside = sorted(n for n in _imports(path) if n.startswith("kvrag.cpu."))
+        if inside:
+            reached[str(relative)] = inside
+    assert reached == {}
+
+
+def test_the_cpu_engine_imports_nothing_of_the_core_above_the_model():
+    for path in (PACKAGE / "cpu").rglob("*.py"):
+        above = [n for n in _imports(path) if n.startswith(("kvrag.run", "kvrag.plan", "kvrag.engine", "kvrag.lab"))]
+        assert above == [], path.name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_with_the_engine_off_nothing_is_swapped_nothing_of_it_runs_and_the_tokens_are_the_same(dtype, monkeypatch):
+    on_model = copy.deepcopy(tiny_model("llama")).to(dtype)
+    on = KVModel(on_model, byte_tokenizer())
+    expected = on.answer(STRATEGY_QUESTION, STRATEGY_CHUNKS, strategy="reuse", max_new_tokens=12)
+
+    off_model = copy.deepcopy(tiny_model("llama")).to(dtype)
+    off_model.set_attn_implementation("sdpa")  # the shared tiny model may have been given kvrag's by another test
+    plain = {name: type(m) for name, m in off_model.named_modules()}
+    called = []
+    for name in ("rotate_keys", "stitch_plan", "decode_attention", "prefill_layers", "prefill_linear",
+                 "prefill_rms_norm", "prefill_silu_mul", "prefill_rotary", "prefill_attention"):
+        monkeypatch.setattr(ckernel, name, lambda *a, _n=name, **k: called.append(_n))
+    off = KVModel(off_model, byte_tokenizer(), cpu_kernels=False)
+    got = off.answer(STRATEGY_QUESTION, STRATEGY_CHUNKS, strategy="reuse", max_new_tokens=12)
+
+    assert {name: type(m) for name, m in off_model.named_modules()} == plain
+    assert off_model.config._attn_implementation == "sdpa"
+    assert not cpu.enabled(off_model) and cpu.decoder_of(off_model) is None and called == []
+    assert off.with_lead("A lead.").model is off_model and not cpu.enabled(off_model)
+    assert got.token_ids == expected.token_ids
