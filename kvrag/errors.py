@@ -52,3 +52,10 @@ class IndexLoadError(KVRAGError):
 
 class BusyError(KVRAGError):
     """The engine already has its bound of queries in flight (`max_in_flight`); retry later or raise the bound."""
+
+
+def type_name(value: object) -> str:
+    """How an error names what it was given: `int`, or the full class of anything not built in
+    (`llama_index.core.schema.Document`), so an object of another framework is named unambiguously."""
+    cls = type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"

@@ -6,11 +6,11 @@ import pytest
 from tiny import FACTS, HashEmbedder, save_tiny
 
 from kvrag.cli import main
-from kvrag.plan.defaults import TUNED, load_default
 from kvrag.engine.rag import KVRAG
 from kvrag.errors import IndexLoadError, InvalidRequestError
 from kvrag.lab.study.agreement import candidates, choose, read_questions
 from kvrag.lab.study.metrics import normalize
+from kvrag.plan.defaults import TUNED, load_default
 
 QUESTIONS = [
     "Who built the lighthouse of Karsa?",
@@ -135,8 +135,8 @@ def test_candidates_and_questions_are_checked(tmp_path):
 
 
 def test_the_shipped_default_is_the_recipe_except_on_the_embedded_model():
-    from kvrag.plan.defaults import EMBEDDED, RECIPE, shipped_default
     from kvrag.model.loading import EMBEDDED_WEIGHTS
+    from kvrag.plan.defaults import EMBEDDED, RECIPE, shipped_default
 
     assert shipped_default(EMBEDDED_WEIGHTS) == EMBEDDED and EMBEDDED["strategy"] == "target_only"
     assert EMBEDDED["picker"] == "likelihood"

@@ -10,9 +10,9 @@ import transformers.integrations.sdpa_attention as hf_sdpa
 from tiny import ARCHS, VOCAB, byte_tokenizer, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
 
-from kvrag.cpu import ckernel
-from kvrag.cpu.attention import GQA_SDPA, use_gqa_sdpa
 from kvrag.compat import with_cache
+from kvrag.cpu import cbf16
+from kvrag.cpu.attention import GQA_SDPA, use_gqa_sdpa
 from kvrag.model.kvmodel import KVModel
 from kvrag.run.recompute import causal_mask
 
@@ -35,7 +35,7 @@ def _copies_kv_heads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_masked_forward_is_bitwise_sdpas_and_copies_no_kv_head(arch, dtype, monkeypatch):
     # kvrag's bfloat16 prefill kernel (tested in test_ckernel.py, not bitwise by design) takes head sizes that are
     # multiples of 32: here the sdpa path it would stand in for is tested
-    monkeypatch.setattr(ckernel, "prefill_attention", lambda *args: None)
+    monkeypatch.setattr(cbf16, "prefill_attention", lambda *args: None)
     plain = copy.deepcopy(tiny_model(arch)).to(dtype)
     plain.set_attn_implementation("sdpa")
     fast = copy.deepcopy(plain)
@@ -81,7 +81,7 @@ def test_one_token_and_unmasked_calls_are_transformers_own(monkeypatch):
         assert torch.equal(step, reference(input_ids=ids[:, 8:], **with_cache(reference, ref.past_key_values)).logits)
 
 
-@pytest.mark.skipif(ckernel._prefill_library() is None, reason="no AVX512-BF16 CPU or no compiler")
+@pytest.mark.skipif(cbf16._prefill_library() is None, reason="no AVX512-BF16 CPU or no compiler")
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 2), (2, 2)])
 @pytest.mark.parametrize("masked", [True, False], ids=["kvrag's additive mask", "no mask (causal)"])
 def test_a_bfloat16_prefill_attends_through_the_kernel_as_close_to_float32_as_sdpa(heads, kv_heads, masked, monkeypatch):
@@ -92,8 +92,8 @@ def test_a_bfloat16_prefill_attends_through_the_kernel_as_close_to_float32_as_sd
     fast = copy.deepcopy(plain)
     use_gqa_sdpa(fast)
     calls = []
-    kernel = ckernel.prefill_attention
-    monkeypatch.setattr(ckernel, "prefill_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    kernel = cbf16.prefill_attention
+    monkeypatch.setattr(cbf16, "prefill_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     ids = torch.randint(0, VOCAB, (2, 70), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(70)
 

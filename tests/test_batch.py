@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from tiny import FACTS, byte_tokenizer, tiny_model
 
-from kvrag.run.batch import PaddedBatch
 from kvrag.model.kvmodel import KVModel
+from kvrag.run.batch import PaddedBatch
 from kvrag.run.recompute import full_prefill
 
 

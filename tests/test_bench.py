@@ -6,9 +6,10 @@ Structure only: speed figures live in docs/performance.md, never in assertions.
 import json
 
 import pytest
-
 from tiny import save_tiny
 
+from kvrag.cli import main
+from kvrag.lab.bench.report import FILES
 from kvrag.lab.bench.ttft import (
     DEFAULT,
     FULL_PREFILL,
@@ -20,8 +21,6 @@ from kvrag.lab.bench.ttft import (
     ROOFLINE_SUFFIX,
     TRANSFORMERS,
 )
-from kvrag.lab.bench.report import FILES
-from kvrag.cli import main
 
 
 def test_quick_bench_writes_every_output(tmp_path, capsys):
@@ -90,8 +89,8 @@ def test_bench_rejects_a_context_shorter_than_a_chunk(tmp_path, capsys):
 
 def test_bench_decode_prints_every_step_and_the_floor(tmp_path, capsys):
     from kvrag.cpu import ckernel
-    from kvrag.lab.bench.decode import decode_benchmark
     from kvrag.cpu.decode import decodes_compiled, decodes_native
+    from kvrag.lab.bench.decode import decode_benchmark
     from kvrag.lab.roofline import forward_cost
     from kvrag.model.kvmodel import KVModel
 
@@ -115,7 +114,6 @@ def test_the_reposition_benchmark_times_every_arm_and_puts_the_engine_back(monke
     from tiny import byte_tokenizer, tiny_model
 
     from kvrag import KVModel
-
     from kvrag.cpu import ckernel
     from kvrag.lab.bench.reposition import ARMS, reposition_benchmark
 
@@ -164,13 +162,12 @@ def test_the_forward_benchmark_runs_the_linear_layers_or_the_norms_both_ways_and
     from tiny import byte_tokenizer, tiny_model
 
     from kvrag import KVModel
-
-    from kvrag.cpu import ckernel
-    from kvrag.lab.bench.forward import forward_benchmark
+    from kvrag.cpu import cbf16
     from kvrag.cpu.linear import PrefillLinear
     from kvrag.cpu.norm import is_prefill_norm
+    from kvrag.lab.bench.forward import forward_benchmark
 
-    if not ckernel.prefill_linear_available():
+    if not cbf16.prefill_linear_available():
         pytest.skip("no AVX512-BF16 CPU or no compiler")
     kv = KVModel(copy.deepcopy(tiny_model("llama")).to(torch.bfloat16), byte_tokenizer())
     swapped = [m for m in kv.model.modules() if type(m) is PrefillLinear]
@@ -200,8 +197,8 @@ def test_the_forward_benchmark_runs_the_linear_layers_or_the_norms_both_ways_and
 def test_floors_use_the_best_calibration_of_the_run(tmp_path, monkeypatch, capsys):
     """A calibration that falls in a slow spell would set the floor too high and flatter every ratio to it."""
     from kvrag.lab.bench import decode as bench_decode
-    from kvrag.model.kvmodel import KVModel
     from kvrag.lab.roofline import Machine
+    from kvrag.model.kvmodel import KVModel
 
     slow, fast = Machine(1e11, 2e10), Machine(4e11, 5e10)
     assert slow.best(fast) == fast.best(slow) == fast and Machine(4e11, 2e10).best(Machine(1e11, 5e10)) == fast

@@ -4,8 +4,8 @@ import math
 
 from tiny import save_tiny
 
-from kvrag.lab.bench.dtype import STRATEGIES, dtype_quality, markdown
 from kvrag.cli import main
+from kvrag.lab.bench.dtype import STRATEGIES, dtype_quality, markdown
 from kvrag.model.kvmodel import KVModel
 
 

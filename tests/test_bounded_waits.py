@@ -16,12 +16,12 @@ import pytest
 from redis_server import RedisServer
 from tiny import FACTS, HashEmbedder, save_tiny
 
-from kvrag.engine.aio import in_thread
+from kvrag.cache.store import DiskStore, MemoryStore, RedisStore, StoreWarning, TieredStore
 from kvrag.cli import main
+from kvrag.engine.aio import in_thread
+from kvrag.engine.folder import LOCK_FILE
 from kvrag.engine.rag import KVRAG
 from kvrag.errors import BusyError
-from kvrag.engine.folder import LOCK_FILE
-from kvrag.cache.store import DiskStore, MemoryStore, RedisStore, StoreWarning, TieredStore
 
 TESTS = Path(__file__).resolve().parent
 pytestmark = pytest.mark.usefixtures("hash_embedder")
@@ -191,7 +191,7 @@ def test_ctrl_c_ends_an_ingest_within_a_second_keeping_what_committed(tmp_path):
     big = tmp_path / "big.txt"
     big.write_text("\n".join(f"Line {i} of a long file about harbours and mills." for i in range(60_000)))
     proc = subprocess.Popen(
-        [sys.executable, "-c", RUN_CLI.format(tests=str(TESTS)), "ingest", str(big), "--index", str(index)],
+        [sys.executable, "-c", RUN_CLI.format(tests=str(TESTS)), "ingest", str(big), "--index", str(index), "--yes"],
         stderr=subprocess.PIPE,
         text=True,
         # as from a terminal: a suite started in the background inherits SIGINT ignored, and so would the child

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvrag.errors import ModelNotFoundError
 from kvrag.model import catalog
 from kvrag.model.catalog import NamedModel, Part
-from kvrag.errors import ModelNotFoundError
 
 
 def fake_model(root: Path, sizes=(1000, 1000, 300), name="fake") -> NamedModel:

@@ -7,8 +7,8 @@ from tiny import byte_tokenizer, tiny_model
 
 from kvrag import KVModel, MemoryStore
 from kvrag.cache.chunks import ChunkSource
-from kvrag.errors import ContextOverflowError, InvalidRequestError, StoreError
 from kvrag.cache.store import StoreWarning
+from kvrag.errors import ContextOverflowError, InvalidRequestError, StoreError
 
 TEXTS = ["The river Tam floods every spring.", "The archive opens at nine.", "Zed is short."]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from kvrag.cpu import ckernel
+from kvrag.cpu import cbf16, ckernel, cpaged
 from kvrag.cpu.decode import Room, decoder_of, native_decoding
 from kvrag.run.recompute import full_prefill
 
@@ -96,12 +96,12 @@ def test_without_a_compiler_there_is_no_kernel_and_the_step_keeps_torchs_attenti
         model = copy.deepcopy(tiny_model("qwen3"))  # its own decoder, made without the kernels
         _steps_match_the_forward(model, 30)
         assert decoder_of(model).native is None
-        ckernel._prefill_library.cache_clear()
+        cbf16._prefill_library.cache_clear()
         q = torch.randn(1, 4, 8, 64).bfloat16()
-        assert ckernel.prefill_attention(q, q[:, :2], q[:, :2], None, 0.125, causal=True) is None  # torch's, then
+        assert cbf16.prefill_attention(q, q[:, :2], q[:, :2], None, 0.125, causal=True) is None  # torch's, then
     finally:
         ckernel._library.cache_clear()  # the next test builds or finds the kernel again
-        ckernel._prefill_library.cache_clear()
+        cbf16._prefill_library.cache_clear()
 
 
 @needs_kernel
@@ -199,8 +199,8 @@ def test_the_one_pass_stitch_writes_what_the_rotation_and_copies_write_and_nothi
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_stitched_prefill_is_the_same_through_the_one_pass_kernel_and_through_torch(dtype, monkeypatch):
     from kvrag.model.encode import encode_chunks, encode_prefix
-    from kvrag.run.recompute import recompute
     from kvrag.model.rope import Repositioner
+    from kvrag.run.recompute import recompute
 
     model = copy.deepcopy(tiny_model("llama")).to(dtype)  # the shared model stays as it is
     ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -259,7 +259,7 @@ def test_without_a_compiler_keys_are_rotated_by_torch(monkeypatch, tmp_path):
 
 
 needs_paged_kernel = pytest.mark.skipif(
-    ckernel._paged_library() is None, reason="no C compiler with _Float16 here: the connector keeps vLLM's write"
+    cpaged._paged_library() is None, reason="no C compiler with _Float16 here: the connector keeps vLLM's write"
 )
 
 
@@ -291,7 +291,7 @@ def test_the_paged_write_puts_every_token_in_its_slot_converted_and_nothing_else
     slots = torch.tensor([2 * block_size + 20 + t for t in range(40)] + [5 * block_size + t for t in range(30)])
     key_cache = torch.full((layers, blocks, heads, block_size, d), float("nan"), dtype=cache_dtype)
     value_cache = torch.full_like(key_cache, float("nan"))
-    assert ckernel.paged_write(
+    assert cpaged.paged_write(
         keys, values, list(key_cache), list(value_cache), slots, keys_transposed=transposed, threads=2
     )
     k, v = _paged_reference(keys, values, blocks, block_size, slots, transposed, cache_dtype)
@@ -312,7 +312,7 @@ def test_the_paged_write_rotates_keys_as_the_rotation_kernel_does(arch, monkeypa
     slots = torch.arange(3, 43)
     key_cache = torch.full((2, 6, 2, block_size, d), float("nan"))
     value_cache = torch.full_like(key_cache, float("nan"))
-    assert ckernel.paged_write(
+    assert cpaged.paged_write(
         keys, values, list(key_cache), list(value_cache), slots, keys_transposed=True, cos=cos[0], sin=sin[0]
     )
     moved = _torch_rotation(rep, keys.float(), cos[0], sin[0], monkeypatch)
@@ -325,20 +325,20 @@ def test_what_the_paged_write_does_not_take_it_leaves_unwritten():
     keys = torch.randn(2, 2, 8, 16)
     cache = [torch.zeros(4, 2, 8, 16) for _ in range(2)]
     slots = torch.arange(8)
-    assert not ckernel.paged_write(keys, keys, cache, cache[:1], slots, keys_transposed=True)  # a layer's values
-    assert not ckernel.paged_write(keys, keys.half(), cache, cache, slots, keys_transposed=True)  # mixed dtypes
-    assert not ckernel.paged_write(keys, keys, cache, cache, slots.int(), keys_transposed=True)  # int32 slots
+    assert not cpaged.paged_write(keys, keys, cache, cache[:1], slots, keys_transposed=True)  # a layer's values
+    assert not cpaged.paged_write(keys, keys.half(), cache, cache, slots, keys_transposed=True)  # mixed dtypes
+    assert not cpaged.paged_write(keys, keys, cache, cache, slots.int(), keys_transposed=True)  # int32 slots
     strided = keys.transpose(2, 3)
-    assert not ckernel.paged_write(strided, strided, cache, cache, slots, keys_transposed=True)
-    assert not ckernel.paged_write(keys, keys, [c.double() for c in cache], cache, slots, keys_transposed=True)
-    assert not ckernel.paged_write(keys, keys, cache, cache, slots, keys_transposed=True, cos=torch.ones(16))
+    assert not cpaged.paged_write(strided, strided, cache, cache, slots, keys_transposed=True)
+    assert not cpaged.paged_write(keys, keys, [c.double() for c in cache], cache, slots, keys_transposed=True)
+    assert not cpaged.paged_write(keys, keys, cache, cache, slots, keys_transposed=True, cos=torch.ones(16))
     assert not any(c.any() for c in cache)
     with pytest.raises(IndexError, match="slots outside"):
-        ckernel.paged_write(keys, keys, cache, cache, slots + 30, keys_transposed=True)
+        cpaged.paged_write(keys, keys, cache, cache, slots + 30, keys_transposed=True)
 
 
 needs_bf16_kernel = pytest.mark.skipif(
-    ckernel._prefill_library() is None, reason="no AVX512-BF16 CPU or no compiler: bfloat16 prefills keep torch's"
+    cbf16._prefill_library() is None, reason="no AVX512-BF16 CPU or no compiler: bfloat16 prefills keep torch's"
 )
 
 
@@ -381,7 +381,7 @@ def test_the_bfloat16_prefill_kernel_is_as_close_to_float32_attention_as_torchs(
         "bfloat16": torch.zeros(allowed.shape, dtype=torch.bfloat16).masked_fill(~allowed, -3.3895e38),
         "float32": torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf")),
     }.get(mask_kind)
-    got = ckernel.prefill_attention(q, k, v, mask, d**-0.5, causal=mask_kind == "causal")
+    got = cbf16.prefill_attention(q, k, v, mask, d**-0.5, causal=mask_kind == "causal")
     assert got is not None and got.shape == (batch, n, heads, d) and got.dtype == torch.bfloat16
     want = _attention_reference(q, k, v, allowed)
     torch_bf16 = torch.nn.functional.scaled_dot_product_attention(
@@ -407,7 +407,7 @@ def test_scores_that_rise_block_after_block_past_the_running_max_are_as_close_as
     v = torch.randn(1, kv_heads, keys, d, generator=g)
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     allowed = torch.ones(1, 1, n, keys, dtype=torch.bool)
-    got = ckernel.prefill_attention(q, k, v, None, d**-0.5)
+    got = cbf16.prefill_attention(q, k, v, None, d**-0.5)
     want = _attention_reference(q, k, v, allowed)
     torch_bf16 = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=d**-0.5, enable_gqa=True)
     error, torch_error = ((x.float() - want).abs().max() for x in (got, torch_bf16.transpose(1, 2)))
@@ -420,11 +420,11 @@ def test_the_bfloat16_prefill_kernel_refuses_what_it_does_not_compute():
     k = v = torch.randn(1, 2, 20, 64).bfloat16()
     bias = torch.zeros(1, 1, 8, 20, dtype=torch.bfloat16)
     bias[0, 0, 5, 7] = -2.0  # a bias, not a mask: the caller's attention adds it
-    assert ckernel.prefill_attention(q, k, v, bias, 0.125) is None
-    assert ckernel.prefill_attention(q.half(), k.half(), v.half(), None, 0.125) is None
-    assert ckernel.prefill_attention(q[..., :16], k[..., :16], v[..., :16], None, 0.25) is None  # head size 16
-    assert ckernel.prefill_attention(torch.randn(1, 18, 8, 64).bfloat16(), k, v, None, 0.125) is None  # 9 a kv head
-    assert ckernel.prefill_attention(q, k, v, bias.bool(), 0.125) is not None
+    assert cbf16.prefill_attention(q, k, v, bias, 0.125) is None
+    assert cbf16.prefill_attention(q.half(), k.half(), v.half(), None, 0.125) is None
+    assert cbf16.prefill_attention(q[..., :16], k[..., :16], v[..., :16], None, 0.25) is None  # head size 16
+    assert cbf16.prefill_attention(torch.randn(1, 18, 8, 64).bfloat16(), k, v, None, 0.125) is None  # 9 a kv head
+    assert cbf16.prefill_attention(q, k, v, bias.bool(), 0.125) is not None
 
 
 @needs_bf16_kernel
@@ -454,13 +454,13 @@ def test_a_bfloat16_mask_is_read_as_a_boolean_one_or_refused(value, hides):
         mask.view(torch.int16)[0, 0, 3:9, 40:110] = -64
     else:
         mask[0, 0, 3:9, 40:110] = value  # across a block's edge (64) and both 32-key halves of a block
-    got = ckernel.prefill_attention(q, k, v, mask, 0.125)
+    got = cbf16.prefill_attention(q, k, v, mask, 0.125)
     if hides is None:
         assert got is None
         return
     allowed = torch.ones(1, 1, 20, 150, dtype=torch.bool)
     allowed[0, 0, 3:9, 40:110] = not hides
-    assert got is not None and torch.equal(got, ckernel.prefill_attention(q, k, v, allowed, 0.125))
+    assert got is not None and torch.equal(got, cbf16.prefill_attention(q, k, v, allowed, 0.125))
 
 
 @needs_bf16_kernel
@@ -470,7 +470,7 @@ def test_a_token_that_sees_no_key_gets_zeros_and_the_others_are_untouched():
     k, v = (torch.randn(1, 2, 90, 64, generator=g).bfloat16() for _ in range(2))
     allowed = torch.ones(1, 1, 20, 90, dtype=torch.bool)
     allowed[0, 0, 7] = False  # a padded row: it sees nothing
-    got = ckernel.prefill_attention(q, k, v, allowed, 0.125)
+    got = cbf16.prefill_attention(q, k, v, allowed, 0.125)
     assert torch.equal(got[0, 7], torch.zeros(4, 64, dtype=torch.bfloat16))
     others = [i for i in range(20) if i != 7]
     want = _attention_reference(q, k, v, torch.ones_like(allowed))[:, others]

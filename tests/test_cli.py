@@ -156,3 +156,40 @@ def test_redis_store_from_the_command_line(setup, capsys):
         server.stop()
     code, _, err = run(capsys, "ask", "How many ships?", "--index", root / "redis-index", "--redis", server.url)
     assert code == 2 and "Start the server" in err and err.count("\n") == 1
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    import argparse
+
+    from kvrag.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    silent = [
+        f"{name} {action.option_strings[0] if action.option_strings else action.dest}"
+        for name, command in commands.items()
+        for action in command._actions
+        if not isinstance(action, argparse._HelpAction) and action.help != argparse.SUPPRESS and not action.help
+    ]
+    assert silent == []
+
+
+def test_ingest_plans_aloud_refuses_a_huge_run_unless_told_and_prints_lines_in_a_log(tmp_path, capsys, monkeypatch):
+    from tiny import save_tiny
+
+    import kvrag.cli.index as index_cli
+
+    model = save_tiny(tmp_path / "model")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(12):
+        (docs / f"d{i}.txt").write_text(f"Record {i}: the harbour of town {i} holds {i + 3} ships and a mill.")
+    monkeypatch.setattr(index_cli, "BIG_INGEST_CHUNKS", 5)
+    argv = ["ingest", str(docs), "--index", str(tmp_path / "index"), "--model", str(model)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "12 new chunks to encode" in err and "nothing was written" in err and "--yes" in err
+    assert not list((tmp_path / "index" / "kv").rglob("*.safetensors"))
+    assert main([*argv, "--yes"]) == 0  # stderr is captured here, not a terminal: progress lines, no bar
+    err = capsys.readouterr().err
+    assert "kvrag: encoding 12 new chunks" in err and "kvrag: encoded 12 of 12 chunks (100%)" in err

@@ -3,8 +3,7 @@
 import shutil
 
 import pytest
-from tiny import edit_manifest
-from tiny import HashEmbedder, save_tiny
+from tiny import HashEmbedder, edit_manifest, save_tiny
 
 from kvrag.cli import main
 from kvrag.engine.folder import IndexFolder

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvrag.cache.codec import decode_entry, encode_entry
-from kvrag.errors import InvalidRequestError
 from kvrag.cache.kv import ChunkKV
+from kvrag.errors import InvalidRequestError
 
 ENC = "encoder-1"
 

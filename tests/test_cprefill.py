@@ -10,17 +10,17 @@ import torch
 from tiny import tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
 
-from kvrag.cpu import ckernel, rotary
+from kvrag.cpu import cbf16, ckernel, rotary
 from kvrag.cpu.attention import use_gqa_sdpa
-from kvrag.model.encode import encode_chunks, encode_prefix
 from kvrag.cpu.linear import use_prefill_linears
 from kvrag.cpu.mlp import use_prefill_mlps
 from kvrag.cpu.norm import use_prefill_norms
-from kvrag.run.recompute import recompute
-from kvrag.model.rope import Repositioner
 from kvrag.cpu.rotary import use_prefill_rotary
+from kvrag.model.encode import encode_chunks, encode_prefix
+from kvrag.model.rope import Repositioner
+from kvrag.run.recompute import recompute
 
-needs_kernel = pytest.mark.skipif(not ckernel.prefill_layers_available(), reason="no AVX512-BF16 CPU or no compiler")
+needs_kernel = pytest.mark.skipif(not cbf16.prefill_layers_available(), reason="no AVX512-BF16 CPU or no compiler")
 
 
 def _kvrag_model(arch: str, head_dim: int = 32) -> torch.nn.Module:
@@ -46,14 +46,14 @@ def _prefill(model, selected, monkeypatch, in_c: bool, order=(2, 0, 1)):
     chunks = encode_chunks(model, prefix, [ids[4:90], ids[90:160], ids[160:280]])
     calls, passes = [], []
     with monkeypatch.context() as patch:
-        run = ckernel.prefill_layers if in_c else (lambda *a: None)
+        run = cbf16.prefill_layers if in_c else (lambda *a: None)
 
         def counted(*args):
             out = run(*args)
             calls.append(out is not None)  # True: the C forward gave the logits
             return out
 
-        patch.setattr(ckernel, "prefill_layers", counted)
+        patch.setattr(cbf16, "prefill_layers", counted)
         patch.setattr(ckernel.Stitch, "run", lambda self, _run=ckernel.Stitch.run: passes.append(1) or _run(self))
         out = recompute(model, Repositioner(model), prefix, chunks, list(order), selected, ids[280:], room=6)
     cache = torch.stack([torch.cat([layer.keys, layer.values], -1) for layer in out.cache.layers])
@@ -140,7 +140,7 @@ def test_the_c_call_takes_positions_and_refuses_what_it_does_not_compute():
     before = [t.clone() for t in keys + values]
     cos, sin = (torch.randn(5, d).bfloat16() for _ in range(2))
     key_positions, query_positions = torch.arange(25), torch.arange(20, 25)
-    logits = ckernel.prefill_layers(step, [1, 2, 3, 4, 5], cos, sin, key_positions, query_positions, keys, values, 20)
+    logits = cbf16.prefill_layers(step, [1, 2, 3, 4, 5], cos, sin, key_positions, query_positions, keys, values, 20)
     assert logits is not None and logits.shape == (model.config.vocab_size,) and logits.isfinite().all()
     assert all(torch.equal(a[:, :20], b[:, :20]) for a, b in zip(keys + values, before))  # the filled slots kept
     assert all(not torch.equal(a[:, 20:25], b[:, 20:25]) for a, b in zip(keys + values, before))  # the new written
@@ -152,6 +152,6 @@ def test_the_c_call_takes_positions_and_refuses_what_it_does_not_compute():
         ([1, 2, 3, 4, model.config.vocab_size], cos, sin, key_positions, query_positions),  # past the vocabulary
     ]
     for tokens, c, s_, k, q in refused:
-        assert ckernel.prefill_layers(step, tokens, c, s_, k, q, keys, values, 20) is None
-    assert ckernel.prefill_layers(step, [1, 2, 3, 4, 5], cos, sin, torch.arange(41), torch.arange(36, 41), keys,
+        assert cbf16.prefill_layers(step, tokens, c, s_, k, q, keys, values, 20) is None
+    assert cbf16.prefill_layers(step, [1, 2, 3, 4, 5], cos, sin, torch.arange(41), torch.arange(36, 41), keys,
                                   values, 36) is None  # no room for five tokens past slot 36

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import STRATEGY_CHUNKS, STRATEGY_QUESTION, byte_tokenizer, tiny_model
 
 from kvrag import KVModel, cpu
-from kvrag.cpu import ckernel
-from tiny import STRATEGY_CHUNKS, STRATEGY_QUESTION, byte_tokenizer, tiny_model
+from kvrag.cpu import cbf16, ckernel
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvrag"
 OUTSIDE = ("cpu", "lab")  # the engine itself, and the benchmarks that time its parts
@@ -55,9 +55,11 @@ def test_with_the_engine_off_nothing_is_swapped_nothing_of_it_runs_and_the_token
     off_model.set_attn_implementation("sdpa")  # the shared tiny model may have been given kvrag's by another test
     plain = {name: type(m) for name, m in off_model.named_modules()}
     called = []
-    for name in ("rotate_keys", "stitch_plan", "decode_attention", "prefill_layers", "prefill_linear",
-                 "prefill_rms_norm", "prefill_silu_mul", "prefill_rotary", "prefill_attention"):
-        monkeypatch.setattr(ckernel, name, lambda *a, _n=name, **k: called.append(_n))
+    kernels = [(ckernel, n) for n in ("rotate_keys", "stitch_plan", "decode_attention")]
+    kernels += [(cbf16, n) for n in ("prefill_layers", "prefill_linear", "prefill_rms_norm", "prefill_silu_mul")]
+    kernels += [(cbf16, n) for n in ("prefill_rotary", "prefill_attention")]
+    for module, name in kernels:
+        monkeypatch.setattr(module, name, lambda *a, _n=name, **k: called.append(_n))
     off = KVModel(off_model, byte_tokenizer(), cpu_kernels=False)
     got = off.answer(STRATEGY_QUESTION, STRATEGY_CHUNKS, strategy="reuse", max_new_tokens=12)
 

@@ -15,11 +15,11 @@ import torch
 from tiny import ARCHS, FACTS, VOCAB, byte_tokenizer, save_tiny, tiny_model
 
 from kvrag import KVModel
-from kvrag.model.encode import encode_chunks, encode_prefix, stacked_kv
-from kvrag.run.generate import Sampling, decode
 from kvrag.cache.kv import ChunkKV
-from kvrag.run.recompute import full_prefill, recompute
+from kvrag.model.encode import encode_chunks, encode_prefix, stacked_kv
 from kvrag.model.rope import Repositioner
+from kvrag.run.generate import Sampling, decode
+from kvrag.run.recompute import full_prefill, recompute
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

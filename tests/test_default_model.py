@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from kvrag import KVModel
+from kvrag.cache.kv import ChunkKV
 from kvrag.lab.demo import run_demo, sample_docs
 from kvrag.model.encode import stacked_kv
-from kvrag.cache.kv import ChunkKV
-from kvrag.run.recompute import full_prefill, recompute
 from kvrag.plan.strategies import BUILTIN_STRATEGIES
+from kvrag.run.recompute import full_prefill, recompute
 
 pytestmark = pytest.mark.slow
 

@@ -220,7 +220,7 @@ def test_progress_is_reported(rag):
         progress=False,
         on_progress=lambda done, total: seen.append((done, total)),
     )
-    assert seen == [(1, 1)]
+    assert seen == [(0, 1), (1, 1)]  # the plan before encoding, then each batch
 
 
 def test_splitter_windows_overlap_and_keep_the_text(embedder):
@@ -239,8 +239,8 @@ def test_splitter_windows_overlap_and_keep_the_text(embedder):
 def test_redis_going_down_mid_service_recomputes_with_a_warning(model_dir, tmp_path, monkeypatch):
     from redis_server import RedisServer
 
-    from kvrag.engine.rag import StoreWarning
     from kvrag.cache.store import MemoryStore, RedisStore, TieredStore
+    from kvrag.engine.rag import StoreWarning
 
     monkeypatch.setattr("kvrag.engine.rag.Embedder", lambda name=None, device="cpu": _shared_embedder(name))
     server = RedisServer()

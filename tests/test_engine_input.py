@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tiny import FACTS, HashEmbedder, byte_tokenizer, save_tiny, tiny_config
 
 from kvrag import Document, KVModel
+from kvrag.cache.store import DiskStore, MemoryStore, TieredStore
 from kvrag.cli import main
 from kvrag.engine.rag import KVRAG
 from kvrag.errors import (
@@ -20,7 +21,6 @@ from kvrag.errors import (
     EmptyInputError,
     InvalidRequestError,
 )
-from kvrag.cache.store import DiskStore, MemoryStore, TieredStore
 
 Q = "Who runs Velloria's harbour?"
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from tiny import ARCHS, VOCAB, tiny_model
 
-from kvrag.model.encode import encode_chunks, encode_prefix, stacked_kv
-from kvrag.run.generate import Sampling, decode
 from kvrag.cache.kv import ChunkKV
-from kvrag.run.recompute import full_prefill, recompute
+from kvrag.model.encode import encode_chunks, encode_prefix, stacked_kv
 from kvrag.model.rope import Repositioner
+from kvrag.run.generate import Sampling, decode
+from kvrag.run.recompute import full_prefill, recompute
 
 ARCH_NAMES = sorted(ARCHS)
 TOL = 2e-4

@@ -24,10 +24,10 @@ from tiny import FACTS, HashEmbedder, byte_tokenizer, save_tiny, tiny_model
 import kvrag.cache.codec
 from kvrag import KVModel
 from kvrag.cache.codec import decode_entry, encode_entry
-from kvrag.engine.rag import KVRAG, StoreWarning
-from kvrag.errors import StoreError
 from kvrag.cache.kv import ChunkKV
 from kvrag.cache.store import DiskStore, MemoryStore, RedisStore, TieredStore
+from kvrag.engine.rag import KVRAG, StoreWarning
+from kvrag.errors import StoreError
 
 HERE = Path(__file__).resolve().parent
 Q = "Who runs Velloria's harbour?"

@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from kvrag.errors import IndexLoadError
 from kvrag.engine.folder import INDEX_FORMAT, MANIFEST, IndexFolder
 from kvrag.engine.index import ChunkIndex, ChunkRecord
+from kvrag.errors import IndexLoadError
 
 
 def an_index(n: int) -> ChunkIndex:

@@ -22,10 +22,10 @@ from tiny import FACTS, HashEmbedder, byte_tokenizer, tiny_model
 
 from kvrag import Document, KVModel
 from kvrag.answer import Answer, Source
+from kvrag.cache.store import MemoryStore
 from kvrag.engine.rag import KVRAG, IngestStats
 from kvrag.errors import KVRAGError
 from kvrag.plan.pickers import PICKERS
-from kvrag.cache.store import MemoryStore
 from kvrag.plan.strategies import STRATEGIES
 
 FUZZ = settings(

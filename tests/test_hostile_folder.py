@@ -20,14 +20,14 @@ import pytest
 import torch
 from tiny import FACTS, HashEmbedder, save_tiny
 
-from kvrag.engine import documents
-from kvrag.cli import main
 from kvrag.cache.codec import decode_entry, encode_entry
-from kvrag.engine.rag import KVRAG
-from kvrag.errors import DocumentError, IndexLoadError, InvalidRequestError
-from kvrag.engine.folder import MANIFEST
 from kvrag.cache.kv import ChunkKV
 from kvrag.cache.store import StoreWarning
+from kvrag.cli import main
+from kvrag.engine import documents
+from kvrag.engine.folder import MANIFEST
+from kvrag.engine.rag import KVRAG
+from kvrag.errors import DocumentError, IndexLoadError, InvalidRequestError
 
 Q = "Who runs Velloria's harbour?"
 GEN = {"top_k": 2, "max_new_tokens": 6}

@@ -11,11 +11,11 @@ import pytest
 from tiny import FACTS, HashEmbedder, save_tiny
 
 from kvrag.cache.chunks import ChunkSource
+from kvrag.cache.store import DiskStore, MemoryStore, StoreWarning, TieredStore
 from kvrag.cli import main
+from kvrag.engine.folder import MANIFEST
 from kvrag.engine.rag import KVRAG
 from kvrag.errors import IndexLoadError, StoreError
-from kvrag.engine.folder import MANIFEST
-from kvrag.cache.store import DiskStore, MemoryStore, StoreWarning, TieredStore
 
 SECRET = "k" * 32
 pytestmark = pytest.mark.usefixtures("hash_embedder")

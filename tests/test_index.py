@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from kvrag.errors import InvalidRequestError
 from kvrag.engine.index import ChunkIndex, ChunkRecord, words
+from kvrag.errors import InvalidRequestError
 
 TEXTS = {
     "a#0": ("The river Tam floods every spring.", {"lang": "en"}),

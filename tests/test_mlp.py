@@ -1,4 +1,4 @@
-"""The bfloat16 prefill SiLU-and-product kernel (`kvrag.cpu.ckernel.prefill_silu_mul`) and the MLPs that use it
+"""The bfloat16 prefill SiLU-and-product kernel (`kvrag.cpu.cbf16.prefill_silu_mul`) and the MLPs that use it
 (`kvrag.cpu.mlp`)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from tiny import VOCAB, tiny_config
 from transformers import AutoModelForCausalLM
 
-from kvrag.cpu import ckernel
+from kvrag.cpu import cbf16
 from kvrag.cpu.decode import supports
 from kvrag.cpu.mlp import use_prefill_mlps
 
-needs_kernel = pytest.mark.skipif(not ckernel.prefill_linear_available(), reason="no AVX512-BF16 CPU or no compiler")
+needs_kernel = pytest.mark.skipif(not cbf16.prefill_linear_available(), reason="no AVX512-BF16 CPU or no compiler")
 
 
 @needs_kernel
@@ -27,7 +27,7 @@ def test_the_kernel_rounds_where_torch_rounds(tokens, width):
     gate[0, 0, :4] = torch.tensor([-120.0, -90.0, 90.0, 0.0])  # exp's limits: SiLU -0, -0, the gate itself, 0
     up = (2 * torch.randn(1, tokens, width, generator=g)).bfloat16()
     with torch.inference_mode():
-        want, got = F.silu(gate) * up, ckernel.prefill_silu_mul(gate, up)
+        want, got = F.silu(gate) * up, cbf16.prefill_silu_mul(gate, up)
     assert got is not None and got.shape == want.shape and got.dtype == torch.bfloat16
     # the same roundings; only the exp is another one within an ulp: one bfloat16 step apart at most, rarely
     step = want.float().abs() * 2**-7 + 1e-30
@@ -38,9 +38,9 @@ def test_the_kernel_rounds_where_torch_rounds(tokens, width):
 
 def test_what_the_silu_kernel_does_not_take_goes_back_to_the_module():
     x = torch.randn(4, 8, dtype=torch.bfloat16)
-    assert ckernel.prefill_silu_mul(x.float(), x.float()) is None  # float32
-    assert ckernel.prefill_silu_mul(x[:1], x[:1]) is None  # one token
-    assert ckernel.prefill_silu_mul(x, x[:, :4]) is None  # shapes that differ
+    assert cbf16.prefill_silu_mul(x.float(), x.float()) is None  # float32
+    assert cbf16.prefill_silu_mul(x[:1], x[:1]) is None  # one token
+    assert cbf16.prefill_silu_mul(x, x[:, :4]) is None  # shapes that differ
 
 
 @needs_kernel
@@ -55,14 +55,14 @@ def test_a_bfloat16_model_runs_its_mlps_in_the_kernel_as_close_to_float32_as_tor
     assert all(type(layer.mlp).__name__.startswith("Prefill") for layer in fast.model.layers)
     assert supports(fast) is None and fast.state_dict().keys() == plain.state_dict().keys()
     calls = []
-    kernel = ckernel.prefill_silu_mul
+    kernel = cbf16.prefill_silu_mul
 
     def counted(gate, up):
         out = kernel(gate, up)
         calls.extend([] if out is None else [gate.shape])
         return out
 
-    monkeypatch.setattr(ckernel, "prefill_silu_mul", counted)
+    monkeypatch.setattr(cbf16, "prefill_silu_mul", counted)
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want = reference(input_ids=ids).logits
@@ -90,5 +90,5 @@ def test_float32_and_other_mlps_are_left_as_they_are():
     model.model.layers[0].mlp.register_forward_hook(lambda *a: None)  # a hooked module: left as it is
     taken = use_prefill_mlps(model)
     assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
-    if ckernel.prefill_linear_available():
+    if cbf16.prefill_linear_available():
         assert taken == model.config.num_hidden_layers - 1

@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from kvrag import KVModel
-
+from kvrag.cache.kv import ChunkKV
 from kvrag.model import catalog
 from kvrag.model.encode import stacked_kv
 from kvrag.run.generate import Sampling, decode
-from kvrag.cache.kv import ChunkKV
 from kvrag.run.recompute import full_prefill, recompute
 
 pytestmark = [

@@ -1,4 +1,4 @@
-"""The bfloat16 prefill RMSNorm kernel (`kvrag.cpu.ckernel.prefill_rms_norm`) and the norms that use it
+"""The bfloat16 prefill RMSNorm kernel (`kvrag.cpu.cbf16.prefill_rms_norm`) and the norms that use it
 (`kvrag.cpu.norm`)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from tiny import VOCAB, tiny_config
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from kvrag.cpu import ckernel
+from kvrag.cpu import cbf16
 from kvrag.cpu.decode import supports
 from kvrag.cpu.norm import is_prefill_norm, use_prefill_norms
 
-needs_kernel = pytest.mark.skipif(not ckernel.prefill_linear_available(), reason="no AVX512-BF16 CPU or no compiler")
+needs_kernel = pytest.mark.skipif(not cbf16.prefill_linear_available(), reason="no AVX512-BF16 CPU or no compiler")
 
 
 @needs_kernel
@@ -27,7 +27,7 @@ def test_the_kernel_rounds_where_the_module_rounds(tokens, dim):
     norm.weight.data = torch.randn(dim, generator=g).to(torch.bfloat16)
     x = (3 * torch.randn(1, tokens, dim, generator=g)).to(torch.bfloat16)
     with torch.inference_mode():
-        want, got = norm(x), ckernel.prefill_rms_norm(x, norm.weight, norm.variance_epsilon)
+        want, got = norm(x), cbf16.prefill_rms_norm(x, norm.weight, norm.variance_epsilon)
     assert got is not None and got.shape == want.shape and got.dtype == torch.bfloat16
     # the same roundings; only the mean's sum runs in another order: one bfloat16 step apart at most, rarely
     step = want.float().abs() * 2**-7 + 1e-30
@@ -37,9 +37,9 @@ def test_the_kernel_rounds_where_the_module_rounds(tokens, dim):
 
 def test_what_the_norm_kernel_does_not_take_goes_back_to_the_module():
     w = torch.ones(8, dtype=torch.bfloat16)
-    assert ckernel.prefill_rms_norm(torch.randn(4, 8), w.float(), 1e-6) is None  # float32
-    assert ckernel.prefill_rms_norm(torch.randn(1, 8, dtype=torch.bfloat16), w, 1e-6) is None  # one token
-    assert ckernel.prefill_rms_norm(torch.randn(4, 16, dtype=torch.bfloat16)[:, ::2], w, 1e-6) is None  # strided
+    assert cbf16.prefill_rms_norm(torch.randn(4, 8), w.float(), 1e-6) is None  # float32
+    assert cbf16.prefill_rms_norm(torch.randn(1, 8, dtype=torch.bfloat16), w, 1e-6) is None  # one token
+    assert cbf16.prefill_rms_norm(torch.randn(4, 16, dtype=torch.bfloat16)[:, ::2], w, 1e-6) is None  # strided
 
 
 @needs_kernel
@@ -54,8 +54,8 @@ def test_a_bfloat16_model_runs_its_norms_in_the_kernel_as_close_to_float32_as_to
     assert all(is_prefill_norm(m) for m in fast.modules() if "RMSNorm" in type(m).__name__)
     assert supports(fast) is None and fast.state_dict().keys() == plain.state_dict().keys()
     calls = []
-    kernel = ckernel.prefill_rms_norm
-    monkeypatch.setattr(ckernel, "prefill_rms_norm", lambda *a: calls.append(1) or kernel(*a))
+    kernel = cbf16.prefill_rms_norm
+    monkeypatch.setattr(cbf16, "prefill_rms_norm", lambda *a: calls.append(1) or kernel(*a))
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want = reference(input_ids=ids).logits
@@ -84,7 +84,7 @@ def test_float32_and_other_norms_are_left_as_they_are():
     llama = sum(type(m) is LlamaRMSNorm for m in model.modules())
     swapped = use_prefill_norms(model)
     assert type(model.model.norm) is OffsetNorm
-    assert llama > 0 and swapped == (llama if ckernel.prefill_linear_available() else 0)
+    assert llama > 0 and swapped == (llama if cbf16.prefill_linear_available() else 0)
 
 
 def test_a_norm_whose_source_cannot_be_read_is_left_as_it_is(monkeypatch):

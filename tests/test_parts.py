@@ -81,8 +81,8 @@ def test_the_engine_scores_each_part_against_the_retrieved_chunks(kv):
     from tiny import HashEmbedder
 
     from kvrag import KVRAG
-    from kvrag.engine.documents import Document
     from kvrag.cache.store import MemoryStore
+    from kvrag.engine.documents import Document
 
     rag = KVRAG(kv, embedder=HashEmbedder(), store=MemoryStore())
     rag.ingest([Document(text, meta) for text, meta in FACTS], split=False, progress=False)

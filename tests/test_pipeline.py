@@ -8,11 +8,11 @@ from tiny import byte_tokenizer, tiny_model
 
 from kvrag import KVModel, MemoryStore, Request
 from kvrag.cache.chunks import ChunkSource
+from kvrag.cache.kv import ChunkKV
+from kvrag.run import pipeline
 from kvrag.run.executor import HFExecutor, Job, StoredChunk
 from kvrag.run.generate import decode
-from kvrag.cache.kv import ChunkKV
 from kvrag.run.recompute import full_prefill
-from kvrag.run import pipeline
 
 TEXTS = [
     "The river Tam floods every spring.",

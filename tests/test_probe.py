@@ -7,8 +7,8 @@ from tiny import byte_tokenizer, tiny_model
 
 from kvrag import KVModel
 from kvrag.cache.chunks import ChunkSource
-from kvrag.model.encode import stacked_kv
 from kvrag.cache.kv import ChunkKV
+from kvrag.model.encode import stacked_kv
 from kvrag.plan.probe import Probe
 from kvrag.run.recompute import full_prefill
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from tiny import FAST_DECODED, tiny_model
 
-from kvrag.cpu import ckernel
 from kvrag.answer import last_answer
-from kvrag.errors import InvalidRequestError
+from kvrag.cpu import ckernel
 from kvrag.cpu.decode import decoder_of, native_decoding
+from kvrag.errors import InvalidRequestError
 from kvrag.run.generate import PromptLookup, Sampling, decode
 from kvrag.run.recompute import full_prefill
 

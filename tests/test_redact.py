@@ -4,10 +4,10 @@ import pytest
 import redis
 from tiny import HashEmbedder, save_tiny
 
+from kvrag.cache.store import RedisStore, redact
 from kvrag.cli import main
 from kvrag.cli.main import _redacted
 from kvrag.errors import StoreError
-from kvrag.cache.store import RedisStore, redact
 
 # Port 1 on loopback: nothing listens, a connect is refused at once.
 SECRET_URL = "redis://default:pa/ss@127.0.0.1:1/0?password=qq"

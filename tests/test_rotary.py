@@ -1,4 +1,4 @@
-"""The bfloat16 prefill rotary kernel (`kvrag.cpu.ckernel.prefill_rotary`) and the attention handles that use it
+"""The bfloat16 prefill rotary kernel (`kvrag.cpu.cbf16.prefill_rotary`) and the attention handles that use it
 (`kvrag.cpu.rotary`)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from tiny import ARCHS, VOCAB, tiny_config
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvrag.cpu import ckernel
+from kvrag.cpu import cbf16
 from kvrag.cpu.rotary import HOOK, use_prefill_rotary
 
-needs_kernel = pytest.mark.skipif(not ckernel.prefill_linear_available(), reason="no AVX512-BF16 CPU or no compiler")
+needs_kernel = pytest.mark.skipif(not cbf16.prefill_linear_available(), reason="no AVX512-BF16 CPU or no compiler")
 
 
 def _rows(batch, heads, kv_heads, n, d, shared, seed):
@@ -34,7 +34,7 @@ def _rows(batch, heads, kv_heads, n, d, shared, seed):
 )
 def test_the_kernel_is_bitwise_transformers_rotation(batch, heads, kv_heads, n, d, shared):
     q, k, cos, sin = _rows(batch, heads, kv_heads, n, d, shared, seed=n + d)
-    got = ckernel.prefill_rotary(q, k, cos, sin)
+    got = cbf16.prefill_rotary(q, k, cos, sin)
     want = apply_rotary_pos_emb(q, k, cos, sin)
     assert got is not None and all(torch.equal(a, b) for a, b in zip(got, want))
     assert got[0].shape == q.shape and got[0].stride() == want[0].stride()  # laid out as transformers lays it
@@ -42,10 +42,10 @@ def test_the_kernel_is_bitwise_transformers_rotation(batch, heads, kv_heads, n, 
 
 def test_what_the_rotary_kernel_does_not_take_is_left_to_transformers():
     q, k, cos, sin = _rows(1, 4, 2, 6, 32, False, seed=1)
-    assert ckernel.prefill_rotary(q.float(), k.float(), cos.float(), sin.float()) is None  # float32
-    assert ckernel.prefill_rotary(q[:, :, :1], k[:, :, :1], cos[:, :1], sin[:, :1]) is None  # one token: decoding
-    assert ckernel.prefill_rotary(q[..., ::2], k[..., ::2], cos[..., :16], sin[..., :16]) is None  # strided rows
-    assert ckernel.prefill_rotary(q, k, cos[..., :16], sin[..., :16]) is None  # a partial rotation
+    assert cbf16.prefill_rotary(q.float(), k.float(), cos.float(), sin.float()) is None  # float32
+    assert cbf16.prefill_rotary(q[:, :, :1], k[:, :, :1], cos[:, :1], sin[:, :1]) is None  # one token: decoding
+    assert cbf16.prefill_rotary(q[..., ::2], k[..., ::2], cos[..., :16], sin[..., :16]) is None  # strided rows
+    assert cbf16.prefill_rotary(q, k, cos[..., :16], sin[..., :16]) is None  # a partial rotation
 
 
 @needs_kernel
@@ -58,8 +58,8 @@ def test_a_bfloat16_model_rotates_in_the_kernel_and_its_logits_are_bitwise_the_s
     layers = fast.config.num_hidden_layers
     assert use_prefill_rotary(fast) == layers
     calls = []
-    kernel = ckernel.prefill_rotary
-    monkeypatch.setattr(ckernel, "prefill_rotary", lambda *a: calls.append(1) or kernel(*a))
+    kernel = cbf16.prefill_rotary
+    monkeypatch.setattr(cbf16, "prefill_rotary", lambda *a: calls.append(1) or kernel(*a))
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want, got = plain(input_ids=ids).logits, fast(input_ids=ids).logits
@@ -85,7 +85,7 @@ def test_float32_models_and_handles_that_compute_something_else_are_left_as_they
 
     for layer in model.model.layers:
         layer.self_attn.__dict__["_kernel_funcs"][HOOK] = Doubled()
-    if ckernel.prefill_linear_available():
+    if cbf16.prefill_linear_available():
         assert use_prefill_rotary(model) == 0
     handles = [layer.self_attn.__dict__["_kernel_funcs"][HOOK] for layer in model.model.layers]
     assert all("forward" not in h.__dict__ for h in handles)

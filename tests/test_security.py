@@ -14,11 +14,11 @@ from redis_server import RedisServer, free_port
 from tiny import FACTS, HashEmbedder, byte_tokenizer, save_tiny, tiny_model
 
 from kvrag import KVModel
+from kvrag.cache.store import DiskStore, MemoryStore, RedisStore, TieredStore
 from kvrag.cli import main
+from kvrag.engine.folder import IndexWarning
 from kvrag.engine.rag import KVRAG
 from kvrag.errors import IndexLoadError, InvalidRequestError, StoreError
-from kvrag.engine.folder import IndexWarning
-from kvrag.cache.store import DiskStore, MemoryStore, RedisStore, TieredStore
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "The vault code of the Orrin bank is 4471."

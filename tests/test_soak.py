@@ -8,8 +8,8 @@ import time
 from tiny import HashEmbedder, byte_tokenizer, tiny_model
 
 from kvrag import Answer, KVModel
-from kvrag.engine.rag import KVRAG
 from kvrag.cache.store import DiskStore, MemoryStore, TieredStore
+from kvrag.engine.rag import KVRAG
 
 THREADS, QUERIES_PER_THREAD = 6, 50
 PLACES = [f"Tarn{i}" for i in range(30)]

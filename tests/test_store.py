@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from redis_server import RedisServer
 
 from kvrag.cache.codec import decode_entry, encode_entry
-from kvrag.errors import StoreError
 from kvrag.cache.kv import ChunkKV
 from kvrag.cache.store import DiskStore, MemoryStore, RedisStore, TieredStore
+from kvrag.errors import StoreError
 
 ENCODER = "e" * 64
 

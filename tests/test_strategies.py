@@ -9,11 +9,11 @@ from tiny import STRATEGY_QUESTION as Q
 from tiny import byte_tokenizer, plan_of, recomputed_tokens, tiny_model
 
 from kvrag import STRATEGIES, InvalidRequestError, KVModel
-from kvrag.model.encode import stacked_kv
 from kvrag.cache.kv import ChunkKV
+from kvrag.model.encode import stacked_kv
 from kvrag.plan.probe import Probe
-from kvrag.run.recompute import full_prefill
 from kvrag.plan.strategies import BUILTIN_STRATEGIES, TEMPER_T, Plan
+from kvrag.run.recompute import full_prefill
 
 STUDY = BUILTIN_STRATEGIES
 

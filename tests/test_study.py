@@ -13,7 +13,6 @@ from tiny import HashEmbedder, byte_tokenizer, save_tiny, tiny_model
 
 from kvrag.cli import main
 from kvrag.errors import DocumentError, InvalidRequestError, KVRAGError
-from kvrag.model.kvmodel import KVModel
 from kvrag.lab.study import BUILTIN, StudyConfig, StudyRunner, builtin, load_items, load_jsonl, run_study
 from kvrag.lab.study.data import MULTI, SINGLE, parse_item
 from kvrag.lab.study.metrics import (
@@ -27,6 +26,7 @@ from kvrag.lab.study.metrics import (
     topk_logprobs,
     wilson,
 )
+from kvrag.model.kvmodel import KVModel
 
 # -- generators ----------------------------------------------------------------------------------------
 

@@ -6,9 +6,9 @@ import redis
 from redis_server import RedisServer
 from tiny import FACTS, HashEmbedder
 
+from kvrag.cache.store import DiskStore, MemoryStore, RedisStore, StoreWarning, TieredStore
 from kvrag.engine.rag import KVRAG
 from kvrag.errors import StoreError
-from kvrag.cache.store import DiskStore, MemoryStore, RedisStore, StoreWarning, TieredStore
 
 SECRET_DOC = "The vault code of the Orrin bank is 4471."
 Q = "What is the vault code of the Orrin bank?"

@@ -14,8 +14,8 @@ from kvrag.errors import InvalidRequestError
 def add_ask(sub: Any) -> None:
     """`kvrag ask`."""
     ask = sub.add_parser("ask", help="answer a question from an index folder")
-    ask.add_argument("question")
-    ask.add_argument("--index", required=True, type=Path)
+    ask.add_argument("question", help="the question, quoted")
+    ask.add_argument("--index", required=True, type=Path, help="the index folder (`kvrag ingest` builds one)")
     ask.add_argument(
         "--strategy",
         default=None,
@@ -28,9 +28,9 @@ def add_ask(sub: Any) -> None:
         "top2, top3, likelihood2, diverse2",
     )
     ask.add_argument("--budget", type=float, default=None, help="default: the tuned default's, else 0.05")
-    ask.add_argument("--top-k", type=int, default=5)
+    ask.add_argument("--top-k", type=int, default=5, help="chunks retrieved for a question (default 5)")
     ask.add_argument("--bm25", "--hybrid", dest="bm25", action="store_true", help="fuse dense and BM25 rankings")
-    ask.add_argument("--max-new-tokens", type=int, default=256)
+    ask.add_argument("--max-new-tokens", type=int, default=256, help="most tokens an answer decodes (default 256)")
     ask.add_argument(
         "--parts",
         default=None,
@@ -43,8 +43,8 @@ def add_ask(sub: Any) -> None:
     ask.add_argument("--json", action="store_true", help="print one JSON object: text, finish_reason, sources, stats")
     ask.add_argument("--redis", default=None, metavar="URL", help="read chunk KV from Redis (as given to ingest)")
     secret_arg(ask)
-    ask.add_argument("--device", default="cpu")
-    ask.add_argument("--threads", type=int, default=None)
+    ask.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    ask.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     compile_arg(ask)
     ask.add_argument(
         "--backend",

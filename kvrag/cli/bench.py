@@ -18,7 +18,7 @@ def add_bench(sub: Any) -> None:
     bench = sub.add_parser("bench-ingest", help="ingest throughput beside the model's raw batched forward")
     model_args(bench)
     bench.add_argument("--copies", type=int, default=3, help="copies of the bundled docs to ingest (default 3)")
-    bench.add_argument("--runs", type=int, default=3)
+    bench.add_argument("--runs", type=int, default=3, help="timed runs of each, the median is kept (default 3)")
 
     bench = sub.add_parser(
         "bench-decode", help="ms a decoded token after a kvrag prefill, beside the transformers step and the floor"
@@ -35,7 +35,7 @@ def add_bench(sub: Any) -> None:
     bench.set_defaults(dtype="bfloat16")
     next(a for a in bench._actions if a.dest == "dtype").help = "the dtype compared with float32 (default bfloat16)"
     bench.add_argument("--items", type=int, default=20, help="built-in study items a family (default 20)")
-    bench.add_argument("--max-new-tokens", type=int, default=32)
+    bench.add_argument("--max-new-tokens", type=int, default=32, help="most tokens an answer decodes (default 32)")
     bench.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
 
     bench = sub.add_parser(

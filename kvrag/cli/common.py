@@ -20,7 +20,7 @@ def model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
     parser.add_argument("--cache-dir", default=None, help="where converted named models are kept")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
 
 
 def cpu_arg(parser: argparse.ArgumentParser) -> None:

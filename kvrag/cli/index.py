@@ -32,7 +32,12 @@ def add_ingest(sub: Any) -> None:
     ingest.add_argument("--chunk-tokens", type=int, default=None, help="tokens a chunk (default 200)")
     ingest.add_argument("--overlap", type=int, default=None, help="tokens shared by neighbouring chunks (default 20)")
     ingest.add_argument("--storage-dtype", default=None, help="float16 (default), bfloat16, float32 or int8")
-    ingest.add_argument("--quiet", action="store_true", help="no progress bar")
+    ingest.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
+    ingest.add_argument(
+        "--yes",
+        action="store_true",
+        help=f"encode more than {BIG_INGEST_CHUNKS:,} new chunks in one run (refused by default, with the estimate)",
+    )
     ingest.add_argument("--redis", default=None, metavar="URL", help="keep chunk KV in Redis (redis:// or rediss://)")
     ingest.add_argument(
         "--namespace", default=None, help="a tenant name in every chunk's store key (kept in the index; default: none)"
@@ -41,6 +46,18 @@ def add_ingest(sub: Any) -> None:
         "--follow-symlinks", action="store_true", help="read files and folders reached through symbolic links"
     )
     ingest.add_argument("--max-file-mb", type=float, default=None, help="the largest input file read (default 64)")
+    ingest.add_argument(
+        "--max-kv-gb",
+        type=float,
+        default=None,
+        help="bound the index's KV folder: least recently used KV evicted past it, computed again when needed (kept "
+        "with the index; default: no bound)",
+    )
+    ingest.add_argument(
+        "--kv-on-demand",
+        action="store_true",
+        help="index and embed only: each chunk's KV is computed at its first retrieval and kept",
+    )
     secret_arg(ingest)
     model_args(ingest)
     cpu_arg(ingest)
@@ -50,11 +67,11 @@ def add_ingest(sub: Any) -> None:
 def add_info(sub: Any) -> None:
     """`kvrag info`."""
     info = sub.add_parser("info", help="counts, bytes and the model fingerprint of an index folder (read-only)")
-    info.add_argument("--index", required=True, type=Path)
+    info.add_argument("--index", required=True, type=Path, help="the index folder (`kvrag ingest` builds one)")
     info.add_argument("--redis", default=None, metavar="URL", help="count the chunk KV in Redis (as given to ingest)")
     secret_arg(info)
-    info.add_argument("--device", default="cpu")
-    info.add_argument("--threads", type=int, default=None)
+    info.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    info.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
 
 
 def add_gc(sub: Any) -> None:
@@ -62,7 +79,7 @@ def add_gc(sub: Any) -> None:
     gc = sub.add_parser(
         "gc", help="delete stored chunk KV that no indexed chunk refers to, and dead writers' temporary files"
     )
-    gc.add_argument("--index", required=True, type=Path)
+    gc.add_argument("--index", required=True, type=Path, help="the index folder (`kvrag ingest` builds one)")
     gc.add_argument("--redis", default=None, metavar="URL", help="collect in Redis (needs --exclusive)")
     gc.add_argument(
         "--exclusive",
@@ -72,8 +89,8 @@ def add_gc(sub: Any) -> None:
     )
     gc.add_argument("--dry-run", action="store_true", help="count what would be removed, remove nothing")
     secret_arg(gc)
-    gc.add_argument("--device", default="cpu")
-    gc.add_argument("--threads", type=int, default=None)
+    gc.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    gc.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
 
 
 def _ingest(args: argparse.Namespace) -> None:
@@ -94,6 +111,7 @@ def _ingest(args: argparse.Namespace) -> None:
         storage_dtype=args.storage_dtype,
         store=store_of(args),
         namespace=args.namespace,
+        max_kv_bytes=_kv_bound(args.max_kv_gb, args.redis),
         cpu_kernels=args.cpu_kernels,
         require_store=True,
         secret=secret_of(args),
@@ -101,9 +119,17 @@ def _ingest(args: argparse.Namespace) -> None:
     if args.max_file_mb is not None and not 0 < args.max_file_mb <= 1 << 20:
         raise InvalidRequestError(f"--max-file-mb must be a positive number of megabytes, got {args.max_file_mb}")
     max_bytes = int(args.max_file_mb * (1 << 20)) if args.max_file_mb is not None else MAX_FILE_BYTES
+    terminal = sys.stderr.isatty()
+    limit = None if args.yes else BIG_INGEST_CHUNKS
+    report = _Progress(rag, refuse_above=limit, lines=not terminal, quiet=args.quiet)
     stats = interruptible(
         lambda: rag.ingest(
-            list(args.paths), progress=not args.quiet, follow_symlinks=args.follow_symlinks, max_file_bytes=max_bytes
+            list(args.paths),
+            progress=terminal and not args.quiet,
+            on_progress=report,
+            follow_symlinks=args.follow_symlinks,
+            max_file_bytes=max_bytes,
+            encode=not args.kv_on_demand,
         ),
         interrupted=f"kvrag: interrupted; the index at {args.index} is as last committed (the KV already encoded "
         "is kept: ingesting again reuses it, `kvrag gc` removes it)",
@@ -113,6 +139,70 @@ def _ingest(args: argparse.Namespace) -> None:
         f"({stats.tokens} tokens); KV encoded for {stats.encoded}, already stored for {stats.store_hits}; "
         f"{stats.seconds:.1f} s"
     )
+
+
+# More new chunks than this in one `kvrag ingest` is refused unless --yes: at the embedded model's ~3 chunks a second on
+# 2 cores, about half an hour of encoding.
+BIG_INGEST_CHUNKS = 5000
+
+
+def _kv_bound(gigabytes: float | None, redis: str | None = None) -> int | None:
+    """--max-kv-gb in bytes (None: no bound)."""
+    if gigabytes is None:
+        return None
+    if redis:
+        raise InvalidRequestError(
+            "--max-kv-gb bounds the index's own KV folder; with --redis, bound Redis itself (maxmemory with "
+            "maxmemory-policy allkeys-lru): an evicted entry is only a miss"
+        )
+    if not 0 < gigabytes < 1 << 20:
+        raise InvalidRequestError(f"--max-kv-gb must be a positive number of gigabytes, got {gigabytes}")
+    return int(gigabytes * 1e9)
+
+
+class _Progress:
+    """What `kvrag ingest` says while it encodes: the plan before (chunks and KV bytes; refused above a size unless
+    --yes), and when stderr is not a terminal, a line every 10% or 30 s (a progress bar draws nothing in a log)."""
+
+    def __init__(self, rag: Any, *, refuse_above: int | None, lines: bool, quiet: bool = False) -> None:
+        config = rag.kvmodel.model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        storage = getattr(getattr(rag.store, "back", rag.store), "storage_dtype", "float16")
+        width = {"float32": 4, "int8": 1}.get(storage, 2)
+        self.bytes_per_chunk = 2 * config.num_hidden_layers * heads * head_dim * width * rag.chunk_tokens
+        self.refuse_above, self.lines, self.quiet = refuse_above, lines, quiet
+        self.started, self.said_at, self.said_done = 0.0, 0.0, 0
+
+    def __call__(self, done: int, total: int) -> None:
+        import time
+
+        now = time.monotonic()
+        if done == 0:
+            size = total * self.bytes_per_chunk / 1e9
+            if self.refuse_above is not None and total > self.refuse_above:
+                raise InvalidRequestError(
+                    f"{total:,} new chunks to encode (about {size:.1f} GB of KV): more than {self.refuse_above:,} in "
+                    "one run; nothing was written. Ingest fewer files at a time, or pass --yes"
+                )
+            if not self.quiet:
+                print(f"kvrag: encoding {total:,} new chunks (about {size:.2f} GB of KV)", file=sys.stderr, flush=True)
+            self.started = self.said_at = now
+            return
+        if (
+            self.lines
+            and not self.quiet
+            and (done == total or done - self.said_done >= total / 10 or now - self.said_at >= 30)
+        ):
+            spent = now - self.started
+            left = spent / done * (total - done)
+            print(
+                f"kvrag: encoded {done:,} of {total:,} chunks ({100 * done / total:.0f}%), {spent:.0f} s, "
+                f"about {left:.0f} s left",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.said_at, self.said_done = now, done
 
 
 # ingest's index flags: the manifest key each is kept under, and its default for a fresh index.

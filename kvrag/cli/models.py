@@ -15,7 +15,7 @@ def add_demo(sub: Any) -> None:
     model_args(demo)
     compile_arg(demo)
     demo.add_argument("--questions", type=int, default=3, help="how many bundled questions to ask (default 3)")
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--max-new-tokens", type=int, default=48, help="most tokens an answer decodes (default 48)")
 
 
 def add_models(sub: Any) -> None:

@@ -25,7 +25,7 @@ def add_agree_and_tune(sub: Any) -> None:
         ),
     ):
         tune = sub.add_parser(name, help=what)
-        tune.add_argument("--index", required=True, type=Path)
+        tune.add_argument("--index", required=True, type=Path, help="the index folder (`kvrag ingest` builds one)")
         tune.add_argument("--questions", required=True, type=Path, help="one question a line (a query log)")
         tune.add_argument("--out", required=True, type=Path, help="where results.json, table.md, agreement.png go")
         tune.add_argument(
@@ -37,13 +37,13 @@ def add_agree_and_tune(sub: Any) -> None:
             "--budgets", default=",".join(map(str, DEFAULT_BUDGETS)), help="budgets of budgeted strategies"
         )
         tune.add_argument("--floor", type=float, default=DEFAULT_FLOOR, help="agreement to reach (default 0.9)")
-        tune.add_argument("--top-k", type=int, default=5)
+        tune.add_argument("--top-k", type=int, default=5, help="chunks retrieved for a question (default 5)")
         tune.add_argument("--limit", type=int, default=None, help="the first N questions only")
         tune.add_argument("--max-new-tokens", type=int, default=32, help="answers also end at a line break")
         tune.add_argument("--redis", default=None, metavar="URL", help="read chunk KV from Redis (as given to ingest)")
         secret_arg(tune)
-        tune.add_argument("--device", default="cpu")
-        tune.add_argument("--threads", type=int, default=None)
+        tune.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+        tune.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
         tune.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvrag.cpu import ckernel
+from kvrag.cpu import ckernel, cpaged
 from kvrag.cpu import decode as _decode
 from kvrag.cpu import prefill as _prefill
 from kvrag.cpu.attention import GQA_SDPA, use_gqa_sdpa
@@ -117,6 +117,6 @@ def prefill_forward(model: torch.nn.Module, *args: Any) -> torch.Tensor | None:
 
 
 def paged_write(*args: Any, **kwargs: Any) -> bool:
-    """Write stored pieces into a serving engine's paged blocks in one pass (`ckernel.paged_write`); False where the
+    """Write stored pieces into a serving engine's paged blocks in one pass (`cpaged.paged_write`); False where the
     kernel is missing (the caller writes with its own op)."""
-    return ckernel.paged_write(*args, **kwargs)
+    return cpaged.paged_write(*args, **kwargs)

@@ -10,7 +10,7 @@ devices, for one query token, and whenever the call carries
 anything but the plain arguments, it is transformers' sdpa unchanged.
 
 In bfloat16 on a CPU with AVX512-BF16, a prefill's attention (more than one query token) goes to
-`kvrag.cpu.ckernel.prefill_attention` instead: flash attention on the CPU's bfloat16 dot products, about twice as
+`kvrag.cpu.cbf16.prefill_attention` instead: flash attention on the CPU's bfloat16 dot products, about twice as
 fast as torch's CPU flash attention, which runs bfloat16 no faster than float32 (docs/performance.md). Its
 outputs are torch's bfloat16 attention's to bfloat16 rounding, not bitwise.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvrag.cpu import ckernel
+from kvrag.cpu import cbf16
 
 GQA_SDPA = "kvrag_sdpa"
 # Arguments the sdpa path reads nothing from (the mask already holds a sliding window); anything else set
@@ -74,7 +74,7 @@ def _bfloat16_prefill(
     scaling: float | None,
     kwargs: dict[str, Any],
 ) -> torch.Tensor | None:
-    """A bfloat16 prefill's attention on CPU through `kvrag.cpu.ckernel.prefill_attention` (the CPU's bfloat16 dot
+    """A bfloat16 prefill's attention on CPU through `kvrag.cpu.cbf16.prefill_attention` (the CPU's bfloat16 dot
     products, about twice torch's flash attention here); None where it does not take the call. Without a mask
     it is causal as sdpa's is (transformers' own rule, keys cut to the queries' length when there are more)."""
     if (
@@ -93,7 +93,7 @@ def _bfloat16_prefill(
         if causal and key.shape[2] > query.shape[2]:
             key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return ckernel.prefill_attention(query, key, value, attention_mask, scale, causal)
+    return cbf16.prefill_attention(query, key, value, attention_mask, scale, causal)
 
 
 def use_gqa_sdpa(model: Any) -> None:

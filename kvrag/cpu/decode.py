@@ -1,5 +1,6 @@
 """One decode step written for speed, on the model's own weights: what `generate.decode` runs for llama-family
-models instead of a whole transformers forward.
+models instead of a whole transformers forward. (One module, past the house's ~450 lines: the decoder, its eager,
+compiled and CUDA-graph steps and the weight layout they share read as one piece; the C step is `cstep`'s.)
 
 On CPU a token's step is mostly vector-matrix products, and torch runs each of them on one core at about a
 third of the memory bandwidth (docs/performance.md). Here each product is split by output rows into one part
@@ -17,7 +18,7 @@ Taken: llama, mistral, qwen2, qwen3 and phi3 (rotate-half RoPE over the whole he
 sliding window; phi3's stacked q/k/v and gate/up modules are read as they are).
 Anything else decodes through transformers (`supports` says why).
 
-In C (the default where it builds): `kvrag.cpu.ckernel.DecodeStep` runs the same step, every layer and the head,
+In C (the default where it builds): `kvrag.cpu.cstep.DecodeStep` runs the same step, every layer and the head,
 in one call a token (`kernels/decode_step.c`), over the same weights and cache, float32 or bfloat16; `steps`
 runs up to eight consecutive tokens in one pass over the weights, each one's logits bit for bit its own step's
 (what greedy decoding's prompt-lookup drafts are checked with, where `batched` says so: `kvrag.run.generate.decode`).
@@ -57,7 +58,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvrag.cpu import ckernel, hugepages
+from kvrag.cpu import ckernel, cstep, hugepages
 from kvrag.cpu.linear import PrefillLinear
 from kvrag.model.loading import rope_parameters
 
@@ -174,7 +175,7 @@ class FastDecoder:
         (head,) = _arranged([(model.lm_head,)])  # the embedding too, where the model ties them
         self.embed = inner.embed_tokens.weight  # [V, D]
         self.lm_head = Product(head, None, self.threads)  # [V, D]
-        self.native = ckernel.DecodeStep.of(self)  # the whole step in C, where the kernels built and take it
+        self.native = cstep.DecodeStep.of(self)  # the whole step in C, where the kernels built and take it
         self.graphs = GraphSteps(self) if self.embed.is_cuda else None  # on CUDA, the whole step as one graph
         self.use_native = True  # `native_decoding(model, False)` turns both off (the torch step decodes)
         self.compiled: tuple[Any, Any] | None = None  # (layer step, head) once `compile` is called
@@ -596,7 +597,7 @@ def decodes_native(model: torch.nn.Module) -> bool:
 
 
 def native_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
-    """Decode `model` through the whole step in one call, the default: in C on CPU (`kvrag.cpu.ckernel.DecodeStep`),
+    """Decode `model` through the whole step in one call, the default: in C on CPU (`kvrag.cpu.cstep.DecodeStep`),
     as a CUDA graph on CUDA (`GraphSteps`); or, with `enabled=False`, through the torch step (compiled where
     `compile_decoding` asked). True where the C step takes the model on this machine."""
     model._kvrag_native_decode = enabled  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""A bfloat16 prefill's linear layers on CPU through kvrag's kernel (`kvrag.cpu.ckernel.prefill_linear`).
+"""A bfloat16 prefill's linear layers on CPU through kvrag's kernel (`kvrag.cpu.cbf16.prefill_linear`).
 
 torch's bfloat16 matmul runs a prefill's products, a few hundred tokens by a layer's weight, well below what the
 CPU's bfloat16 dot-product instruction gives (docs/performance.md, "Five rounds at 4k, and where the forward
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvrag.cpu import ckernel
+from kvrag.cpu import cbf16
 
 
 class PrefillLinear(torch.nn.Linear):
@@ -29,7 +29,7 @@ class PrefillLinear(torch.nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's own argument name)
         out = None
         if not (torch.is_grad_enabled() and (input.requires_grad or self.weight.requires_grad)):
-            out = ckernel.prefill_linear(input, self.weight, self.bias)
+            out = cbf16.prefill_linear(input, self.weight, self.bias)
         return out if out is not None else F.linear(input, self.weight, self.bias)
 
 
@@ -41,7 +41,7 @@ def use_prefill_linears(model: torch.nn.Module) -> int:
         for m in model.modules()
         if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16
     ]
-    if not plain or not ckernel.prefill_linear_available():
+    if not plain or not cbf16.prefill_linear_available():
         return 0
     for m in plain:
         m.__class__ = PrefillLinear

@@ -1,4 +1,4 @@
-"""A bfloat16 prefill's gated MLP on CPU with SiLU(gate) * up in one pass (`kvrag.cpu.ckernel.prefill_silu_mul`).
+"""A bfloat16 prefill's gated MLP on CPU with SiLU(gate) * up in one pass (`kvrag.cpu.cbf16.prefill_silu_mul`).
 
 transformers' gated MLP computes `down_proj(act_fn(gate_proj(x)) * up_proj(x))`: between the projections, SiLU
 and the product are two torch operations over the whole [tokens, intermediate] tensors. A model kvrag loads on
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvrag.cpu import ckernel
+from kvrag.cpu import cbf16
 from kvrag.cpu.swap import classes, swap
 
 # The MLPs taken: transformers' classes that copy llama's (each checked word for word when first taken, so a
@@ -33,7 +33,7 @@ def _forward(base: type) -> Any:
         if torch.is_grad_enabled() and (x.requires_grad or self.gate_proj.weight.requires_grad):
             return base.forward(self, x)
         gate, up = self.gate_proj(x), self.up_proj(x)
-        hidden = ckernel.prefill_silu_mul(gate, up)
+        hidden = cbf16.prefill_silu_mul(gate, up)
         return self.down_proj(hidden if hidden is not None else self.act_fn(gate) * up)
 
     return forward
@@ -57,6 +57,6 @@ def use_prefill_mlps(model: torch.nn.Module) -> int:
         and m.gate_proj.weight.dtype == torch.bfloat16
         and not (m._forward_hooks or m._forward_pre_hooks)
     ]
-    if not mlps or not ckernel.prefill_linear_available():
+    if not mlps or not cbf16.prefill_linear_available():
         return 0
     return swap(mlps, prefill_class)

@@ -1,4 +1,4 @@
-"""A bfloat16 prefill's RMSNorms on CPU in one pass (`kvrag.cpu.ckernel.prefill_rms_norm`).
+"""A bfloat16 prefill's RMSNorms on CPU in one pass (`kvrag.cpu.cbf16.prefill_rms_norm`).
 
 transformers' RMSNorm runs five or six torch operations over a prefill's whole [tokens, dim] tensor, each a pass
 through memory with its own dispatch; in a 4k `target_recompute` forward the 61 norms cost about 10 of the 44 ms
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvrag.cpu import ckernel
+from kvrag.cpu import cbf16
 from kvrag.cpu.swap import classes, swap
 
 # The norms taken: transformers' classes that copy llama's RMSNorm (each checked word for word when first taken,
@@ -33,7 +33,7 @@ def _forward(base: type) -> Any:
     def forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
         out = None
         if not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)):
-            out = ckernel.prefill_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+            out = cbf16.prefill_rms_norm(hidden_states, self.weight, self.variance_epsilon)
         return out if out is not None else base.forward(self, hidden_states)
 
     return forward
@@ -62,6 +62,6 @@ def use_prefill_norms(model: torch.nn.Module) -> int:
         and m.weight.dtype == torch.bfloat16
         and not (m._forward_hooks or m._forward_pre_hooks)
     ]
-    if not norms or not ckernel.prefill_linear_available():
+    if not norms or not cbf16.prefill_linear_available():
         return 0
     return swap(norms, prefill_class)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrag.cpu import attention, ckernel, mlp, norm, rotary
+from kvrag.cpu import attention, cbf16, ckernel, cstep, mlp, norm, rotary
 from kvrag.cpu import decode as fastdecode
 from kvrag.cpu.linear import PrefillLinear
 
@@ -48,7 +48,7 @@ def forward(
     caller runs the model's forward; the filled slots are as they were, the room past them may have been written).
 
     `stitch`: the filled slots' stitch, not yet written (`kvrag.run.recompute.stitch_cache(deferred=True)`): the C call
-    writes each layer's just before its attention (`ckernel.prefill_layers`); where it is not taken the caller
+    writes each layer's just before its attention (`cbf16.prefill_layers`); where it is not taken the caller
     writes it (`stitch.written` is False)."""
     taken = _step(model)
     if taken is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or query_positions.shape != input_ids.shape[1:]:
@@ -56,7 +56,7 @@ def forward(
     decoder, step = taken
     probe = decoder.embed[:1][None]  # the rotary module reads only its dtype and device
     cos, sin = model.model.rotary_emb(probe, query_positions.view(1, -1))  # the model's own rows, scaling included
-    logits = ckernel.prefill_layers(
+    logits = cbf16.prefill_layers(
         step, input_ids[0].tolist(), cos[0].contiguous(), sin[0].contiguous(), key_positions.contiguous(),
         query_positions.contiguous(), keys, values, filled, stitch,
     )
@@ -66,10 +66,10 @@ def forward(
 def may_take(cache: torch.Tensor) -> bool:
     """Whether a forward over a cache like `cache` may run here in C (bfloat16 on a CPU with the kernel; the model
     is checked at the call)."""
-    return cache.dtype == torch.bfloat16 and cache.device.type == "cpu" and ckernel.prefill_layers_available()
+    return cache.dtype == torch.bfloat16 and cache.device.type == "cpu" and cbf16.prefill_layers_available()
 
 
-def _step(model: torch.nn.Module) -> tuple[fastdecode.FastDecoder, ckernel.DecodeStep] | None:
+def _step(model: torch.nn.Module) -> tuple[fastdecode.FastDecoder, cstep.DecodeStep] | None:
     """The model's decoder and its C step's weights where this path takes the model as it is now; else None."""
     first = next(model.parameters(), None)
     if (
@@ -78,7 +78,7 @@ def _step(model: torch.nn.Module) -> tuple[fastdecode.FastDecoder, ckernel.Decod
         or first.device.type != "cpu"
         or torch.is_grad_enabled()
         or getattr(model.config, "_attn_implementation", None) != attention.GQA_SDPA
-        or not ckernel.prefill_layers_available()
+        or not cbf16.prefill_layers_available()
     ):
         return None
     decoder = fastdecode.decoder_of(model)

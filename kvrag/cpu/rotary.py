@@ -1,4 +1,4 @@
-"""A bfloat16 prefill's rotary embedding on CPU in one pass (`kvrag.cpu.ckernel.prefill_rotary`).
+"""A bfloat16 prefill's rotary embedding on CPU in one pass (`kvrag.cpu.cbf16.prefill_rotary`).
 
 transformers' attention modules (llama, mistral, qwen2, qwen3, gemma and others) rotate their queries and keys
 through `apply_rotary_pos_emb`, six torch operations over each tensor, each a pass with its own dispatch. Each
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvrag.cpu import ckernel
+from kvrag.cpu import cbf16
 
 HOOK = "rotary_pos_emb"  # the name transformers gives the function among a module's `_kernel_funcs`
 
@@ -28,7 +28,7 @@ def prefill_forward(
     """The forward of a module's rotary handle: the kernel where it takes the call, else transformers' own."""
     out = None
     if not (args or kwargs.get("unsqueeze_dim", 1) != 1 or (torch.is_grad_enabled() and q.requires_grad)):
-        out = ckernel.prefill_rotary(q, k, cos, sin)
+        out = cbf16.prefill_rotary(q, k, cos, sin)
     return out if out is not None else type(self).forward(self, q, k, cos, sin, *args, **kwargs)
 
 
@@ -42,7 +42,7 @@ def _same_as_transformers(handle: Any) -> bool:
         want = type(handle).forward(handle, q, k, cos, sin)
     except (RuntimeError, TypeError, ValueError):  # a function of other arguments: not the one the kernel computes
         return False
-    got = ckernel.prefill_rotary(q, k, cos, sin)
+    got = cbf16.prefill_rotary(q, k, cos, sin)
     return got is not None and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -59,7 +59,7 @@ def use_prefill_rotary(model: torch.nn.Module) -> int:
         if isinstance(m.__dict__.get("_kernel_funcs"), dict) and HOOK in m.__dict__["_kernel_funcs"]
     ]
     handles = [h for h in handles if "forward" not in h.__dict__]  # one `kernels` has swapped is left as it is
-    if not handles or not ckernel.prefill_linear_available():
+    if not handles or not cbf16.prefill_linear_available():
         return 0
     checked: dict[type, bool] = {}  # a model's handles share their function's class
     taken = 0

@@ -63,6 +63,6 @@ def _why(err: Exception) -> str:
     """One line on why a model folder did not load, never the loader's advice to lower a safety check."""
     lines = str(err).strip().splitlines()
     first = (lines[0][:200] + ("..." if len(lines[0]) > 200 else "")) if lines else ""
-    if "weights_only" in str(err) or "pickle" in str(err).lower():
+    if "weights_only" in str(err) or "unpickl" in str(err).lower():  # torch.load refusing a pickled file
         return "it holds pickled weights, which kvrag never loads (give a folder with safetensors weights)"
     return f"{type(err).__name__}{': ' + first if first else ''} (give a sentence-transformers model name or folder)"

@@ -42,6 +42,7 @@ class Ingesting:
         on_progress: Callable[[int, int], None] | None = None,
         follow_symlinks: bool = False,
         max_file_bytes: int = MAX_FILE_BYTES,
+        encode: bool = True,
     ) -> IngestStats:
         """Split, embed and index documents; encode and store each chunk's KV unless it is stored already.
 
@@ -51,9 +52,13 @@ class Ingesting:
                 bool or None or a list of them (what JSON keeps as it was); anything else raises InvalidRequestError.
             split: False keeps each document as one chunk (caller-given chunks).
             progress: show a tqdm progress bar over chunk encoding.
-            on_progress: called with (chunks done, chunks total) after each encoding batch.
+            on_progress: called with (0, chunks to encode) before encoding starts (raising there stops the ingest
+                with nothing written) and with (chunks done, chunks to encode) after each encoding batch.
             follow_symlinks: read files and folders reached through symbolic links (refused by default).
             max_file_bytes: the largest file read (default 64 MiB); a larger one is a DocumentError.
+            encode: False indexes and embeds the chunks only: each chunk's KV is computed at its first retrieval and
+                stored then (KV on demand), so a corpus far larger than its store can be indexed (with a bounded
+                `DiskStore`, its least recently used KV is evicted and computed again when needed).
         """
         t0 = time.perf_counter()
         self._check_writable("ingest")
@@ -64,6 +69,9 @@ class Ingesting:
         seen: set[str] = set()
         stored = [r.key in self.store for r in records]
         missing = [i for i, r in enumerate(records) if not stored[i] and not (r.key in seen or seen.add(r.key))]
+        if not encode:
+            missing = []  # KV on demand: computed at first retrieval
+            self.kv_on_demand = True
         try:
             encode_s = self._encode_and_store(
                 [records[i] for i in missing],
@@ -85,7 +93,8 @@ class Ingesting:
         with self._writing():
             # a `gc` or `delete` may have removed an entry this ingest found stored or wrote: store it again
             again = {r.key: i for i, r in enumerate(records) if r.key not in self.store}
-            if again:
+            bounded = getattr(getattr(self.store, "back", self.store), "max_bytes", None) is not None
+            if again and encode and not bounded:  # in a bounded store an evicted entry is only a later miss
                 self.source.encode_and_store([chunk_ids[i] for i in again.values()], list(again))
             before = self.index
             self.index = before.copy()
@@ -160,6 +169,8 @@ class Ingesting:
             return 0.0
         from tqdm.auto import tqdm
 
+        if on_progress is not None:
+            on_progress(0, len(records))  # before anything is encoded: a caller may stop here (raise)
         t0 = time.perf_counter()
         bar = tqdm(total=len(records), desc="encoding chunk KV", unit="chunk", disable=not progress)
         done = 0

@@ -106,6 +106,7 @@ class KVRAG(Ingesting, Querying):
         self.secret = resolve_secret(secret, durable=path is not None or durable_store(store))
         self._unkeyed_by_choice = secret is not None and not self.secret  # secret="": never key a folder
         self.read_only = bool(read_only)
+        self.kv_on_demand = False  # an ingest left chunks' KV to their first retrieval (kept in the manifest)
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise InvalidRequestError(f"max_in_flight must be an int of at least 1, got {max_in_flight!r}")
         self.max_in_flight = max_in_flight
@@ -152,6 +153,7 @@ class KVRAG(Ingesting, Querying):
         store: KVStore | None = None,
         storage_dtype: str = "float16",
         memory_bytes: int = 1 << 30,
+        max_kv_bytes: int | None = None,
         device: str = "cpu",
         dtype: str = "auto",
         chunk_tokens: int = 200,
@@ -167,6 +169,8 @@ class KVRAG(Ingesting, Querying):
         """An engine on the embedded defaults (or the given model and embedder), loading `path` if it holds an index.
 
         The KV store defaults to memory in front of a disk store in `path/kv` (memory only without a path).
+        `max_kv_bytes` bounds the default disk store (least recently used entries evicted past it: `DiskStore`; kept
+        in the manifest, so the folder keeps its bound when opened again).
         `namespace`, `require_store` and `secret` are those of `KVRAG`; `compile_decode` and `cpu_kernels` those of
         `KVModel`. `model` is a named model (`kvrag models`), a Hugging Face id or a folder, or a `KVModel` already
         loaded (the one a `KVRAGLLM` or `ChatKVRAG` holds: one copy of the weights serves both; an index at `path`
@@ -187,6 +191,7 @@ class KVRAG(Ingesting, Querying):
                 path,
                 store=store,
                 memory_bytes=memory_bytes,
+                max_kv_bytes=max_kv_bytes,
                 device=device,
                 cache_dir=cache_dir,
                 namespace=namespace or None,
@@ -213,7 +218,8 @@ class KVRAG(Ingesting, Querying):
         if store is None:
             store = MemoryStore(memory_bytes)
             if path is not None:
-                store = TieredStore(store, DiskStore(IndexFolder(path).kv_folder(), storage_dtype))
+                disk = DiskStore(IndexFolder(path).kv_folder(), storage_dtype, max_bytes=max_kv_bytes)
+                store = TieredStore(store, disk)
         return cls(
             kv,
             embedder=Embedder(embedder, device=device),
@@ -234,6 +240,7 @@ class KVRAG(Ingesting, Querying):
         *,
         store: KVStore | None = None,
         memory_bytes: int = 1 << 30,
+        max_kv_bytes: int | None = None,
         device: str = "cpu",
         cache_dir: str | Path | None = None,
         namespace: str | None = None,
@@ -248,7 +255,8 @@ class KVRAG(Ingesting, Querying):
 
         The namespace is the one the index was built with; passing another raises IndexLoadError, and so does
         a `secret` other than the one it was built with. `read_only` opens it without writing anything (a
-        chunk recomputed for lack of stored KV is not stored). `compile_decode` and `cpu_kernels` are those of
+        chunk recomputed for lack of stored KV is not stored). `max_kv_bytes` bounds its disk store (default: the
+        bound it was built with, if any). `compile_decode` and `cpu_kernels` are those of
         `KVModel`; `model`, a `KVModel` already loaded with the index's model, is used instead of loading another
         copy (refused, naming both, when its weights are not the index's).
         """
@@ -287,10 +295,13 @@ class KVRAG(Ingesting, Querying):
                     f"'embedder'): {err}"
                 ) from None
             index = folder.load_index(manifest, embed=embedder.embed)
+        # an index ingested with KV on demand keeps each chunk's KV when it is first computed, read-only or not
+        kv_writes = not read_only or manifest.get("kv_on_demand") is True
         if store is None:
-            disk = DiskStore(folder.kv_folder(), manifest["storage_dtype"], read_only=read_only)
+            bound = manifest.get("kv_max_bytes") if max_kv_bytes is None else max_kv_bytes
+            disk = DiskStore(folder.kv_folder(), manifest["storage_dtype"], read_only=not kv_writes, max_bytes=bound)
             store = TieredStore(MemoryStore(memory_bytes), disk)
-        return cls(
+        engine = cls(
             kv,
             embedder=embedder,
             store=store,
@@ -305,6 +316,9 @@ class KVRAG(Ingesting, Querying):
             secret=secret,
             read_only=read_only,
         )
+        engine.kv_on_demand = manifest.get("kv_on_demand") is True
+        engine.source.read_only = not kv_writes
+        return engine
 
     def persist(self, path: str | Path | None = None) -> Path:
         """Write the index and manifest to `path` (default: the engine's path). KV in a disk store is already there.
@@ -341,6 +355,8 @@ class KVRAG(Ingesting, Querying):
                 "chunk_tokens": self.chunk_tokens,
                 "overlap": self.overlap,
                 "storage_dtype": getattr(getattr(self.store, "back", self.store), "storage_dtype", "float16"),
+                "kv_max_bytes": getattr(getattr(self.store, "back", self.store), "max_bytes", None),
+                "kv_on_demand": self.kv_on_demand,
                 "namespace": self.namespace,
                 "kv_store": describe_store(self.store),  # where the KV went (`info` shows it beside the store opened)
             },
@@ -457,6 +473,11 @@ class KVRAG(Ingesting, Querying):
             "kv_bytes": self.store.nbytes,
             "kv_orphans": len(stored - live),
             "kv_missing": len(live - stored),
+            "kv_max_bytes": next((d.max_bytes for d in _disk_stores(self.store) if d.max_bytes), None),
+            "kv_evictions": sum(d.evictions for d in _disk_stores(self.store)),
+            "kv_refused": sum(getattr(s, "refused", 0) for s in _stores(self.store)),
+            "store_hits": self.store.hits,
+            "store_misses": self.store.misses,
             "model": asdict(self.kvmodel.fingerprint),
             "fingerprint": self.kvmodel.fingerprint.digest,
             "embedder": self.embedder.source,
@@ -464,6 +485,13 @@ class KVRAG(Ingesting, Querying):
             "overlap": self.overlap,
             "namespace": self.namespace,
         }
+
+
+def _stores(store: KVStore) -> list[KVStore]:
+    """A store and, for a tier, every store inside it."""
+    if isinstance(store, TieredStore):
+        return [store, *_stores(store.front), *_stores(store.back)]
+    return [store]
 
 
 def _disk_stores(store: KVStore) -> list[DiskStore]:

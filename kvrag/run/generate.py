@@ -106,7 +106,7 @@ def decode(
     tokens in the prompt or the answer, as many as are worth their cost by how often the lookup has guessed right
     in this answer (`PromptLookup`), in one pass over the weights; the drafts the model's own picks confirm are
     kept, each confirmed one a step saved. Each fed token's logits are those a step of its own gives, bit for bit
-    (`ckernel.DecodeStep.steps`), so the tokens are the same as without drafts.
+    (the C decode step, `kvrag.cpu`), so the tokens are the same as without drafts.
 
     The first token is yielded before anything only the later ones need is made (the decoder, the cache's room,
     the drafts' lookup): a one-token answer makes none of it and leaves the cache as the prefill left it.

@@ -55,7 +55,8 @@ class KVRAGRetriever(BaseRetriever):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    engine: KVRAG
+    engine: KVRAG | None = Field(default=None, exclude=True, description="the kvrag engine")
+    index: str | None = Field(default=None, description="the index folder the engine is opened from")
     k: int = Field(default=5, description="how many chunks to return (top_k)")
     filters: dict[str, Any] | None = Field(default=None, description="metadata filters, applied before top-k")
     bm25: bool = Field(default=False, description="fuse dense and BM25 rankings")
@@ -67,9 +68,13 @@ class KVRAGRetriever(BaseRetriever):
             warnings.warn("KVRAGRetriever(hybrid=) is renamed bm25=", DeprecationWarning, stacklevel=2)
             kwargs["bm25"] = kwargs.pop("hybrid")
         refuse_unknown(type(self), BaseRetriever, kwargs)
-        engine = kwargs.get("engine")
+        engine, index = kwargs.get("engine"), kwargs.get("index")
+        if engine is None and index is not None:
+            engine = kwargs["engine"] = KVRAG.load(index)
         if not isinstance(engine, KVRAG):
-            raise InvalidRequestError(f"engine is a {type(engine).__name__}: pass a kvrag.KVRAG")
+            raise InvalidRequestError(f"engine is a {type(engine).__name__}: pass a kvrag.KVRAG (or index=, a folder)")
+        if index is None and engine.path is not None:
+            kwargs["index"] = str(engine.path)
         search = _search_arguments(kwargs.get("search_kwargs") or {}, "search_kwargs")
         for name, value in search.items():
             if kwargs.get(name) is not None and kwargs[name] != value:
@@ -78,6 +83,32 @@ class KVRAGRetriever(BaseRetriever):
         kwargs["filters"] = check_filters(kwargs.get("filters"))
         check_top_k(kwargs.get("k", 5))
         super().__init__(**kwargs)
+
+    # -- serialization: as KVRAGRunnable's, the engine reopened from its index folder --------------------
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["langchain_kvrag", "retrievers"]
+
+    def to_json(self) -> Any:
+        if self.index is None:  # an in-memory engine: nothing on disk to reopen it from
+            return self.to_json_not_implemented()
+        return super().to_json()
+
+    def __reduce__(self) -> Any:
+        if self.index is None:
+            raise TypeError(
+                "a KVRAGRetriever over an engine without a folder cannot be pickled (its index lives in this process "
+                "only): build the engine with a path, KVRAG.from_defaults(path), and pickling reopens it there"
+            )
+        return (_reopen, (type(self), self.model_dump(exclude={"engine"}, exclude_unset=True) | {"index": self.index}))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KVRAGRetriever:
+        return self.model_copy()  # the engine is shared, never copied
 
     def _search(self, query: str, arguments: dict[str, Any]) -> list[Document]:
         call = _search_arguments(arguments, "a call")
@@ -122,3 +153,8 @@ def _search_arguments(arguments: Any, where: str) -> dict[str, Any]:
     if "bm25" in out and not isinstance(out["bm25"], bool):
         raise InvalidRequestError(f"bm25 must be True or False, got {out['bm25']!r}")
     return out
+
+
+def _reopen(cls: type[KVRAGRetriever], config: dict[str, Any]) -> KVRAGRetriever:
+    """Unpickling: the retriever's configuration, its engine reopened from the index folder."""
+    return cls(**config)

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence, Un
 from kvrag import KVRAG, NO_CONTEXT, Answer, EmptyInputError, InvalidRequestError, KVModel, Request, Source
 from kvrag.answer import last_answer
 from kvrag.engine.index import check_filters, check_top_k
+from kvrag.errors import type_name
 from kvrag.plan.request import check_options, scores_of
 from langchain_core.callbacks import AsyncCallbackManagerForChainRun, CallbackManagerForChainRun
 from langchain_core.documents import Document
@@ -253,7 +254,11 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
                 texts.append(doc)
                 raw_scores.append(None)
             else:
-                raise InvalidRequestError(f"{key}[{i}] is a {type(doc).__name__}: pass LangChain Documents or str")
+                kind = type_name(doc)
+                raise InvalidRequestError(
+                    f"{key}[{i}] is a {kind}: pass langchain_core.documents.Document objects (a retriever's "
+                    "results) or str"
+                )
         return _Request(question, texts, scores_of(raw_scores), retrieval, options)
 
     def _call(self, request: _Request) -> tuple[float, Sequence[str | Source], float]:

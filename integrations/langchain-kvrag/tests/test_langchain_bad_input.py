@@ -69,3 +69,10 @@ def test_tool_calling_and_structured_output_are_refused_with_a_message(rag):
         chat.bind_tools([Answer])
     with pytest.raises(NotImplementedError, match="ChatKVRAG has no tool calling"):
         chat.with_structured_output(Answer)
+
+
+def test_a_llama_index_document_is_named_by_its_full_class_and_what_to_pass_is_said(rag):
+    from llama_index.core import Document as LlamaDocument
+
+    with pytest.raises(InvalidRequestError, match=r"llama_index\.core\.schema\.Document: pass langchain_core"):
+        KVRAGRunnable(engine=rag, max_new_tokens=2).invoke({"question": Q, "documents": [LlamaDocument(text="x")]})

@@ -168,6 +168,23 @@ def test_an_engine_without_a_folder_says_how_to_serialize(rag):
         pickle.dumps(runnable)
 
 
+def test_the_retriever_dumps_loads_and_pickles_as_the_runnable_does(rag):
+    retriever = KVRAGRetriever(engine=rag, k=2, filters={"topic": "ports"})
+    serialized = dumpd(retriever)
+    assert serialized["id"] == ["langchain_kvrag", "retrievers", "KVRAGRetriever"]
+    assert serialized["kwargs"] == {"index": str(rag.path), "k": 2, "filters": {"topic": "ports"}}
+    loaded = loads(dumps(retriever), valid_namespaces=["langchain_kvrag"], allowed_objects=[KVRAGRetriever])
+    assert loaded.engine is not rag and loaded.invoke(Q) == retriever.invoke(Q)
+    again = pickle.loads(pickle.dumps(KVRAGRetriever(engine=rag, k=2)))
+    assert again.engine is not rag and [d.page_content for d in again.invoke(Q)] == [
+        d.page_content for d in KVRAGRetriever(engine=rag, k=2).invoke(Q)
+    ]
+    memory = KVRAGRetriever(engine=KVRAG(rag.kvmodel, embedder=rag.embedder, store=MemoryStore()))
+    assert dumpd(memory)["type"] == "not_implemented"
+    with pytest.raises(TypeError, match="KVRAG.from_defaults\\(path\\)"):
+        pickle.dumps(memory)
+
+
 def test_a_retriever_chain_with_a_chat_prompt_reads_like_the_langchain_docs(rag):
     """The README's LCEL chain: documents from kvrag's retriever, then kvrag answers over their stored KV."""
     retriever = KVRAGRetriever(engine=rag, k=3)

@@ -77,3 +77,31 @@ def test_ingestion_transform_bad_nodes(rag):
 def test_a_huge_top_k_within_the_limit_answers_over_every_chunk(rag):
     response = KVRAGQueryEngine(rag, KVRAGRetriever(rag, similarity_top_k=10_000), max_new_tokens=2).query(Q)
     assert len(response.source_nodes) == len(rag.index) and response.metadata["kvrag"]["chunks_encoded"] == 0
+
+
+def test_a_langchain_document_is_named_by_its_full_class_and_what_to_pass_is_said(rag):
+    from langchain_core.documents import Document
+
+    engine = KVRAGQueryEngine(rag, KVRAGRetriever(rag), max_new_tokens=2)
+    with pytest.raises(InvalidRequestError, match=r"langchain_core\.documents\.base\.Document: KVRAGQueryEngine"):
+        engine.synthesize(QueryBundle(Q), [Document(page_content="Orin Dask runs the harbour.")])
+
+
+def test_the_prompt_is_shown_and_only_its_question_part_may_change(rag):
+    from llama_index.core.prompts import PromptTemplate
+
+    engine = KVRAGQueryEngine(rag, KVRAGRetriever(rag), max_new_tokens=2)
+    layout = rag.kvmodel.layout
+    original = layout.question_template
+    template = engine.get_prompts()["text_qa_template"].get_template()
+    assert template.startswith(layout.header + "{context_str}") and "{query_str}" in template
+    try:
+        engine.update_prompts({"text_qa_template": PromptTemplate(layout.header + "{context_str}Q: {query_str}\nA:")})
+        assert layout.question_template == "Q: {question}\nA:"
+        assert engine.query(Q).response is not None
+        with pytest.raises(InvalidRequestError, match="part of every stored chunk's prefix"):
+            engine.update_prompts({"text_qa_template": PromptTemplate("Context:\n{context_str}\n{query_str}")})
+        with pytest.raises(InvalidRequestError, match="needs {context_str} once"):
+            engine.update_prompts({"text_qa_template": PromptTemplate("{query_str} {context_str}")})
+    finally:
+        layout.question_template = original

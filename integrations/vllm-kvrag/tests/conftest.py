@@ -38,7 +38,6 @@ def store(store_root):
 @pytest.fixture(scope="session")
 def llm(folder, store_root):
     from vllm import LLM
-
     from vllm_kvrag.executor import connector_config
 
     return LLM(
@@ -50,7 +49,10 @@ def llm(folder, store_root):
         # the paged KV's size, given: on the CPU backend a share (gpu_memory_utilization) is of the first NUMA node's
         # memory less the worker's own, which on a machine with a small node leaves too little for one request
         kv_cache_memory_bytes=KV_CACHE_BYTES,
-        kv_transfer_config=connector_config({"store": "disk", "path": str(store_root), "storage_dtype": "float32"}),
+        # the tests write entries through bare stores, unkeyed (an engine keys with the user's kvrag key by default)
+        kv_transfer_config=connector_config(
+            {"store": "disk", "path": str(store_root), "storage_dtype": "float32", "unkeyed": True}
+        ),
     )
 
 

@@ -12,10 +12,9 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm only (make test runs these tests there)")
 
 from kvrag import InvalidRequestError, Request
-
-from kvrag.run import pipeline
 from kvrag.cache.chunks import ChunkSource
 from kvrag.lab.study import load_items
+from kvrag.run import pipeline
 
 FILLER = " It is one of the old towns of the coast, with narrow streets, a market on Tuesdays and a lighthouse."
 TEXTS = [
@@ -113,13 +112,15 @@ def test_the_engine_retrieves_and_plans_here_and_answers_through_vllm(kv, execut
     """KVRAG over the same disk store as the connector: ingestion stores each chunk's KV once; a query on the
     vLLM executor reads it from there and answers as the engine does in-process."""
     from kvrag import KVRAG
-    from kvrag.engine.embed import Embedder
     from kvrag.cache.store import DiskStore
+    from kvrag.engine.embed import Embedder
 
     embedder = Embedder()
-    here = KVRAG(kv, embedder=embedder, store=DiskStore(store_root, "float32"))
+    here = KVRAG(kv, embedder=embedder, store=DiskStore(store_root, "float32"), secret="")  # as the connector reads
     here.ingest(TEXTS, split=False, progress=False)
-    there = KVRAG(kv, embedder=embedder, store=DiskStore(store_root, "float32"), index=here.index, executor=executor)
+    there = KVRAG(
+        kv, embedder=embedder, store=DiskStore(store_root, "float32"), index=here.index, executor=executor, secret=""
+    )
     for strategy in ("target_recompute", "reuse"):
         want = here.query(Q, strategy=strategy, top_k=3, max_new_tokens=12)
         got = there.query(Q, strategy=strategy, top_k=3, max_new_tokens=12)
@@ -130,9 +131,10 @@ def test_the_engine_retrieves_and_plans_here_and_answers_through_vllm(kv, execut
 def test_a_tenant_executor_and_its_connector_share_one_view_of_the_store(kv, tmp_path):
     """The executor writes into its tenant's view (as the engine does); the connector configured with that
     `tenant` and `secret_file` reads it there, and a connector without the secret finds nothing usable."""
-    from kvrag.cache.store import DiskStore
     from vllm_kvrag.connector import open_store
     from vllm_kvrag.executor import PlannedRequests
+
+    from kvrag.cache.store import DiskStore
 
     secret = tmp_path / "secret"
     secret.write_bytes(b"t" * 32 + b"\n")
@@ -171,11 +173,12 @@ def test_concurrent_queries_share_one_engine_and_each_gets_its_own_answer(kv, ex
 def test_attach_runs_an_engines_plans_on_vllm_over_its_own_store(kv, llm, store_root):
     """`attach` gives an engine a vLLM executor over the store it already has; the connector's config for that
     store is the one the session's engine was started with."""
-    from kvrag import KVRAG
-    from kvrag.engine.embed import Embedder
-    from kvrag.cache.store import DiskStore, MemoryStore, TieredStore
     from vllm_kvrag.attach import attach, store_config
     from vllm_kvrag.executor import VLLMExecutor
+
+    from kvrag import KVRAG
+    from kvrag.cache.store import DiskStore, MemoryStore, TieredStore
+    from kvrag.engine.embed import Embedder
 
     disk = DiskStore(store_root, "float32")
     assert store_config(TieredStore(MemoryStore(), disk)) == {
@@ -188,10 +191,12 @@ def test_attach_runs_an_engines_plans_on_vllm_over_its_own_store(kv, llm, store_
     with pytest.raises(InvalidRequestError, match="disk folder or Redis"):
         store_config(MemoryStore())
     embedder = Embedder()
-    here = KVRAG(kv, embedder=embedder, store=TieredStore(MemoryStore(), DiskStore(store_root, "float32")))
+    here = KVRAG(kv, embedder=embedder, store=TieredStore(MemoryStore(), DiskStore(store_root, "float32")), secret="")
     here.ingest(TEXTS, split=False, progress=False)
     want = here.query(Q, strategy="target_recompute", top_k=3, max_new_tokens=12)
-    there = attach(KVRAG(kv, embedder=embedder, store=DiskStore(store_root, "float32"), index=here.index), llm)
+    there = attach(
+        KVRAG(kv, embedder=embedder, store=DiskStore(store_root, "float32"), index=here.index, secret=""), llm
+    )
     assert isinstance(there.executor, VLLMExecutor)
     got = there.query(Q, strategy="target_recompute", top_k=3, max_new_tokens=12)
     assert got.token_ids == want.token_ids and got.stats.chunks_encoded == 0
@@ -199,9 +204,10 @@ def test_attach_runs_an_engines_plans_on_vllm_over_its_own_store(kv, llm, store_
 
 
 def test_the_connectors_memory_tier_and_its_bad_settings(tmp_path):
-    from kvrag.errors import KVRAGError
-    from kvrag.cache.store import TieredStore
     from vllm_kvrag.connector import open_store
+
+    from kvrag.cache.store import TieredStore
+    from kvrag.errors import KVRAGError
 
     tiered = open_store({"store": "disk", "path": str(tmp_path), "memory_bytes": 1 << 20})
     assert isinstance(tiered, TieredStore) and tiered.front.max_bytes == 1 << 20
@@ -215,7 +221,6 @@ def test_requests_vllm_preempts_are_loaded_again_and_answer_as_they_would_unpree
     decode, preempts one (its blocks freed) and resumes it later, when the connector loads its stored KV again.
     Every answer is the one the roomy session engine gives the same plans."""
     from vllm import LLM, SamplingParams
-
     from vllm_kvrag.executor import connector_config
 
     asks = [
@@ -249,7 +254,9 @@ def test_requests_vllm_preempts_are_loaded_again_and_answer_as_they_would_unpree
         enforce_eager=True,
         kv_cache_memory_bytes=22 * block_bytes,  # two prompts of 10 blocks, not their 5 blocks of answer each
         disable_log_stats=False,  # the outputs then carry their number of preemptions
-        kv_transfer_config=connector_config({"store": "disk", "path": str(store.root), "storage_dtype": "float32"}),
+        kv_transfer_config=connector_config(
+            {"store": "disk", "path": str(store.root), "storage_dtype": "float32", "unkeyed": True}
+        ),
     )
     try:
         outs = tight.generate(prompts, params, use_tqdm=False)
@@ -285,10 +292,11 @@ def test_a_request_resumed_after_preemption_is_loaded_again_into_its_new_blocks(
 def test_a_store_that_fails_while_the_worker_reads_is_a_miss_not_a_dead_worker(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvrag.errors import StoreError
-    from kvrag.cache.store import DiskStore
     from vllm_kvrag.connector import KVRAGConnector, KVRAGLoadWarning, _Load
     from vllm_kvrag.plan import Piece, TransferPlan
+
+    from kvrag.cache.store import DiskStore
+    from kvrag.errors import StoreError
 
     class Failing(DiskStore):
         def _get(self, key):
@@ -308,11 +316,12 @@ def test_an_entry_holding_other_tokens_than_the_prompts_is_never_written(tmp_pat
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
-    from kvrag.cache.kv import ChunkKV
-    from kvrag.cache.store import DiskStore
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     from vllm_kvrag.connector import KVRAGConnector, KVRAGLoadWarning, _Load
     from vllm_kvrag.plan import Piece, TransferPlan
+
+    from kvrag.cache.kv import ChunkKV
+    from kvrag.cache.store import DiskStore
 
     store = DiskStore(tmp_path)
     store.bind(encoder="encoder", dtype=torch.float32, device="cpu")
@@ -339,10 +348,11 @@ def test_an_entry_holding_other_tokens_than_the_prompts_is_never_written(tmp_pat
 def test_the_connector_opens_redis_over_tls_with_its_password_from_a_file_never_from_the_config(tmp_path):
     """vLLM logs kv_connector_extra_config: a password comes from password_file, a URL holding one is refused,
     and store_config writes none (the TLS files pass as given)."""
-    from kvrag.errors import InvalidRequestError, KVRAGError
-    from kvrag.cache.store import RedisStore
     from vllm_kvrag.attach import store_config
     from vllm_kvrag.connector import open_store
+
+    from kvrag.cache.store import RedisStore
+    from kvrag.errors import InvalidRequestError, KVRAGError
 
     ca, password = tmp_path / "ca.pem", tmp_path / "redis-password"
     ca.write_text("not read until a connection is made")
@@ -401,8 +411,9 @@ def test_the_connector_writes_straight_into_the_blocks_only_where_that_is_what_v
     scale, keeps vLLM's op."""
     from types import SimpleNamespace
 
-    from kvrag.cpu import ckernel
     from vllm_kvrag.connector import KVRAGConnector
+
+    from kvrag.cpu import cpaged
 
     def layer(kv_dtype="auto", scale=1.0):
         impl = SimpleNamespace(kv_cache_dtype=kv_dtype)
@@ -410,7 +421,7 @@ def test_the_connector_writes_straight_into_the_blocks_only_where_that_is_what_v
 
     connector = object.__new__(KVRAGConnector)
     connector._layouts, connector._block_size = {}, 32
-    if ckernel._paged_library() is None:
+    if cpaged._paged_library() is None:
         assert connector._layout(layer(), torch.zeros(4, 3, 32, 128)) is None
         return
     for dtype in (torch.float32, torch.bfloat16):

@@ -13,10 +13,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm only (make test runs these tests there)")
 
-from conftest import KV_CACHE_BYTES  # noqa: E402
-from test_vllm_connector import FILLER, Q, TEXTS, answer  # noqa: E402
-
+from test_vllm_connector import FILLER, TEXTS, Q, answer  # noqa: E402
 from vllm_kvrag.server import VLLMServerExecutor, serve_command  # noqa: E402
+
+from conftest import KV_CACHE_BYTES  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def server(folder, store_root, tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    store = {"store": "disk", "path": str(store_root), "storage_dtype": "float32"}
+    store = {"store": "disk", "path": str(store_root), "storage_dtype": "float32", "unkeyed": True}
     flags = "--host 127.0.0.1 --dtype float32 --max-model-len 4096 --block-size 32 --enforce-eager "
     flags += f"--kv-cache-memory-bytes {KV_CACHE_BYTES}"
     command = shlex.split(serve_command(folder, store, port=port, extra=flags))
@@ -75,8 +75,8 @@ def test_an_entry_gone_before_the_server_reads_it_is_counted_as_recomputed(kv, s
     """The server reports how many prompt tokens it took from a cache: a chunk whose entry went missing between
     the plan and the load is counted as the work the server did (all of it), not as the plan meant."""
     from kvrag import Request
-    from kvrag.run import pipeline
     from kvrag.cache.chunks import ChunkSource
+    from kvrag.run import pipeline
 
     remote = VLLMServerExecutor(kv, server, store)
     question = "Who catalogued the maps of Mersa?"

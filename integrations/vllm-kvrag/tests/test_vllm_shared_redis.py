@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm only (make test runs these tests there)")
 
-from test_vllm_connector import Q, TEXTS  # noqa: E402
+from test_vllm_connector import TEXTS, Q  # noqa: E402
 
 from kvrag.lab.bench.storage import start_redis  # noqa: E402
 

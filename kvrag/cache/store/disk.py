@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from kvrag.cache.store.base import HEX_KEY, KVStore, SerializedStore, check_namespace
-from kvrag.errors import StoreError
+from kvrag.errors import InvalidRequestError, StoreError
 from kvrag.files import DIR_MODE, make_dirs
 
 
@@ -20,15 +22,38 @@ class DiskStore(SerializedStore):
     full disk raises StoreError and leaves every stored entry as it was. Nothing under `root` is reached
     through a symbolic link: a linked bucket folder or entry is refused (StoreError), never followed.
     `read_only` opens an existing folder without creating, sweeping or writing anything.
+
+    `max_bytes` bounds the entries' bytes: past it, the least recently used entries are deleted (down to 90% of
+    the bound, so the folder is rescanned once in a while, not at every write), never a `pin`ned one. Recency is
+    the file's modification time, set again at each read, so processes sharing the folder evict in one order; an
+    evicted entry is only a miss, its chunk recomputed (and stored again) where it is used. `evictions` counts
+    them and `nbytes` is the bytes held.
     """
+
+    LOW_WATER = 0.9  # eviction goes down to this share of max_bytes
 
     SUFFIX = ".kv.safetensors"
     STALE_TMP_S = 60.0  # a temporary file this old belongs to a writer that died (a live one renames in ms)
 
-    def __init__(self, root: str | Path, storage_dtype: str = "float16", *, read_only: bool = False) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        storage_dtype: str = "float16",
+        *,
+        read_only: bool = False,
+        max_bytes: int | None = None,
+    ) -> None:
         super().__init__(storage_dtype)
         self.root = Path(root)
         self.read_only = read_only
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise InvalidRequestError(f"max_bytes must be a positive whole number of bytes, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.evictions = 0
+        self.pinned: set[str] = set()
+        self._recent: OrderedDict[str, int] | None = None  # key -> bytes, least recently used first
+        self._held = 0
+        self._bound_lock = threading.Lock()
         if read_only:
             return
         try:
@@ -43,7 +68,7 @@ class DiskStore(SerializedStore):
             raise StoreError(
                 f"{root} is a symbolic link: kvrag never follows links inside a KV store folder; remove it"
             )
-        scoped = DiskStore(root, self.storage_dtype, read_only=self.read_only)
+        scoped = DiskStore(root, self.storage_dtype, read_only=self.read_only, max_bytes=self.max_bytes)
         scoped.view, scoped.legacy = namespace, self
         return scoped
 
@@ -84,7 +109,7 @@ class DiskStore(SerializedStore):
 
         path = self._path(key)
         try:
-            return read_regular(path)  # never through a link, never a FIFO's endless wait
+            blob = read_regular(path)  # never through a link, never a FIFO's endless wait
         except FileNotFoundError:
             return None
         except OSError as err:
@@ -93,6 +118,9 @@ class DiskStore(SerializedStore):
                     f"{path} is a symbolic link: kvrag never follows links inside a KV store folder; remove it"
                 ) from None
             raise StoreError(f"cannot read {path}: {err.strerror or err}") from err
+        if self.max_bytes is not None and not self.read_only:
+            self._used(key, path, len(blob))
+        return blob
 
     def _write(self, key: str, blob: bytes) -> None:
         path = self._path(key)
@@ -108,6 +136,9 @@ class DiskStore(SerializedStore):
                 os.fsync(f.fileno())
             os.replace(tmp_name, path)
             tmp_name = None
+            if self.max_bytes is not None:
+                self._used(key, None, len(blob))
+                self._evict()
         except OSError as err:
             raise StoreError(
                 f"cannot write a KV entry under {self.root}: {err.strerror or err}; nothing stored "
@@ -127,6 +158,68 @@ class DiskStore(SerializedStore):
             self._path(key).unlink()  # unlinks a link itself, never its target
         except FileNotFoundError:
             pass
+        with self._bound_lock:
+            if self._recent is not None and key in self._recent:
+                self._held -= self._recent.pop(key)
+
+    # -- the byte bound ----------------------------------------------------------------------------------
+
+    def pin(self, keys: Iterable[str]) -> None:
+        """Never evict these entries (a hot collection, the prompt prefix); they count against the bound."""
+        self.pinned.update(keys)
+
+    def _used(self, key: str, path: Path | None, size: int) -> None:
+        """`key` was just read or written: the most recent entry (its file's time too, for other processes)."""
+        if path is not None:
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+        with self._bound_lock:
+            if self._recent is None:
+                self._scan()  # once a store: what the folder holds, in its files' order
+            assert self._recent is not None
+            self._held += size - self._recent.pop(key, 0)
+            self._recent[key] = size
+
+    def _scan(self) -> None:
+        """Every entry in the folder, least recently used first (by file time): other processes' writes too."""
+        # file times are coarse (a clock tick): entries this process used keep its order among equal times
+        rank = {key: n for n, key in enumerate(self._recent or ())}
+        found = []
+        for path in self._entries():
+            try:
+                info = path.lstat()
+            except OSError:
+                continue
+            key = path.name[: -len(self.SUFFIX)]
+            found.append((info.st_mtime_ns, rank.get(key, -1), key, info.st_size))
+        found.sort()
+        self._recent = OrderedDict((key, size) for _, _, key, size in found)
+        self._held = sum(size for *_, size in found)
+
+    def _evict(self) -> None:
+        """Past the bound: rescan, then delete least recently used unpinned entries down to the low water mark."""
+        assert self.max_bytes is not None
+        with self._bound_lock:
+            if self._recent is not None and self._held <= self.max_bytes:
+                return
+            self._scan()
+            assert self._recent is not None
+            if self._held <= self.max_bytes:
+                return
+            target = int(self.max_bytes * self.LOW_WATER)
+            for key in [k for k in self._recent if k not in self.pinned]:
+                if self._held <= target:
+                    break
+                try:
+                    self._path(key).unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    continue
+                self._held -= self._recent.pop(key)
+                self.evictions += 1
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):

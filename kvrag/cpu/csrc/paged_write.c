@@ -1,4 +1,4 @@
-/* Stored chunk KV written into a serving engine's paged cache in one pass: kvrag.cpu.ckernel builds and loads this
+/* Stored chunk KV written into a serving engine's paged cache in one pass: kvrag.cpu.cpaged builds and loads this
  * apart (it needs the compiler's _Float16), for the vLLM connector.
  *
  * A piece's keys and values ([L, H, T, D] of float32, float16 or bfloat16, a token every D elements) go to the

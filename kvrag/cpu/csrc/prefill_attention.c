@@ -1,5 +1,5 @@
 /* Many query tokens' grouped-query attention over a cache, in bfloat16, on CPUs with AVX512-BF16:
- * kvrag.cpu.ckernel builds and loads this, kvrag.cpu.attention calls it for a prefill's attention.
+ * kvrag.cpu.cbf16 builds and loads this, kvrag.cpu.attention calls it for a prefill's attention.
  *
  * torch's CPU flash attention runs bfloat16 no faster than float32 here (about 130 GFLOP/s on 2 cores either
  * way), while the CPU's bfloat16 dot-product instruction (vdpbf16ps: 16 lanes, each the sum of two products)

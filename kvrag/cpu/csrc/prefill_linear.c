@@ -1,4 +1,4 @@
-/* A bfloat16 linear layer over many tokens, out = x w^T + bias, on CPUs with AVX512-BF16: kvrag.cpu.ckernel builds
+/* A bfloat16 linear layer over many tokens, out = x w^T + bias, on CPUs with AVX512-BF16: kvrag.cpu.cbf16 builds
  * this with the prefill attention, and kvrag.cpu.linear calls it for a bfloat16 prefill's linear layers on CPU.
  *
  * Inside a `target_recompute` forward (175 tokens by weights of 576 or 1,536 inputs), torch's bfloat16 matmul ran

@@ -1,4 +1,4 @@
-/* transformers' RMSNorm over many bfloat16 tokens in one pass, on CPUs with AVX512-BF16: kvrag.cpu.ckernel builds
+/* transformers' RMSNorm over many bfloat16 tokens in one pass, on CPUs with AVX512-BF16: kvrag.cpu.cbf16 builds
  * this with the prefill attention, and kvrag.cpu.norm calls it for a bfloat16 prefill's norms on CPU.
  *
  * The module computes x in float32, x * rsqrt(mean(x^2) + eps), rounds that to bfloat16, multiplies by the weight

@@ -1,4 +1,4 @@
-/* A bfloat16 prefill's rotary embedding of its queries and keys, on CPUs with AVX512-BF16: kvrag.cpu.ckernel builds
+/* A bfloat16 prefill's rotary embedding of its queries and keys, on CPUs with AVX512-BF16: kvrag.cpu.cbf16 builds
  * this with the prefill attention, and kvrag.cpu.rotary calls it where transformers' attention rotates.
  *
  * transformers rotates a tensor with six torch operations (two products, a negation, a concatenation, a sum),

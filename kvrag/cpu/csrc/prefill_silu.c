@@ -1,4 +1,4 @@
-/* A gated MLP's SiLU(gate) * up over many bfloat16 tokens in one pass, on CPUs with AVX512-BF16: kvrag.cpu.ckernel
+/* A gated MLP's SiLU(gate) * up over many bfloat16 tokens in one pass, on CPUs with AVX512-BF16: kvrag.cpu.cbf16
  * builds this with the prefill attention, and kvrag.cpu.mlp calls it between a bfloat16 prefill's gate and up
  * projections and its down projection.
  *

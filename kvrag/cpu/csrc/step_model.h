@@ -1,4 +1,4 @@
-/* A llama-family decoder's weights as the C kernels that run whole forwards read them (kvrag.cpu.ckernel fills it from
+/* A llama-family decoder's weights as the C kernels that run whole forwards read them (kvrag.cpu.cstep fills it from
  * a kvrag.cpu.decode.FastDecoder): the decode step (decode_step.c) and the bfloat16 prefill (prefill_layers.c). */
 #ifndef KVRAG_STEP_MODEL_H
 #define KVRAG_STEP_MODEL_H

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvrag.cache.kv import ChunkKV
-from kvrag.cpu import ckernel, hugepages
+from kvrag.cpu import ckernel, cstep, hugepages
 from kvrag.cpu.decode import compile_decoding, decoder_of, decodes_compiled, decodes_native, native_decoding
 from kvrag.lab.bench.ttft import context_texts
 from kvrag.lab.demo import sample_docs
@@ -169,7 +169,7 @@ class _MemoryRead:
         return time.perf_counter() - t0, self.cached, tokens
 
 
-def _on_small_pages(decoder) -> ckernel.DecodeStep | None:  # type: ignore[no-untyped-def]
+def _on_small_pages(decoder) -> cstep.DecodeStep | None:  # type: ignore[no-untyped-def]
     """The C step over a copy of the decoder's weights in ordinary pages, or None where the C step does not take
     the decoder."""
     if decoder is None or decoder.native is None:
@@ -182,7 +182,7 @@ def _on_small_pages(decoder) -> ckernel.DecodeStep | None:  # type: ignore[no-un
         for name in ("qkv", "o", "gate_up", "down"):
             product = getattr(own, name)
             setattr(own, name, SimpleNamespace(weight=_small(product.weight), bias=product.bias))
-    return ckernel.DecodeStep.of(copied)
+    return cstep.DecodeStep.of(copied)
 
 
 def _small(tensor: torch.Tensor) -> torch.Tensor:
@@ -190,7 +190,7 @@ def _small(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _with_step(
-    kv: KVModel, step: ckernel.DecodeStep, run: Callable[[], tuple[float, int, int]]
+    kv: KVModel, step: cstep.DecodeStep, run: Callable[[], tuple[float, int, int]]
 ) -> tuple[float, int, int]:
     """`run` with the model's decoder on another C step over the same shapes."""
     decoder = decoder_of(kv.model)

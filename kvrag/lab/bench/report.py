@@ -115,6 +115,7 @@ def _machine(kv: KVModel) -> dict[str, Any]:
     """What the figures were measured on."""
     return {
         "platform": platform.platform(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "device": str(kv.prefix.keys.device),
@@ -124,6 +125,16 @@ def _machine(kv: KVModel) -> dict[str, Any]:
         "dtype": str(kv.prefix.keys.dtype).removeprefix("torch."),
         "decoding": _decoding(kv),
     }
+
+
+def cpu_name() -> str:
+    """The CPU's model name and whether it has AVX512-BF16 (what the bfloat16 kernels need), from /proc/cpuinfo."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    return f"{name or platform.machine()}{', AVX512-BF16' if 'avx512_bf16' in info else ''}"
 
 
 def _decoding(kv: KVModel) -> str:

@@ -21,6 +21,7 @@ from llama_index.core.indices.base import BaseIndex
 from llama_index.core.instrumentation.events.base import BaseEvent
 from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent, SynthesizeStartEvent
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import ImageNode, MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.settings import Settings
 from llama_index.core.vector_stores.types import MetadataFilters
@@ -29,6 +30,7 @@ from llama_index.retrievers.kvrag import KVRAGRetriever
 
 from kvrag import KVRAG, NO_CONTEXT, Answer, EmptyInputError, InvalidRequestError
 from kvrag.engine.index import check_top_k
+from kvrag.errors import type_name
 from kvrag.plan.request import SAMPLING_FIELDS, check_options, scores_of
 
 __all__ = ["KVRAGAnswerEvent", "KVRAGQueryEngine", "NO_CONTEXT", "node_texts"]
@@ -63,7 +65,13 @@ class KVRAGAnswerEvent(BaseEvent):
 def node_texts(nodes: Sequence[NodeWithScore]) -> list[str]:
     """The text kvrag stores KV for: the node's content without metadata (as `KVRAGKVTransform` encodes it)."""
     texts = []
-    for n in nodes:
+    for i, n in enumerate(nodes):
+        if not isinstance(n, NodeWithScore):
+            kind = type_name(n)
+            raise InvalidRequestError(
+                f"node {i} is a {kind}: KVRAGQueryEngine answers over LlamaIndex NodeWithScore objects (a "
+                "retriever's results); wrap texts as NodeWithScore(node=TextNode(text=...), score=...)"
+            )
         node = n.node
         if isinstance(node, ImageNode) or not isinstance(node, TextNode):
             raise InvalidRequestError(
@@ -229,6 +237,40 @@ class KVRAGQueryEngine(BaseQueryEngine):
 
     def _get_prompt_modules(self) -> dict:
         return {}
+
+    def _get_prompts(self) -> dict:
+        """kvrag's question-answering prompt as a LlamaIndex template: the header before the chunks (part of every
+        stored chunk's prefix), `{context_str}`, then the question template with `{query_str}`."""
+        layout = self.engine.kvmodel.layout
+        tail = layout.question_template.replace("{question}", "{query_str}")
+        return {"text_qa_template": PromptTemplate(layout.header + "{context_str}" + tail)}
+
+    def _update_prompts(self, prompts: dict) -> None:
+        """Take a new `text_qa_template`: the text after `{context_str}` becomes the model's question template
+        (every engine on this model asks with it); the text before it must stay as it is, since every stored
+        chunk's KV was computed behind it."""
+        template = prompts.get("text_qa_template")
+        if template is None:
+            return
+        text = template.get_template() if hasattr(template, "get_template") else str(template)
+        if (
+            text.count("{context_str}") != 1
+            or text.count("{query_str}") != 1
+            or text.index("{query_str}") < text.index("{context_str}")
+        ):
+            raise InvalidRequestError(
+                "kvrag's text_qa_template needs {context_str} once, then {query_str} once after it (the chunks "
+                f"come before the question), got {text!r}"
+            )
+        layout = self.engine.kvmodel.layout
+        header, _, tail = text.partition("{context_str}")
+        if header != layout.header:
+            raise InvalidRequestError(
+                "the text before {context_str} is part of every stored chunk's prefix and cannot change on a "
+                f"built index (it is {layout.header!r}): change only what follows the chunks, or build a KVModel "
+                "with layout=PromptLayout(tokenizer, header=...) and re-ingest"
+            )
+        layout.question_template = tail.replace("{query_str}", "{question}")
 
     # -- retrieval --------------------------------------------------------------------------------------
 

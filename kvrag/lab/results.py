@@ -1,0 +1,98 @@
+"""The README's results table, made from committed runs only: each named model's study on a draw no choice was made
+on (`docs/study/models/<run>/results.json`) and its bench (`docs/bench/<run>/bench.json`).
+
+`python -m kvrag.lab.results` prints the table; a test checks that the README holds exactly what it prints, so the
+README's figures are the runs' figures.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+# (model as shown, study run, bench run), under docs/study/models/ and docs/bench/
+RUNS = (
+    ("Qwen2.5-Coder-0.5B (`qwen2.5-coder-0.5b`, bfloat16)", "q05-seed1", "q05"),
+    ("SmolLM2-135M (embedded, float32)", "s135-seed1", "s135"),
+)
+BASELINES = (("full_prefill_top1 @ 0.05", "top chunk"), ("full_prefill_top3 @ 0.05", "top three"))
+
+
+def _study(run: str) -> dict[str, Any]:
+    return json.loads((ROOT / "docs" / "study" / "models" / run / "results.json").read_text())
+
+
+def _bench(run: str) -> dict[str, Any] | None:
+    path = ROOT / "docs" / "bench" / run / "bench.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _all(study: dict[str, Any]) -> dict[str, Any]:
+    """The study's group of every item."""
+    return next(g for g in study["groups"] if g["family"] == "all")
+
+
+def _cell(accuracy: float, ttft_s: float | None) -> str:
+    return f"{100 * accuracy:.0f}% ({ttft_s:.2f} s)" if ttft_s is not None else f"{100 * accuracy:.0f}%"
+
+
+def study_row(name: str, run: str) -> str:
+    """Right answers and the median first token of full prefill, the two baselines and the default."""
+    study = _study(run)
+    rows = study["strategies"]
+    full = _all(study)["full_prefill_accuracy"]
+    default = next(r for label, r in rows.items() if label.startswith("default"))
+    cells = [_cell(full, default["full_prefill_ttft_s"])]
+    cells += [_cell(rows[label]["accuracy"], rows[label]["ttft_s"]) for label, _ in BASELINES]
+    cells.append(f"**{_cell(default['accuracy'], default['ttft_s'])}**")
+    return f"| {name} | {' | '.join(cells)} |"
+
+
+def bench_row(name: str, run: str, context: int = 4000) -> str | None:
+    """Full prefill's and the default's first token and 32-token answer at about `context` tokens."""
+    bench = _bench(run)
+    if bench is None:
+        return None
+    size = min(bench["ttft"], key=lambda s: abs(s["context_tokens"] - context))
+    ttft, answer = size["ttft_s"], size.get("answer_s", {})
+    default = next(k for k in ttft if k.startswith("default"))
+    cells = [f"{size['context_tokens']:,}", f"{ttft['full_prefill']:.2f} s", f"{ttft[default]:.2f} s"]
+    cells.append(f"{ttft['full_prefill'] / ttft[default]:.1f}x")
+    if "full_prefill" in answer and default in answer:
+        cells.append(f"{answer['full_prefill']:.2f} s against {answer[default]:.2f} s")
+    else:
+        cells.append("-")
+    return f"| {name} | {' | '.join(cells)} |"
+
+
+def table() -> str:
+    """The README's two tables: quality per model on the study's fresh draw, speed per model from the bench."""
+    study = _study(RUNS[0][1])
+    lines = [
+        f"Right answers and median first token, {_all(study)['n']} items of the eight built-in "
+        f"sets (`kvrag study --data builtin:all --limit 8 --seed 1`, {study['threads']} threads):",
+        "",
+        "| model | full prefill | full prefill, top chunk | full prefill, top three | the default |",
+        "|---|---|---|---|---|",
+        *(study_row(name, study_run) for name, study_run, _ in RUNS),
+    ]
+    benches = [(name, bench_row(name, run)) for name, _, run in RUNS]
+    benches = [(name, row) for name, row in benches if row is not None]
+    if benches:
+        machine = _bench(next(run for name, _, run in RUNS if any(name == b for b, _ in benches)))["machine"]
+        lines += [
+            "",
+            f"Time to first token and to a 32-token answer (`kvrag bench`; {machine.get('cpu', machine['platform'])}, "
+            f"{machine['threads']} threads):",
+            "",
+            "| model | context tokens | full prefill | the default | first token | whole answer |",
+            "|---|---|---|---|---|---|",
+            *(row for _, row in benches),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(table(), end="")

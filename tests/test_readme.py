@@ -1,0 +1,35 @@
+"""The README as written: its results are the committed runs' (made by `kvrag.lab.results`), and every Python
+snippet runs as it stands, in a fresh folder, on the embedded default model."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvrag.lab.results import table
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+TEXT = README.read_text(encoding="utf-8")
+SNIPPETS = re.findall(r"```python\n(.*?)```", TEXT, flags=re.S)
+
+
+def test_the_results_are_what_the_committed_runs_give():
+    block = re.search(r"<!-- results:.*?-->\n(.*?)<!-- /results -->", TEXT, flags=re.S)
+    assert block is not None and block.group(1) == table()
+
+
+def test_the_readme_is_a_page_not_a_notebook():
+    assert len(TEXT.splitlines()) <= 130 and len(SNIPPETS) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(2))
+def test_each_snippet_runs_as_written(index, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    exec(compile(SNIPPETS[index], f"README.md snippet {index + 1}", "exec"), {"__name__": "readme"})
+    out = capsys.readouterr().out
+    assert out.strip()
+    if index == 0:
+        assert "Orin Dask" in out.splitlines()[0] and (tmp_path / "my-index").is_dir()
+    else:
+        assert "Rome" in out
