@@ -163,13 +163,15 @@ def test_the_forward_benchmark_runs_the_linear_layers_or_the_norms_both_ways_and
 
     from kvrag import KVModel
     from kvrag.cpu import cbf16
-    from kvrag.cpu.linear import PrefillLinear
-    from kvrag.cpu.norm import is_prefill_norm
+    from kvrag.cpu.linear import PrefillLinear, use_prefill_linears
+    from kvrag.cpu.norm import is_prefill_norm, use_prefill_norms
     from kvrag.lab.bench.forward import forward_benchmark
 
     if not cbf16.prefill_linear_available():
         pytest.skip("no AVX512-BF16 CPU or no compiler")
     kv = KVModel(copy.deepcopy(tiny_model("llama")).to(torch.bfloat16), byte_tokenizer())
+    use_prefill_linears(kv.model)  # what the engine installs where the kernels beat torch (not on an AMX CPU)
+    use_prefill_norms(kv.model)
     swapped = [m for m in kv.model.modules() if type(m) is PrefillLinear]
     assert swapped
     lines: list[str] = []

@@ -79,6 +79,7 @@ def _bfloat16_prefill(
     it is causal as sdpa's is (transformers' own rule, keys cut to the queries' length when there are more)."""
     if (
         query.device.type != "cpu"
+        or not getattr(module, "_kvrag_c_attention", True)
         or query.dtype != torch.bfloat16
         or query.shape[2] < 2  # one query token: the decode path
         or dropout
@@ -96,8 +97,12 @@ def _bfloat16_prefill(
     return cbf16.prefill_attention(query, key, value, attention_mask, scale, causal)
 
 
-def use_gqa_sdpa(model: Any) -> None:
-    """Switch a model loaded with sdpa attention to `kvrag_sdpa` (same outputs bitwise); others are left as they are."""
+def use_gqa_sdpa(model: Any, c_attention: bool = True) -> None:
+    """Switch a model loaded with sdpa attention to `kvrag_sdpa` (same outputs bitwise); others are left as they are.
+    `c_attention=False` keeps a bfloat16 prefill's attention on torch's kernel instead of kvrag's C one."""
+    for module in model.modules():
+        if hasattr(module, "is_causal") and hasattr(module, "scaling"):  # an attention module of transformers
+            module._kvrag_c_attention = c_attention
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return
     from transformers import AttentionInterface

@@ -61,7 +61,7 @@ def bench_row(name: str, run: str, context: int = 4000) -> str | None:
     cells = [f"{size['context_tokens']:,}", f"{ttft['full_prefill']:.2f} s", f"{ttft[default]:.2f} s"]
     cells.append(f"{ttft['full_prefill'] / ttft[default]:.1f}x")
     if "full_prefill" in answer and default in answer:
-        cells.append(f"{answer['full_prefill']:.2f} s against {answer[default]:.2f} s")
+        cells.append(f"{answer['full_prefill']:.2f} s, {answer[default]:.2f} s")
     else:
         cells.append("-")
     return f"| {name} | {' | '.join(cells)} |"
@@ -87,7 +87,8 @@ def table() -> str:
             f"Time to first token and to a 32-token answer (`kvrag bench`; {machine.get('cpu', machine['platform'])}, "
             f"{machine['threads']} threads):",
             "",
-            "| model | context tokens | full prefill | the default | first token | whole answer |",
+            "| model | context tokens | full prefill, first token | the default, first token | speed-up | "
+            "32-token answer: full prefill, the default |",
             "|---|---|---|---|---|---|",
             *(row for _, row in benches),
         ]

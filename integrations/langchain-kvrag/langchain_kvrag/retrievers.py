@@ -17,7 +17,7 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field
 
-from langchain_kvrag._arguments import refuse_unknown
+from langchain_kvrag._arguments import OpenedFromIndex, refuse_unknown
 
 
 def to_document(source: Source) -> Document:
@@ -30,7 +30,7 @@ def to_document(source: Source) -> Document:
 SEARCH_KWARGS = ("k", "filter", "filters", "bm25")  # a call's keyword arguments, and `search_kwargs`' keys
 
 
-class KVRAGRetriever(BaseRetriever):
+class KVRAGRetriever(OpenedFromIndex, BaseRetriever):
     """The top-k chunks of a kvrag index, best first, as Documents.
 
     Each Document carries the chunk text as `page_content` and the chunk's metadata plus `"id"` (the chunk
@@ -94,21 +94,6 @@ class KVRAGRetriever(BaseRetriever):
     def get_lc_namespace(cls) -> list[str]:
         return ["langchain_kvrag", "retrievers"]
 
-    def to_json(self) -> Any:
-        if self.index is None:  # an in-memory engine: nothing on disk to reopen it from
-            return self.to_json_not_implemented()
-        return super().to_json()
-
-    def __reduce__(self) -> Any:
-        if self.index is None:
-            raise TypeError(
-                "a KVRAGRetriever over an engine without a folder cannot be pickled (its index lives in this process "
-                "only): build the engine with a path, KVRAG.from_defaults(path), and pickling reopens it there"
-            )
-        return (_reopen, (type(self), self.model_dump(exclude={"engine"}, exclude_unset=True) | {"index": self.index}))
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> KVRAGRetriever:
-        return self.model_copy()  # the engine is shared, never copied
 
     def _search(self, query: str, arguments: dict[str, Any]) -> list[Document]:
         call = _search_arguments(arguments, "a call")
@@ -154,7 +139,3 @@ def _search_arguments(arguments: Any, where: str) -> dict[str, Any]:
         raise InvalidRequestError(f"bm25 must be True or False, got {out['bm25']!r}")
     return out
 
-
-def _reopen(cls: type[KVRAGRetriever], config: dict[str, Any]) -> KVRAGRetriever:
-    """Unpickling: the retriever's configuration, its engine reopened from the index folder."""
-    return cls(**config)

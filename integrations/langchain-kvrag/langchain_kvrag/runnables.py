@@ -27,7 +27,7 @@ from langchain_core.runnables.utils import AddableDict, ConfigurableFieldSpec
 from pydantic import ConfigDict, Field
 from typing_extensions import NotRequired, TypedDict
 
-from langchain_kvrag._arguments import refuse_unknown
+from langchain_kvrag._arguments import OpenedFromIndex, refuse_unknown
 from langchain_kvrag.callbacks import AsyncGenerationRun, GenerationRun, ModelCall
 
 # Fields a call may override through `config["configurable"]`, under these ids.
@@ -58,7 +58,7 @@ class _Request:
     options: dict[str, Any]  # the request's options (KVRAG.stream_over)
 
 
-class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
+class KVRAGRunnable(OpenedFromIndex, RunnableSerializable[KVRAGInput, KVRAGOutput]):
     """Answer questions with a kvrag engine, over its own retrieval or over documents you pass.
 
     Input:
@@ -163,22 +163,6 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
     def get_lc_namespace(cls) -> list[str]:
         return ["langchain_kvrag", "runnables"]
 
-    def to_json(self) -> Any:
-        if self.index is None:  # an in-memory engine: nothing on disk to reopen it from
-            return self.to_json_not_implemented()
-        return super().to_json()
-
-    def __reduce__(self) -> Any:
-        if self.index is None:
-            raise TypeError(
-                "a KVRAGRunnable over an engine without a folder cannot be pickled (its model, index and KV live "
-                "in this process only): build the engine with a path, KVRAG.from_defaults(path), and pickling "
-                "reopens it there"
-            )
-        return (_reopen, (type(self), self.model_dump(exclude={"engine"}, exclude_unset=True) | {"index": self.index}))
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> KVRAGRunnable:
-        return self.model_copy()  # the engine is shared, never copied
 
     @property
     def config_specs(self) -> list[ConfigurableFieldSpec]:
@@ -405,10 +389,6 @@ class KVRAGRunnable(RunnableSerializable[KVRAGInput, KVRAGOutput]):
         async for chunk in self._atransform_stream_with_config(single(), self._astream, config, **kwargs):
             yield chunk
 
-
-def _reopen(cls: type[KVRAGRunnable], config: dict[str, Any]) -> KVRAGRunnable:
-    """Unpickling: the runnable's configuration, its engine reopened from the index folder."""
-    return cls(**config)
 
 
 def _describe(value: Any) -> str:
