@@ -128,13 +128,16 @@ def _machine(kv: KVModel) -> dict[str, Any]:
 
 
 def cpu_name() -> str:
-    """The CPU's model name and whether it has AVX512-BF16 (what the bfloat16 kernels need), from /proc/cpuinfo."""
+    """The CPU's model name and whether it has AVX512-BF16 (what kvrag's bfloat16 kernels need) and AMX-BF16 (where
+    a bfloat16 prefill is left to torch), from /proc/cpuinfo."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine()
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-    return f"{name or platform.machine()}{', AVX512-BF16' if 'avx512_bf16' in info else ''}"
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    extras = [label for flag, label in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16")) if flag in flags]
+    return ", ".join([name or platform.machine(), *extras])
 
 
 def _decoding(kv: KVModel) -> str:
