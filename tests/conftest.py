@@ -27,3 +27,15 @@ def kv():
     from kvrag import KVModel
 
     return KVModel(tiny_model("llama"), byte_tokenizer())
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Said at the end of the run, where a newcomer reads: without redis-server the Redis store tests were skipped."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        terminalreporter.write_line(
+            "kvrag: the Redis store tests were skipped: redis-server is not installed "
+            "(`apt-get install redis-server`, as .ci/run does)",
+            yellow=True,
+        )
