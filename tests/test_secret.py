@@ -117,3 +117,12 @@ def test_a_failed_ingest_removes_the_entries_it_wrote_and_says_so(kv, tmp_path, 
     with pytest.raises(StoreError, match="the entries this ingest wrote were removed"):
         rag.ingest(FACTS, progress=False)
     assert list(rag.store.keys()) == [] and len(rag.index) == 0
+
+
+def test_first_uses_at_once_agree_on_one_whole_key(config):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        keys = list(pool.map(lambda _: user_key(), range(32)))
+    assert len(set(keys)) == 1 and len(keys[0]) == 64
+    assert [p.name for p in user_key_path().parent.iterdir()] == ["key"]  # no temporary file left

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+import tempfile
 from pathlib import Path
 
 from kvrag.errors import InvalidRequestError
@@ -30,19 +31,25 @@ def user_key() -> bytes:
     """The user's key, made on first use (hex of 32 random bytes, mode 0600, in a folder of mode 0700). A key file
     that others may read, or that is not a regular file of the user's, is refused: it would key nothing."""
     path = user_key_path()
-    try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    except FileExistsError:
-        pass
-    except OSError as err:
-        raise InvalidRequestError(
-            f"cannot make the user's kvrag key at {path}: {err.strerror}; give a secret instead (--secret-file, "
-            "secret=)"
-        ) from None
-    else:
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_hex(KEY_BYTES))
+    if not os.path.lexists(path):
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # written whole under a temporary name, then linked into place: a process that reads it never sees
+            # part of a key, and of two first uses at once one key wins (the other's link fails, it reads the winner)
+            fd, tmp = tempfile.mkstemp(prefix=".key.", dir=path.parent)  # 0600
+            try:
+                with os.fdopen(fd, "w") as out:
+                    out.write(secrets.token_hex(KEY_BYTES))
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+        except OSError as err:
+            raise InvalidRequestError(
+                f"cannot make the user's kvrag key at {path}: {err.strerror}; give a secret instead (--secret-file, "
+                "secret=)"
+            ) from None
     return _read_key(path)
 
 
