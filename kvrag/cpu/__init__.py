@@ -5,10 +5,12 @@ returns its result, or declines (None or False) and the caller's torch path runs
 behind the door (see README.md beside this file): module swaps for a bfloat16 prefill (attention without copying
 the kv heads, linear layers, RMSNorms, rotary, the MLP's SiLU(gate) * up), a decode step in C or compiled, the key
 rotation and the stitch of a reused cache in one pass, a whole bfloat16 prefill in one C call, and a paged write for
-serving engines. The C sources are in `csrc/`, built once per machine by `ckernel` on first use.
+serving engines. The C sources are in `csrc/`, built once per machine (`cbuild`) on first use.
 
-Switch it off per model with `install(model, enabled=False)`, which `KVModel(..., cpu_kernels=False)` and the CLI's
-`--no-cpu-kernels` call: nothing is swapped, nothing is built, and every answer runs on transformers' forward.
+Where torch is faster it steps aside: on a CPU with AMX-BF16 a bfloat16 prefill is left to torch
+(`bf16_prefill_kernels_preferred`). Switch it off per model with `install(model, enabled=False)`, which
+`KVModel(..., cpu_kernels=False)` and the CLI's `--no-cpu-kernels` call: nothing is swapped, nothing is built,
+and every answer runs on transformers' forward.
 """
 
 from __future__ import annotations
