@@ -111,6 +111,10 @@ class Answer:
     stats: AnswerStats
     sources: list[Source] = field(default_factory=list)  # retrieved chunks, in the order they were given
     parts: list[Answer] = field(default_factory=list)  # a question answered a part at a time: each part's Answer
+    # how the parts' answers became `text`: "lines" (a line each), "code" (a comparison decided from their numbers),
+    # "hops" (a chain of hops: the last hop's answer),
+    # "model" (a comparison asked whole over the parts' answers: that pass's Answer is the last of `parts`)
+    composed: str | None = None
 
     @classmethod
     def no_context(cls, retrieve_s: float = 0.0) -> Answer:
@@ -125,7 +129,7 @@ class Answer:
             "finish_reason": self.finish_reason,
             "sources": [asdict(s) for s in self.sources],
             "stats": self.stats.to_dict(),
-            **({"parts": [p.to_dict() for p in self.parts]} if self.parts else {}),
+            **({"parts": [p.to_dict() for p in self.parts], "composed": self.composed} if self.parts else {}),
         }
 
 

@@ -74,6 +74,21 @@ def add_info(sub: Any) -> None:
     info.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
 
 
+def add_verify(sub: Any) -> None:
+    """`kvrag verify`."""
+    verify = sub.add_parser(
+        "verify", help="read every indexed chunk's stored KV and check it (keyed checksum, its own tokens)"
+    )
+    verify.add_argument("--index", required=True, type=Path, help="the index folder (`kvrag ingest` builds one)")
+    verify.add_argument("--redis", default=None, metavar="URL", help="check the chunk KV in Redis (as given to ingest)")
+    verify.add_argument(
+        "--repair", action="store_true", help="re-encode every entry that fails and write it back (else: exit 1)"
+    )
+    secret_arg(verify)
+    verify.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    verify.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+
+
 def add_gc(sub: Any) -> None:
     """`kvrag gc`."""
     gc = sub.add_parser(
@@ -265,6 +280,24 @@ def _info(args: argparse.Namespace) -> None:
         )
 
 
+def _verify(args: argparse.Namespace) -> None:
+    rag = open_index(args, read_only=not args.repair)
+    done = rag.verify(repair=args.repair)
+    print(
+        f"{args.index}: checked {done['checked']} chunks' KV in {rag.info()['kv_store']}: {done['ok']} ok, "
+        f"{done['damaged']} damaged, {done['missing']} not stored (computed when first read)"
+        + (f", {done['repaired']} re-encoded and written back" if done["repaired"] else "")
+    )
+    if done["damaged"] and not done["repaired"]:
+        shown = ", ".join(done["damaged_chunks"][:10]) + (" ..." if done["damaged"] > 10 else "")
+        print(
+            f"kvrag: {done['damaged']} stored entries failed their check ({shown}): every query recomputes them "
+            f"until they are rewritten. Run `kvrag verify --index {args.index} --repair`",
+            file=sys.stderr,
+        )
+        raise SystemExit(1)
+
+
 def _gc(args: argparse.Namespace) -> None:
     if args.redis and not args.exclusive:
         raise InvalidRequestError(
@@ -283,5 +316,6 @@ def _gc(args: argparse.Namespace) -> None:
 COMMANDS = {
     "ingest": _ingest,
     "info": _info,
+    "verify": _verify,
     "gc": _gc,
 }

@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench.add_bench,
         study.add_study,
         index.add_info,
+        index.add_verify,
         index.add_gc,
     )
     for add in adders:

@@ -64,6 +64,7 @@ class Querying:
         self,
         question: str,
         *,
+        parts: str | Sequence[str] | None = None,
         started_at: float | None = None,
         phases: Phases | None = None,
         top_k: int = 5,
@@ -77,16 +78,74 @@ class Querying:
         `options` are the request's (`KVModel.stream`: strategy, picker, budget, strict and decoding). With
         no `strategy`, the index's tuned default runs (`kvrag tune`), else the model's shipped default
         (`kvrag.plan.defaults`: target_only on the named models, target_recompute on others); a `budget` or
-        `picker` left out comes with that default. A stream answers whole (`query` splits as the default says).
+        `picker` left out comes with that default.
+
+        `parts`: answer a part at a time (`KVModel.answer`'s `parts`: a list of part questions, or "auto" for the
+        built-in splitter). The chunks are retrieved once for the whole question and their KV read once; each
+        part's retrieval scores are its own question's against those chunks, so each part picks its own target,
+        and a hop retrieves again with the previous part's answer in its question. None with no strategy named:
+        as the default says (the shipped defaults say "auto"). A question answered in parts is streamed as one
+        piece, its composed text, once every part is answered (a comparison's or a hop's text is known only then).
         """
         t0 = started_at if started_at is not None else time.perf_counter()
         request = Request.of(question, **options)  # checked before any retrieval work
+        split_parts = self._parts(question, parts, options)
         with self._admitted():
             sources = self.retrieve(question, top_k=top_k, filters=filters, bm25=_bm25_flag(bm25, hybrid))
             if not sources:
                 raise NoMatchError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
             request.with_chunks([s.text for s in sources], [s.score for s in sources])
-            yield from self._answer(request, sources, t0, time.perf_counter() - t0, phases)
+            if split_parts is None:
+                yield from self._answer(request, sources, t0, time.perf_counter() - t0, phases)
+                return
+
+            def retrieve(part: str) -> pipeline.Retrieved | None:  # a hop's own retrieval
+                found = self.retrieve(part, top_k=top_k, filters=filters, bm25=_bm25_flag(bm25, hybrid))
+                if not found:
+                    return None
+                texts = [s.text for s in found]
+                return pipeline.Retrieved(texts, [s.score for s in found], self.source.chunks(texts), found)
+
+            yield from self._answer_parts(request, split_parts, sources, t0, time.perf_counter() - t0, retrieve)
+
+    def _parts(self, question: str, parts: Any, options: Mapping[str, Any]) -> list[Part] | None:
+        """The parts a question is answered in: the caller's, else the default's when no strategy is named."""
+        if parts is None and options.get("strategy") in (None, "default"):  # the default may split questions
+            parts = default_parts(self.defaults or shipped_default(self.kvmodel.fingerprint.weights))
+        return None if parts is None else resolve_parts(question, parts)
+
+    def _answer_parts(
+        self,
+        request: Request,
+        parts: list[Part],
+        sources: list[Source],
+        t0: float,
+        retrieve_s: float,
+        retrieve: Any = None,
+        given: Chunks | None = None,
+    ) -> Iterator[str | Answer]:
+        """The parts answered over the request's chunks, then their composed text as one piece and the Answer."""
+        request.with_default(self.defaults)
+        vectors = torch.as_tensor(self.embedder.embed([str(t) for t in request.chunks or []]))
+
+        def scores_of(part: str) -> list[float]:
+            return (vectors @ torch.as_tensor(self.embedder.embed([part]))[0]).tolist()
+
+        answer = pipeline.answer_parts(
+            self.kvmodel,
+            request,
+            parts,
+            given if given is not None else self.source.chunks(request.chunks),
+            self.executor,
+            started_at=t0,
+            scores_of=scores_of,
+            retrieve=retrieve,
+            sources=sources,
+            retrieve_s=retrieve_s,
+        )
+        if answer.text:
+            yield answer.text
+        yield answer
 
     @contextlib.contextmanager
     def _admitted(self) -> Iterator[None]:
@@ -124,58 +183,8 @@ class Querying:
         )
 
     def query(self, question: str, *, parts: str | Sequence[str] | None = None, **kwargs: Any) -> Answer:
-        """Retrieve and answer; the arguments are those of `stream`.
-
-        `parts`: answer a part at a time (`KVModel.answer`'s `parts`: a list of part questions, or "auto" for the
-        built-in splitter). The chunks are retrieved once for the whole question and their KV read once; each
-        part's retrieval scores are its own question's against those chunks, so each part picks its own target.
-        None with no strategy named: as the default says (the index's tuned one, else the model's shipped one;
-        "auto" on Qwen2.5-Coder-0.5B). `stream` answers whole.
-        """
-        if parts is None and kwargs.get("strategy") in (None, "default"):  # the default may split questions
-            parts = default_parts(self.defaults or shipped_default(self.kvmodel.fingerprint.weights))
-        if parts is None:
-            return last_answer(self.stream(question, **kwargs))
-        split_parts = resolve_parts(question, parts)
-        if split_parts is None:
-            return last_answer(self.stream(question, **kwargs))
-        return self._query_parts(question, split_parts, **kwargs)
-
-    def _query_parts(
-        self,
-        question: str,
-        parts: list[Part],
-        *,
-        top_k: int = 5,
-        filters: Filters | None = None,
-        bm25: bool = False,
-        hybrid: bool | None = None,
-        **options: Any,
-    ) -> Answer:
-        t0 = time.perf_counter()
-        request = Request.of(question, **options)
-        with self._admitted():
-            sources = self.retrieve(question, top_k=top_k, filters=filters, bm25=_bm25_flag(bm25, hybrid))
-            if not sources:
-                raise NoMatchError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
-            request.with_chunks([s.text for s in sources], [s.score for s in sources])
-            request.with_default(self.defaults)
-            vectors = torch.as_tensor(self.embedder.embed([s.text for s in sources]))
-
-            def scores_of(part: str) -> list[float]:
-                return (vectors @ torch.as_tensor(self.embedder.embed([part]))[0]).tolist()
-
-            return pipeline.answer_parts(
-                self.kvmodel,
-                request,
-                parts,
-                self.source.chunks(request.chunks),
-                self.executor,
-                started_at=t0,
-                scores_of=scores_of,
-                sources=sources,
-                retrieve_s=time.perf_counter() - t0,
-            )
+        """Retrieve and answer; the arguments are those of `stream` (`parts` too)."""
+        return last_answer(self.stream(question, parts=parts, **kwargs))
 
     def stream_over(
         self,
@@ -186,12 +195,14 @@ class Querying:
         started_at: float | None = None,
         retrieve_s: float = 0.0,
         phases: Phases | None = None,
+        parts: str | Sequence[str] | None = None,
         **options: Any,
     ) -> Iterator[str | Answer]:
         """`stream` over caller-given chunks (no retrieval); their KV comes from the store when stored.
 
         `chunks` are texts, or the `Source`s of a `retrieve` the caller ran itself (their ids, scores and
-        metadata are kept; `retrieve_s` is the seconds it took, reported in the stats).
+        metadata are kept; `retrieve_s` is the seconds it took, reported in the stats). `parts` as in `stream`,
+        over these chunks only (a hop retrieves nothing: its question is scored against them).
         """
         t0 = started_at if started_at is not None else time.perf_counter()
         if isinstance(chunks, (str, bytes, bytearray, Mapping)) or not isinstance(chunks, Iterable):
@@ -206,12 +217,16 @@ class Querying:
         if retrieved and scores is None:
             scores = [c.score for c in chunks]
         request = Request.of(question, texts, scores=scores, **options)
+        split_parts = self._parts(question, parts, options)
         with self._admitted():
             given = self.source.chunks(request.chunks)  # tokenized once: the keys here, the KV in the pipeline
             if retrieved:
                 sources = [replace(c, metadata=dict(c.metadata)) for c in chunks]
             else:
                 sources = self._sources_of(request, given)
+            if split_parts is not None:
+                yield from self._answer_parts(request, split_parts, sources, t0, retrieve_s, given=given)
+                return
             yield from self._answer(request, sources, t0, retrieve_s, phases, given)
 
     def _sources_of(self, request: Request, given: Chunks) -> list[Source]:

@@ -455,6 +455,45 @@ class KVRAG(Ingesting, Querying):
             temp = sum(len(d.stale_temp_files(remove=not dry_run)) for d in _disk_stores(self.store))
         return {"orphan_entries": len(orphans), "temp_files": temp}
 
+    def verify(self, *, repair: bool = False) -> dict[str, Any]:
+        """Read every indexed chunk's stored KV and check it (its keyed checksum, and that it holds the chunk's own
+        tokens); with `repair`, re-encode each entry that fails and write it back.
+
+        Returns the counts (`checked`, `ok`, `damaged`, `missing`: indexed, not stored, as in an index with KV on
+        demand or a bounded store that evicted it; recomputed when read, never an error) and `damaged_chunks`, the
+        chunk ids of the failed entries, and `repaired`. A store that cannot be read raises StoreError.
+        """
+        if repair:
+            self._check_writable("repair entries")
+        with self._lock:
+            records = sorted(self.index.records.values(), key=lambda r: r.id)
+        ok, missing, damaged = 0, 0, []
+        with warnings.catch_warnings():  # each failure is reported in the result, not warned about one by one
+            warnings.simplefilter("ignore", StoreWarning)
+            for record in records:
+                ids = self.kvmodel.chunk_ids(0, record.text)
+                if self.source.key(ids) != record.key or not self.source.holds(record.key):
+                    missing += 1  # another model's or prefix's key cannot be read here: recomputed when used
+                elif self.source.load(record.key, ids) is None:
+                    damaged.append((record, ids))
+                else:
+                    ok += 1
+        repaired = 0
+        if repair and damaged:
+            with self._writing():
+                for record, _ in damaged:
+                    self.store.delete(record.key)  # the bad entry goes first: a tier must not serve it again
+                self.source.encode_and_store([ids for _, ids in damaged], [r.key for r, _ in damaged])
+            repaired = len(damaged)
+        return {
+            "checked": len(records),
+            "ok": ok,
+            "damaged": len(damaged),
+            "missing": missing,
+            "repaired": repaired,
+            "damaged_chunks": [r.id for r, _ in damaged],
+        }
+
     def info(self) -> dict[str, Any]:
         """Counts, bytes and the model fingerprint; the store's entries, and how many are orphans (no indexed
         chunk refers to them: `gc` removes them) or missing (indexed, not stored: recomputed when read)."""

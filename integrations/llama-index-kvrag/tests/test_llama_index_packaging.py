@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 
 MODULES = ["llama_index.llms.kvrag", "llama_index.embeddings.kvrag", "llama_index.retrievers.kvrag"]
-MODULES += ["llama_index.query_engine.kvrag"]
+MODULES += ["llama_index.query_engine.kvrag", "llama_index.question_gen.kvrag"]
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
 

@@ -450,6 +450,7 @@ class _ItemRun:
         return {
             **self.record_head(row, key),
             "parts": len(answers) if parts is not None else 0,  # 0: answered whole (the splitter left it)
+            "composed": answer.composed,  # lines, code (a comparison decided from numbers) or model
             "own_order": list(answers[0].stats.order),
             "own_order_full_prefill_correct": base.correct,
             "full_prefill_text": base.text,
