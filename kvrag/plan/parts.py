@@ -48,7 +48,8 @@ _HAS = re.compile(rf"^{_ONE}\s+(?P<has>has|have)\s+(?:the\s+)?(?P<cmp>{'|'.join(
                   re.IGNORECASE)
 # adjective -> (what "How ... is A?" asks, which wins)
 _MEASURE = {"longer": ("long", "max"), "shorter": ("long", "min"), "taller": ("tall", "max"), "older": ("old", "max"),
-            "younger": ("old", "min"), "bigger": ("big", "max"), "larger": ("large", "max"), "smaller": ("large", "min"),
+            "younger": ("old", "min"), "bigger": ("big", "max"), "larger": ("large", "max"),
+            "smaller": ("large", "min"),
             "heavier": ("heavy", "max"), "lighter": ("heavy", "min"), "wider": ("wide", "max"),
             "deeper": ("deep", "max"), "higher": ("high", "max"), "farther": ("far", "max")}
 # "Which river is longer": asked "How long is A?"
@@ -221,8 +222,8 @@ def _num(value: float | None) -> str:
 
 def compose(parts: Sequence[Part], answers: Sequence[str]) -> str:
     """One reply from the parts' answers: a comparison decided in code where its answers give the numbers (see
-    `decide`); a chain of hops, the last hop's answer; else a line each, in the parts' order (each part's question and its own answer stay in
-    `Answer.parts`)."""
+    `decide`); a chain of hops, the last hop's answer; else a line each, in the parts' order (each part's question
+    and its own answer stay in `Answer.parts`)."""
     if len(parts) != len(answers):
         raise ValueError(f"{len(parts)} parts and {len(answers)} answers")
     decided = decide(parts, answers)

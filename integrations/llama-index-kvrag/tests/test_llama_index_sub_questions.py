@@ -60,7 +60,8 @@ def test_sub_question_engine_over_kvrag_reads_every_chunk_kv_from_the_one_store(
     response = engine.query("Who built the lighthouse of Karsa, and who runs Velloria's harbour?")
     nodes = [n.node.get_content() for n in response.source_nodes]
     asked = [n for n in nodes if n.startswith("Sub question:")]  # beside them, each tool call's retrieved nodes
-    assert len(asked) == 2 and len(nodes) == 2 + 2 * 2 and asked[0].startswith("Sub question: Who built the lighthouse of Karsa?")
+    assert len(asked) == 2 and len(nodes) == 2 + 2 * 2
+    assert asked[0].startswith("Sub question: Who built the lighthouse of Karsa?")
     assert asked[1].startswith("Sub question: Who runs Velloria's harbour?")
     assert "Mira Holt" in asked[0] and "Orin Dask" in asked[1]  # each sub-answer holds its fact
     assert rag.info()["store_hits"] - hits == 4  # two chunks a sub-question, each read from the store
