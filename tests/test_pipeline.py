@@ -204,3 +204,41 @@ def test_a_prompt_that_does_not_fit_is_refused_before_any_work(kv):
     with pytest.raises(Exception, match="token context"):
         pipeline_answer(kv, request, chunks, HFExecutor(kv))
     assert chunks.encoded == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_the_likelihood_pickers_pass_over_the_winner_is_the_answers_prefill(name):
+    kv = KVModel(tiny_model(name), byte_tokenizer())
+    source = ChunkSource(kv, MemoryStore())
+    calls = []
+    forward = HFExecutor.prefill
+    executor = kv.executor
+
+    def counted(self, job, **kw):
+        calls.append(job)
+        return forward(self, job, **kw)
+
+    picked = pipeline.last_answer(
+        pipeline.stream(kv, Request.of(Q, TEXTS, strategy="target_only", picker="likelihood", **GEN),
+                        source.chunks(TEXTS), executor, started_at=time.perf_counter())
+    )
+    HFExecutor.prefill = counted
+    try:
+        again = pipeline.last_answer(
+            pipeline.stream(kv, Request.of(Q, TEXTS, strategy="target_only", picker="likelihood", **GEN),
+                            source.chunks(TEXTS), executor, started_at=time.perf_counter())
+        )
+        assert calls == []  # no prefill of its own: the picker's pass was it
+        given = pipeline.last_answer(
+            pipeline.stream(kv, Request.of(Q, TEXTS, strategy="target_only", target=picked.stats.target,
+                                           picker="oracle", **GEN),
+                            source.chunks(TEXTS), executor, started_at=time.perf_counter())
+        )
+        assert len(calls) == 1  # the same chunk picked another way: the executor's prefill
+    finally:
+        HFExecutor.prefill = forward
+    assert again.token_ids == picked.token_ids == given.token_ids and given.stats.target == picked.stats.target
+    one = [TEXTS[picked.stats.target]]
+    alone = pipeline.last_answer(pipeline.stream(kv, Request.of(Q, one, strategy="full_prefill", **GEN),
+                                                 source.chunks(one), executor, started_at=time.perf_counter()))
+    assert picked.token_ids == alone.token_ids  # exactly full prefill over the picked chunk

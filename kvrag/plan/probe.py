@@ -24,7 +24,7 @@ from kvrag.compat import with_cache
 from kvrag.model.encode import stacked_kv
 from kvrag.model.rope import Repositioner
 from kvrag.run.batch import PaddedBatch
-from kvrag.run.recompute import as_cache, full_prefill, recompute
+from kvrag.run.recompute import Prefill, as_cache, full_prefill, recompute
 
 if TYPE_CHECKING:
     from kvrag.model.kvmodel import KVModel
@@ -109,6 +109,9 @@ class Probe:
         self.chunk_prefix = chunk_prefix or prefix  # what the chunks were encoded behind (the prefix and a lead)
         self.question = question  # the question's text, for pickers that read words
         self.lock = lock or contextlib.nullcontext()  # the model's lock, taken by each measurement
+        # the last question-likelihood pass: per scored chunk, (batch, row, [V] logits of the suffix's last token):
+        # behind the prefix, that chunk's stored KV and the whole suffix, the prefill of `target_only` over it
+        self.suffix_rows: dict[int, tuple[PaddedBatch, int, torch.Tensor]] = {}
 
     @classmethod
     def of(cls, kvmodel: KVModel, chunks: Chunks, suffix_ids: Sequence[int], question: str) -> Probe:
@@ -235,7 +238,20 @@ class Probe:
             f"{self.num_layers} layers"
         )
         out[scored] = picked.mean(-1).cpu()
+        last = logits[:, -1]
+        self.suffix_rows = {c: (batch, b, last[b]) for b, c in enumerate(scored)}
         return out
+
+    def suffix_pass(self, chunk: int, room: int) -> Prefill | None:
+        """The prefill of the prefix, `chunk`'s stored KV and the suffix, taken from the last question-likelihood
+        pass that scored it (its row's cache copied out with `room` slots; no forward), or None when none did or
+        the chunks were encoded behind a lead (their pass is then not the answer's prompt)."""
+        kept = self.suffix_rows.get(chunk)
+        if kept is None or self.chunk_prefix is not self.prefix:
+            return None
+        batch, b, logits = kept
+        cache, n = batch.row(b, len(self.suffix_ids), room)
+        return Prefill(logits=logits.view(1, -1), cache=cache, next_position=n, recomputed_tokens=0)
 
     @_measurement()
     def full_prefill_kv(self, order: Sequence[int], chunk: int) -> ChunkKV:

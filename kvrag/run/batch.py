@@ -132,6 +132,19 @@ class PaddedBatch:
             new.mask = None  # no row left is padded
         return new
 
+    def row(self, b: int, step: int, room: int) -> tuple[StitchedCache, int]:
+        """Row `b` with the `step` tokens appended after it, as a cache of its own (its padding dropped, its
+        tokens in logical order from slot 0) with `room` free slots after them, and its length."""
+        n = int(self.positions[b]) + step
+        pad = self.width - int(self.positions[b])
+        first = self.cache.layers[0]
+        keys = first._keys.new_empty((len(self.cache.layers), 1, first._keys.shape[1], n + room, first._keys.shape[3]))
+        values = first._values.new_empty((*keys.shape[:-1], first._values.shape[3]))
+        for i, layer in enumerate(self.cache.layers):
+            keys[i, 0, :, :n] = layer._keys[b, :, pad : self.width + step]
+            values[i, 0, :, :n] = layer._values[b, :, pad : self.width + step]
+        return StitchedCache(keys, values, n), n
+
     def reset(self) -> None:
         """Drop every token appended after the rows."""
         crop(self.cache, self.width)

@@ -20,7 +20,7 @@ from kvrag.plan.parts import Part, compose, decide
 from kvrag.plan.planner import Decision, make_plan
 from kvrag.plan.probe import Probe
 from kvrag.plan.request import Request
-from kvrag.run.executor import Executor, Job
+from kvrag.run.executor import Executor, HFExecutor, Job
 from kvrag.run.generate import Detokenizer, Sampling
 from kvrag.run.recompute import Prefill
 from kvrag.timing import Phases, phase
@@ -115,6 +115,10 @@ def prefill(
         with phase(phases, "plan"):  # outside the lock: a measurement takes it, reading the chunk KV it needs
             measure = probe.of(kvmodel, chunks, suffix, request.question)
             decision = plan(kvmodel, request, chunks, measure)
+        passed = _picked_pass(kvmodel, executor, decision, measure, room) if logits_to_keep == 1 else None
+        if passed is not None:  # the picker's pass over the winner was this prompt's prefill: no second forward
+            passed.prompt_ids = [*kvmodel.layout.prefix_ids, *chunks.ids[decision.plan.order[0]], *suffix]
+            return Prefilled(passed, decision, measure, chunks, len(chunks.ids[decision.plan.order[0]]))
         if not executor.reads_store:
             with phase(phases, "store load"):  # outside the lock: a slow store holds up this request only
                 chunks.prefetch(reused(decision))
@@ -133,6 +137,25 @@ def prefill(
     if out.prompt_ids is None:  # what decoding's prompt-lookup drafts are looked up in
         out.prompt_ids = [*kvmodel.layout.prefix_ids, *(t for ids in job.chunk_ids for t in ids), *job.suffix_ids]
     return Prefilled(out, decision, measure, chunks, job.context_tokens)
+
+
+def _picked_pass(kvmodel: KVModel, executor: Executor, decision: Decision, measure: Probe, room: int) -> Prefill | None:
+    """The prefill of a plan of one chunk's stored KV as is (`target_only`), when the question-likelihood picker's
+    pass already ran the suffix behind that chunk (`Probe.suffix_pass`), for an in-process executor; else None."""
+    plan_ = decision.plan
+    if (
+        not isinstance(executor, HFExecutor)
+        or plan_.full_prefill
+        or len(plan_.order) != 1
+        or plan_.recompute
+        or plan_.replace
+        or plan_.key_scale
+    ):
+        return None
+    with kvmodel.lock:
+        passed = measure.suffix_pass(plan_.order[0], cpu.decode_room(kvmodel.model, room))
+    measure.suffix_rows = {}  # the other rows' caches are not needed any more
+    return passed
 
 
 def check_fits(kvmodel: KVModel, chunks: Chunks, suffix: Sequence[int], max_new_tokens: int) -> None:
