@@ -139,7 +139,7 @@ def test_the_shipped_default_is_the_recipe_except_on_the_embedded_model():
     from kvrag.plan.defaults import EMBEDDED, RECIPE, shipped_default
 
     assert shipped_default(EMBEDDED_WEIGHTS) == EMBEDDED and EMBEDDED["strategy"] == "target_only"
-    assert EMBEDDED["picker"] == "likelihood"
+    assert EMBEDDED["picker"] == "gap"
     assert shipped_default("sha256:other") == RECIPE and RECIPE["strategy"] == "target_recompute"
 
 

@@ -139,8 +139,8 @@ def test_demo_runs_and_retrieves_the_targets(kv, capsys):
     assert out.count("holds the answer: True") == 6  # the retriever's top chunk and the default's pick, each time
     shipped = [r for r in records if r["strategy"] == "target_only"]  # the embedded model's default
     assert len(shipped) == 3 and all(r["order"] == [r["target"]] and r["recomputed_tokens"] == 0 for r in shipped)
-    assert all(r["picker"] == "likelihood" and r["target"] in range(3) for r in shipped)  # one of the best three
-    assert out.count("target_only:likelihood (default)") == 3
+    assert all(r["picker"] == "gap" and r["target"] in range(3) for r in shipped)  # one of the best three
+    assert out.count("target_only:gap (default)") == 3
     tr = [r for r in records if r["strategy"] == "target_recompute"]
     assert all(r["recomputed_tokens"] > 0 and r["order"][-1] == r["target"] == 0 for r in tr)
     # every chunk was stored at ingestion; a query reads only the chunks its plan reuses (none for full prefill)

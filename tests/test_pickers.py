@@ -8,7 +8,7 @@ from tiny import byte_tokenizer, tiny_model
 
 from kvrag import InvalidRequestError, KVModel
 from kvrag.cache.chunks import ChunkSource
-from kvrag.plan.pickers import LIKELIHOOD_CANDIDATES
+from kvrag.plan.pickers import GAP, LIKELIHOOD_CANDIDATES
 from kvrag.plan.probe import Probe
 
 
@@ -29,8 +29,8 @@ def test_pickers_and_their_errors(kv, enc):
     assert kv.answer(Q, enc, target=2, max_new_tokens=1).stats.picker == "oracle"
     with pytest.raises(
         InvalidRequestError,
-        match="unknown picker 'best': use one of attention, diverse2, fused, lexical, likelihood, likelihood2, oracle, "
-        "retriever, top2, top3",
+        match="unknown picker 'best': use one of attention, diverse2, fused, gap, lexical, likelihood, likelihood2, "
+        "oracle, retriever, top2, top3",
     ):
         kv.answer(Q, enc, picker="best", max_new_tokens=1)
     with pytest.raises(InvalidRequestError, match="oracle picker needs the known target"):
@@ -115,3 +115,16 @@ def test_the_diverse_picker_pairs_the_best_with_the_least_overlapping_of_the_nex
     run = kv.prefill("When was the lighthouse built and how many ships?", texts, strategy="set_recompute",
                      picker="diverse2", scores=[0.9, 0.8, 0.5, 0.6])
     assert run.decision.targets == [0, 2]
+
+
+def test_the_gap_picker_pays_the_likelihood_pass_only_where_the_retriever_is_unsure(kv, enc):
+    clear = [0.1, 0.1 + GAP + 0.01, 0.05, 0.0, 0.02]  # chunk 1 leads by more than GAP
+    sure = kv.answer(Q, enc, strategy="target_only", picker="gap", scores=clear, max_new_tokens=1)
+    assert sure.stats.target == 1 and sure.stats.extra_work == []  # the retriever's pick, no pass
+    close = [0.1, 0.1 + GAP - 0.01, 0.05, 0.0, 0.02]
+    unsure = kv.answer(Q, enc, strategy="target_only", picker="gap", scores=close, max_new_tokens=1)
+    likely = kv.answer(Q, enc, strategy="target_only", picker="likelihood", scores=close, max_new_tokens=1)
+    assert unsure.stats.target == likely.stats.target and unsure.stats.extra_work == likely.stats.extra_work != []
+    assert unsure.token_ids == likely.token_ids
+    ranked = kv.answer(Q, enc, strategy="target_only", picker="gap", max_new_tokens=1)  # no scores: the likelihood
+    assert ranked.stats.extra_work != []

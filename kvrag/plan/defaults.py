@@ -31,13 +31,17 @@ RECIPE: dict[str, Any] = {"strategy": "target_recompute", "picker": None, "budge
 # on 17 more items and 2 fewer than the retriever's pick, p = 0.0007, in the fifth run). A question that asks for
 # several things is split into parts, each answered so (docs/models.md: at seed 0 over the eight built-in sets,
 # 45% right against 25% whole and 22% for full prefill over the top three; lists 88% against 0%).
-EMBEDDED: dict[str, Any] = {"strategy": "target_only", "picker": "likelihood", "budget": 0.05, "parts": "auto"}
+# The picker is `gap` since the likelihood pass costs about a forward (0.45 s on the 0.5B, one thread, against
+# 0.23 s for the answer's own prefill): the retriever's pick where its score leads clearly, the likelihood's
+# elsewhere, which on seeds 0 and 1 picked the target as often as the likelihood did, or more (kvrag.plan.pickers).
+EMBEDDED: dict[str, Any] = {"strategy": "target_only", "picker": "gap", "budget": 0.05, "parts": "auto"}
 # Qwen2.5-Coder-0.5B-Instruct's, chosen on the built-in sets at seed 0 (64 items, eight families) and judged on
 # seed 1 (docs/models.md): the question split into parts where kvrag's splitter can, each part answered from the
 # one chunk (of the retriever's best three for that part) behind which the model finds it most likely. At seed 0
 # it answered 66% against full prefill's 41%, the top chunk's 31% and the top three's 38%, and every
 # multi-part family (lists 100% against 0%) more often than any answer over the whole context.
-QWEN_05B: dict[str, Any] = {"strategy": "target_only", "picker": "likelihood", "budget": 0.05, "parts": "auto"}
+# Comparisons and bridges are split too since seed 2 (docs/models.md); the picker is `gap`, as above.
+QWEN_05B: dict[str, Any] = {"strategy": "target_only", "picker": "gap", "budget": 0.05, "parts": "auto"}
 SHIPPED: dict[str, dict[str, Any]] = {EMBEDDED_WEIGHTS: EMBEDDED, catalog.QWEN_05B.weights: QWEN_05B}
 PARTS = ("auto",)  # what a default's "parts" may say (absent: answer whole)
 

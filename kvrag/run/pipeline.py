@@ -150,8 +150,9 @@ def _picked_pass(kvmodel: KVModel, executor: Executor, decision: Decision, measu
         or plan_.recompute
         or plan_.replace
         or plan_.key_scale
+        or plan_.order[0] not in measure.suffix_rows
     ):
-        return None
+        return None  # decided before the model's lock: a plan that needs the store reads it while others compute
     with kvmodel.lock:
         passed = measure.suffix_pass(plan_.order[0], cpu.decode_room(kvmodel.model, room))
     measure.suffix_rows = {}  # the other rows' caches are not needed any more
