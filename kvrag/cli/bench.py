@@ -39,6 +39,23 @@ def add_bench(sub: Any) -> None:
     bench.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
 
     bench = sub.add_parser(
+        "bench-answers",
+        help="whole answers on the built-in study sets, each strategy through the engine: right, first token, answer",
+    )
+    model_args(bench)
+    bench.add_argument("--data", default="builtin:all", help="builtin:NAME[,NAME...] or builtin:all (default)")
+    bench.add_argument("--limit", type=int, default=10, help="items a built-in set (default 10)")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the built-in generators (default 0)")
+    bench.add_argument(
+        "--strategies",
+        default="full_prefill_top1,full_prefill_top3,default",
+        help="comma-separated; default is the model's shipped default (default: full_prefill_top1,full_prefill_top3,"
+        "default)",
+    )
+    bench.add_argument("--max-new-tokens", type=int, default=48, help="most tokens an answer decodes (default 48)")
+    bench.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
+
+    bench = sub.add_parser(
         "bench-vllm",
         add_help=False,  # listed here only: `main` hands its arguments to vllm_kvrag.bench, --help included
         help="time to first token and concurrent throughput on vLLM through kvrag's connector, beside vLLM's own "
@@ -110,6 +127,27 @@ def _bench_dtype(args: argparse.Namespace) -> None:
     print(markdown(result))
 
 
+def _bench_answers(args: argparse.Namespace) -> None:
+    from kvrag.lab.bench.answers import markdown, whole_answers
+    from kvrag.model.kvmodel import KVModel
+    from kvrag.plan.strategies import get_strategy
+
+    strategies = parse_csv(args.strategies, str, "--strategies")
+    for name in strategies:
+        if name != "default":
+            get_strategy(name)  # an unknown name is refused before the model loads
+    if not 1 <= args.limit <= 10_000 or args.max_new_tokens < 1:
+        raise InvalidRequestError(f"need --limit in 1..10000 and --max-new-tokens >= 1, got {args.limit}, "
+                                  f"{args.max_new_tokens}")
+    kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    result = whole_answers(kv, data=args.data, limit=args.limit, seed=args.seed, strategies=strategies,
+                           max_new_tokens=args.max_new_tokens, log=lambda m: print(m, file=sys.stderr))
+    result["command"] = "kvrag " + " ".join(shlex.quote(a) for a in args.argv)
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1))
+    print(markdown(result))
+
+
 def _bench_vllm(args: argparse.Namespace) -> None:
     import_vllm_kvrag("kvrag bench-vllm")
     from vllm_kvrag.bench import main
@@ -173,6 +211,7 @@ COMMANDS = {
     "bench-ingest": _bench_ingest,
     "bench-decode": _bench_decode,
     "bench-dtype": _bench_dtype,
+    "bench-answers": _bench_answers,
     "bench-vllm": _bench_vllm,
     "bench": _bench,
 }

@@ -306,6 +306,7 @@ def answer_parts(
     A comparison whose answers state no single number each is decided by one short pass of the model over the
     parts' questions and answers.
     """
+    named = request.picker  # the caller's; else the default's where each part has its own scores
     request.with_default(shipped_default(kvmodel.fingerprint.weights))
     answers: list[Answer] = []
     read = {s.id: s for s in sources}
@@ -315,7 +316,7 @@ def answer_parts(
     for i, part in enumerate(parts):
         question = part.asked_after(parts[i - 1] if i else None, previous)
         scores = scores_of(question) if scores_of is not None else request.scores
-        picker = request.picker or (None if scores_of is not None else "likelihood")
+        picker = named or (request.picker if scores_of is not None else "likelihood")
         sub = replace(request, question=question, scores=scores, picker=picker)
         given, given_sources = chunks, list(sources)
         found = None

@@ -1,0 +1,144 @@
+"""Upkeep of an engine's index and store: what they hold (`info`), whether every entry is whole (`verify`) and
+what no chunk refers to any more (`gc`). The KVRAG engine's third half (`KVRAG` takes it in as a base class)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict
+from typing import Any
+
+from kvrag.cache.store import DiskStore, KVStore, SerializedStore, StoreWarning, TieredStore
+
+
+class Upkeep:
+    """What `KVRAG` does to inspect and clean its index and store (see `kvrag.engine.rag.KVRAG` for the attributes
+    it uses)."""
+
+    def _ingested_into(self) -> str | None:
+        """The store the committed index was last ingested into, as its manifest records it."""
+        if self.folder is None or not self.folder.exists():
+            return None
+        return self.folder.manifest().get("kv_store")
+
+    def gc(self, *, dry_run: bool = False) -> dict[str, int]:
+        """Delete the store's entries that no indexed chunk refers to (a killed ingest's, a deleted document's
+        when another chunk shared nothing) and dead writers' temporary files; return what was (or, with
+        `dry_run`, would be) removed.
+
+        The store is this engine's namespace's view. Entries that `store_kv` wrote for another framework's
+        chunks are not indexed either: they go too (re-encoded on their next use). Run it only on a store no
+        other index writes to (the index folder's own `kv/`, or a namespace this index alone uses). A dry run
+        removes nothing and works on an engine opened read-only.
+        """
+        if not dry_run:
+            self._check_writable("collect garbage")
+        with self._lock if dry_run else self._writing():  # an ingest re-checks its entries under this lock
+            live = {r.key for r in self.index.records.values()}
+            orphans = [k for k in self.store.keys() if k not in live]
+            if not dry_run:
+                for key in orphans:
+                    self.store.delete(key)
+            temp = sum(len(d.stale_temp_files(remove=not dry_run)) for d in _disk_stores(self.store))
+        return {"orphan_entries": len(orphans), "temp_files": temp}
+
+    def verify(self, *, repair: bool = False) -> dict[str, Any]:
+        """Read every indexed chunk's stored KV and check it (its keyed checksum, and that it holds the chunk's own
+        tokens); with `repair`, re-encode each entry that fails and write it back.
+
+        Returns the counts (`checked`, `ok`, `damaged`, `missing`: indexed, not stored, as in an index with KV on
+        demand or a bounded store that evicted it; recomputed when read, never an error) and `damaged_chunks`, the
+        chunk ids of the failed entries, and `repaired`. A store that cannot be read raises StoreError.
+        """
+        if repair:
+            self._check_writable("repair entries")
+        with self._lock:
+            records = sorted(self.index.records.values(), key=lambda r: r.id)
+        ok, missing, damaged = 0, 0, []
+        with warnings.catch_warnings():  # each failure is reported in the result, not warned about one by one
+            warnings.simplefilter("ignore", StoreWarning)
+            for record in records:
+                ids = self.kvmodel.chunk_ids(0, record.text)
+                if self.source.key(ids) != record.key or not self.source.holds(record.key):
+                    missing += 1  # another model's or prefix's key cannot be read here: recomputed when used
+                elif self.source.load(record.key, ids) is None:
+                    damaged.append((record, ids))
+                else:
+                    ok += 1
+        repaired = 0
+        if repair and damaged:
+            with self._writing():
+                for record, _ in damaged:
+                    self.store.delete(record.key)  # the bad entry goes first: a tier must not serve it again
+                self.source.encode_and_store([ids for _, ids in damaged], [r.key for r, _ in damaged])
+            repaired = len(damaged)
+        return {
+            "checked": len(records),
+            "ok": ok,
+            "damaged": len(damaged),
+            "missing": missing,
+            "repaired": repaired,
+            "damaged_chunks": [r.id for r, _ in damaged],
+        }
+
+    def info(self) -> dict[str, Any]:
+        """Counts, bytes and the model fingerprint; the store's entries, and how many are orphans (no indexed
+        chunk refers to them: `gc` removes them) or missing (indexed, not stored: recomputed when read)."""
+        with self._lock:
+            live = {r.key for r in self.index.records.values()}
+            index = self.index
+        stored = set(self.store.keys())  # outside the lock: a long listing holds up no query
+        return {
+            "path": str(self.path) if self.path else None,
+            "documents": len(index.docs()),
+            "chunks": len(index),
+            "tokens": sum(r.n_tokens for r in index.records.values()),
+            "kv_store": describe_store(self.store),
+            "kv_store_at_ingest": self._ingested_into(),
+            "kv_entries": len(stored),
+            "kv_bytes": self.store.nbytes,
+            "kv_orphans": len(stored - live),
+            "kv_missing": len(live - stored),
+            "kv_max_bytes": next((d.max_bytes for d in _disk_stores(self.store) if d.max_bytes), None),
+            "kv_evictions": sum(d.evictions for d in _disk_stores(self.store)),
+            "kv_refused": sum(getattr(s, "refused", 0) for s in _stores(self.store)),
+            "store_hits": self.store.hits,
+            "store_misses": self.store.misses,
+            "model": asdict(self.kvmodel.fingerprint),
+            "fingerprint": self.kvmodel.fingerprint.digest,
+            "embedder": self.embedder.source,
+            "chunk_tokens": self.chunk_tokens,
+            "overlap": self.overlap,
+            "namespace": self.namespace,
+        }
+
+
+def _stores(store: KVStore) -> list[KVStore]:
+    """A store and, for a tier, every store inside it."""
+    if isinstance(store, TieredStore):
+        return [store, *_stores(store.front), *_stores(store.back)]
+    return [store]
+
+
+def _disk_stores(store: KVStore) -> list[DiskStore]:
+    if isinstance(store, TieredStore):
+        return _disk_stores(store.front) + _disk_stores(store.back)
+    return [store] if isinstance(store, DiskStore) else []
+
+
+def durable_store(store: KVStore) -> bool:
+    """Whether entries written to `store` outlive this process or are shared (disk, Redis, a tier over either)."""
+    if isinstance(store, TieredStore):
+        return durable_store(store.front) or durable_store(store.back)
+    return isinstance(store, SerializedStore)
+
+
+def describe_store(store: KVStore) -> str:
+    """Where a store keeps entries, in one line without credentials (for `info` and the manifest)."""
+    if isinstance(store, TieredStore):
+        return f"{describe_store(store.front)} in front of {describe_store(store.back)}"
+    if isinstance(store, DiskStore):
+        return f"disk {store.root}"
+    url = getattr(store, "url", None)
+    if url is not None:
+        return f"redis {url} under {getattr(store, 'prefix', '')}*"
+    return "memory" if "Memory" in type(store).__name__ else type(store).__name__

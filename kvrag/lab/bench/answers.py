@@ -1,0 +1,123 @@
+"""`kvrag bench-answers`: whole answers on the built-in study sets, each strategy through the engine a user runs.
+
+The study decodes its rows as one batch, so it times each row's first token but not its whole answer. Here every
+item's answer of every strategy is one `KVRAG.answer` over the item's chunks (their KV stored first, untimed; the
+retrieval scores kvrag's embedder gives; greedy to the first line break), one after another in one process: its
+first token, its whole answer and whether it is right (the study's scoring). `default` is the model's shipped
+default, parts included. Medians a family and over every item; a warm-up answer of each strategy first.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kvrag.cache.store import MemoryStore
+from kvrag.engine.embed import Embedder
+from kvrag.engine.rag import KVRAG
+from kvrag.lab.study import _model_name, load_items
+from kvrag.model.kvmodel import KVModel
+
+STRATEGIES = ("full_prefill_top1", "full_prefill_top3", "default")
+
+
+def whole_answers(
+    kv: KVModel,
+    *,
+    data: str = "builtin:all",
+    limit: int = 10,
+    seed: int = 0,
+    strategies: Sequence[str] = STRATEGIES,
+    max_new_tokens: int = 48,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Time and score every strategy's whole answer on the items of `data` (see the module docstring)."""
+    items, _ = load_items(data, limit=limit, seed=seed)
+    rag = KVRAG(kv, embedder=Embedder(), store=MemoryStore())
+    options = dict(max_new_tokens=max_new_tokens, stop=["\n"])
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for n, item in enumerate(items):
+        texts = [c.text for c in item.chunks]
+        rag.store_kv(texts)
+        vectors = torch.as_tensor(rag.embedder.embed(texts))
+        scores = (vectors @ torch.as_tensor(rag.embedder.embed([item.question]))[0]).tolist()
+        if n == 0:  # untimed: the first answer of each strategy builds kernels and buffers
+            for strategy in strategies:
+                rag.answer(item.question, texts, scores=scores, **_strategy(strategy), **options)
+        for strategy in strategies:
+            answer = rag.answer(item.question, texts, scores=scores, **_strategy(strategy), **options)
+            rows.append(
+                {
+                    "item": item.id,
+                    "family": item.family,
+                    "strategy": strategy,
+                    "parts": len(answer.parts),
+                    "composed": answer.composed,
+                    "correct": item.is_correct(answer.text),
+                    "ttft_s": answer.stats.ttft_s,
+                    "answer_s": answer.stats.total_s,
+                    "new_tokens": answer.stats.new_tokens,
+                    "text": answer.text,
+                }
+            )
+        log(f"{n + 1}/{len(items)} items, {time.perf_counter() - t0:.0f} s")
+    return {
+        "model": _model_name(kv),
+        "threads": torch.get_num_threads(),
+        "data": data,
+        "limit": limit,
+        "seed": seed,
+        "max_new_tokens": max_new_tokens,
+        "summary": summary(rows, strategies),
+        "rows": rows,
+    }
+
+
+def _strategy(name: str) -> dict[str, Any]:
+    return {} if name == "default" else {"strategy": name}
+
+
+def summary(rows: Sequence[dict[str, Any]], strategies: Sequence[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per family (and "all"), per strategy: items, right, median first token and whole answer, tokens."""
+    families = sorted({r["family"] for r in rows}) + ["all"]
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for family in families:
+        out[family] = {}
+        for strategy in strategies:
+            mine = [r for r in rows if r["strategy"] == strategy and family in ("all", r["family"])]
+            if not mine:
+                continue
+            out[family][strategy] = {
+                "items": len(mine),
+                "right": sum(r["correct"] for r in mine),
+                "ttft_s": statistics.median(r["ttft_s"] for r in mine),
+                "answer_s": statistics.median(r["answer_s"] for r in mine),
+                "new_tokens": statistics.median(r["new_tokens"] for r in mine),
+            }
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The summary as a table: a row a family, for each strategy right / first token / whole answer."""
+    strategies = list(next(iter(result["summary"].values())))
+    head = " | ".join(f"{s}: right, first token, answer" for s in strategies)
+    lines = [
+        f"# Whole answers: {result['model']}, {result['threads']} threads",
+        "",
+        f"{result['data']}, {result['limit']} items a set, seed {result['seed']}; greedy to the first line break, at "
+        f"most {result['max_new_tokens']} tokens; medians in seconds.",
+        "",
+        f"| family | {head} |",
+        "|---|" + "---|" * len(strategies),
+    ]
+    for family, by in result["summary"].items():
+        cells = [
+            f"{v['right']}/{v['items']}, {v['ttft_s']:.3f}, {v['answer_s']:.3f}" if (v := by.get(s)) else "-"
+            for s in strategies
+        ]
+        lines.append(f"| {family} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,35 @@
+"""`kvrag bench-answers`: every strategy's whole answer through the engine on built-in items, timed and scored."""
+
+
+import pytest
+
+from kvrag.cli import main
+from kvrag.lab.bench.answers import markdown, summary, whole_answers
+
+pytestmark = pytest.mark.slow
+
+
+def test_whole_answers_time_and_score_each_strategy_on_each_item(capsys):
+    from kvrag import KVModel
+
+    kv = KVModel.from_pretrained()
+    result = whole_answers(kv, data="builtin:open_qa,compare", limit=1, max_new_tokens=4, log=lambda m: None)
+    rows = result["rows"]
+    assert [(r["family"], r["strategy"]) for r in rows] == [
+        (f, s) for f in ("open_qa", "compare") for s in ("full_prefill_top1", "full_prefill_top3", "default")
+    ]
+    for r in rows:
+        assert 0 < r["ttft_s"] <= r["answer_s"] and isinstance(r["correct"], bool)
+    compared = next(r for r in rows if r["family"] == "compare" and r["strategy"] == "default")
+    assert compared["parts"] >= 2 and compared["composed"] in ("code", "model")  # a comparison, asked in parts
+    assert all(r["parts"] == 0 for r in rows if r["strategy"] != "default")
+    whole = result["summary"]["all"]["default"]
+    assert whole["items"] == 2 and whole["right"] == sum(r["correct"] for r in rows if r["strategy"] == "default")
+    assert summary(rows, ["default"])["all"]["default"] == whole
+    table = markdown(result)
+    assert "| compare | " in table and "| all | " in table
+
+
+def test_the_command_refuses_an_unknown_strategy_before_loading(capsys):
+    assert main(["bench-answers", "--strategies", "full_prefill_top1,bogus"]) == 2
+    assert "unknown strategy 'bogus'" in capsys.readouterr().err
