@@ -148,7 +148,7 @@ def _tune(args: argparse.Namespace) -> None:
 
 def _study(args: argparse.Namespace) -> None:
     from kvrag.lab.study import StudyConfig, load_items, run_study
-    from kvrag.lab.study.runner import DEFAULT_STRATEGIES
+    from kvrag.lab.study.rows import DEFAULT_STRATEGIES
     from kvrag.model.kvmodel import KVModel
     from kvrag.plan.request import check_budget
 

@@ -25,7 +25,8 @@ from kvrag.lab.study.data import (
     load_jsonl,
     write_jsonl,
 )
-from kvrag.lab.study.runner import DEFAULT_PICKERS, DEFAULT_STRATEGIES, StudyConfig, StudyRunner
+from kvrag.lab.study.rows import DEFAULT_PICKERS, DEFAULT_STRATEGIES, StudyConfig
+from kvrag.lab.study.runner import StudyRunner
 
 __all__ = [
     "BUILTIN",

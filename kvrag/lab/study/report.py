@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from kvrag.lab.study.metrics import bootstrap_diff, mcnemar, token_f1, wilson
-from kvrag.lab.study.runner import Row, StudyConfig
+from kvrag.lab.study.rows import Row, StudyConfig
 from kvrag.plan.strategies import get_strategy
 
 SCHEMA = "kvrag-study/1"
