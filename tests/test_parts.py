@@ -78,7 +78,7 @@ def test_callers_parts_hops_and_their_errors():
     assert resolve_parts("Who is it?", None) is None and resolve_parts("Who is it?", "auto") is None
     for bad, message in (
         ([], "non-empty list"),
-        ("all", 'give "auto" or a list'),
+        ("all", 'give "auto", "model" or a list'),
         (["What is {answer}?"], "no part comes before it"),
         (["Who?", ""], "part 1 is ''"),
     ):
@@ -196,3 +196,42 @@ def test_stream_and_answers_over_given_chunks_take_parts_too(kv):
     assert len(over.parts) == 2 and all([s.text for s in p.sources] == texts for p in over.parts)
     whole = rag.answer(question, texts, strategy="target_recompute", max_new_tokens=4)
     assert whole.parts == []  # a strategy named and no parts asked: whole
+
+
+def test_a_models_list_of_parts_is_read_strictly_and_else_the_question_is_whole():
+    from kvrag.plan.parts import parsed
+
+    question = "Which cargo does the Velia carry, and who captains the Orn?"
+    reply = "1. Which cargo does the Velia carry?\n2. Who captains the Orn?\n"
+    assert [p.question for p in parsed(reply, question)] == ["Which cargo does the Velia carry?",
+                                                             "Who captains the Orn?"]
+    assert parsed("- What is it?\n- Who is he?", question) is None  # names nothing the question names
+    assert parsed(question, question) is None  # one question: whole
+    assert parsed("Which cargo does the Velia carry?\nSure, here you go.", question) is None  # not a list
+    assert parsed("\n".join(f"Is the Velia {i}?" for i in range(5)), question) is None  # too many
+    with pytest.raises(InvalidRequestError, match='give "auto", "model" or a list'):
+        resolve_parts(question, "everything")
+
+
+def test_parts_by_the_model_run_its_own_generation_and_fall_back_to_whole(kv, monkeypatch):
+    from kvrag.answer import Answer, AnswerStats
+    from kvrag.run import pipeline
+
+    asked = []
+
+    def reply(text):
+        def stream_prompt(ids, **sampling):
+            asked.append(kv.tokenizer.decode(ids))
+            yield Answer(text, [], "stop", AnswerStats.of_prompt(len(ids), 0, 0.0, 0.0))
+
+        return stream_prompt
+
+    question = "When does the archive open, and what do cats hunt?"
+    monkeypatch.setattr(kv, "stream_prompt", reply("When does the archive open?\nWhat do cats hunt?"))
+    got = kv.answer(question, STRATEGY_CHUNKS, parts="model", strategy="target_recompute", max_new_tokens=3)
+    assert len(asked) == 1 and question in asked[0] and [p.stats.strategy for p in got.parts] == ["target_recompute"] * 2
+    auto = kv.answer(question, STRATEGY_CHUNKS, parts="auto", strategy="target_recompute", max_new_tokens=3)
+    assert got.token_ids == auto.token_ids  # the same parts as the built-in splitter's: the same answers
+    monkeypatch.setattr(kv, "stream_prompt", reply("I cannot split that."))
+    whole = kv.answer(question, STRATEGY_CHUNKS, parts="model", strategy="target_recompute", max_new_tokens=3)
+    assert whole.parts == [] and pipeline.model_parts(kv, question) is None

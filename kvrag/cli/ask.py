@@ -34,10 +34,11 @@ def add_ask(sub: Any) -> None:
     ask.add_argument(
         "--parts",
         default=None,
-        metavar="auto|Q1;;Q2",
+        metavar="auto|model|Q1;;Q2",
         help="answer a part at a time over the same chunks: auto (kvrag's splitter: 'What is A, and who is B?', "
-        "'... of each of X, Y and Z?'; a question it cannot split is answered whole), or the parts separated by ';;' "
-        "(a part holding {answer} takes the previous part's answer); printed whole, --stream aside",
+        "'... of each of X, Y and Z?', comparisons, bridges; a question it cannot split is answered whole), model "
+        "(the model lists the parts), or the parts separated by ';;' (a part holding {answer} takes the previous "
+        "part's answer); default: as the default says (auto on the named models); printed whole, --stream aside",
     )
     ask.add_argument("--stream", action="store_true", help="print the answer as it is decoded")
     ask.add_argument("--json", action="store_true", help="print one JSON object: text, finish_reason, sources, stats")
@@ -77,7 +78,7 @@ def _ask(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
     )
     if args.parts is not None:
-        parts = args.parts if args.parts == "auto" else [p for p in args.parts.split(";;")]
+        parts = args.parts if args.parts in ("auto", "model") else [p for p in args.parts.split(";;")]
         kwargs["parts"] = parts
     if args.stream and not args.json and args.parts is None:
         for item in rag.stream(args.question, **kwargs):

@@ -112,7 +112,9 @@ class Querying:
         """The parts a question is answered in: the caller's, else the default's when no strategy is named."""
         if parts is None and options.get("strategy") in (None, "default"):  # the default may split questions
             parts = default_parts(self.defaults or shipped_default(self.kvmodel.fingerprint.weights))
-        return None if parts is None else resolve_parts(question, parts)
+        if parts is None:
+            return None
+        return resolve_parts(question, parts, lambda q: pipeline.model_parts(self.kvmodel, q))
 
     def _answer_parts(
         self,

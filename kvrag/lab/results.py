@@ -8,14 +8,15 @@ README's figures are the runs' figures.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 # (model as shown, study run, bench run), under docs/study/models/ and docs/bench/
 RUNS = (
-    ("Qwen2.5-Coder-0.5B (`qwen2.5-coder-0.5b`, bfloat16)", "q05-seed1", "q05"),
-    ("SmolLM2-135M (embedded, float32)", "s135-seed1", "s135"),
+    ("Qwen2.5-Coder-0.5B (`qwen2.5-coder-0.5b`, bfloat16)", "q05-seed3", "q05"),
+    ("SmolLM2-135M (embedded, float32)", "s135-seed3", "s135"),
 )
 BASELINES = (("full_prefill_top1 @ 0.05", "top chunk"), ("full_prefill_top3 @ 0.05", "top three"))
 
@@ -32,6 +33,11 @@ def _bench(run: str) -> dict[str, Any] | None:
 def _all(study: dict[str, Any]) -> dict[str, Any]:
     """The study's group of every item."""
     return next(g for g in study["groups"] if g["family"] == "all")
+
+
+def _draw(command: str) -> str:
+    """The run's "--limit N --seed S", as its command gave them."""
+    return " ".join(re.findall(r"--(?:limit|seed) \S+", command))
 
 
 def _cell(accuracy: float, ttft_s: float | None) -> str:
@@ -72,7 +78,7 @@ def table() -> str:
     study = _study(RUNS[0][1])
     lines = [
         f"Right answers and median first token, {_all(study)['n']} items of the eight built-in "
-        f"sets (`kvrag study --data builtin:all --limit 8 --seed 1`, {study['threads']} threads):",
+        f"sets (`kvrag study --data builtin:all {_draw(study['command'])}`, {study['threads']} threads):",
         "",
         "| model | full prefill | full prefill, top chunk | full prefill, top three | the default |",
         "|---|---|---|---|---|",

@@ -322,7 +322,9 @@ class KVModel:
         Args:
             parts: answer a part at a time over the same chunks (`kvrag.plan.parts`): a list of part questions (one
                 holding "{answer}" is a hop: it takes the previous part's answer), or "auto" for the built-in
-                splitter (a question it cannot split is answered whole). Each part is its own request over
+                splitter (a question it cannot split is answered whole), or "model": the model lists the parts
+                (`kvrag.run.pipeline.model_parts`; off by default, only as good as the model). Each part is its own
+                request over
                 the chunks' KV read once; the Answer's text holds the parts' answers a line each and `parts`
                 each part's Answer. With no scores and no picker named, each part's target is picked by the
                 model's likelihood of that part (`picker="likelihood"`). None with no strategy named: as the
@@ -333,7 +335,7 @@ class KVModel:
         if parts is None:
             return last_answer(self.stream(question, chunks, **kwargs))
         t0 = time.perf_counter()
-        split_parts = resolve_parts(question, parts)
+        split_parts = resolve_parts(question, parts, lambda q: pipeline.model_parts(self, q))
         if split_parts is None:
             return last_answer(self.stream(question, chunks, started_at=t0, **kwargs))
         request = self.request(question, chunks, **kwargs)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvrag.errors import InvalidRequestError
 
@@ -234,13 +234,48 @@ def compose(parts: Sequence[Part], answers: Sequence[str]) -> str:
     return "\n".join(" ".join(answer.split()) for answer in answers)
 
 
-def resolve_parts(question: str, parts: str | Sequence[str | Part] | None) -> list[Part] | None:
-    """What `parts=` asks for: None (answer whole), "auto" (the built-in splitter: None when it cannot split), or
-    the caller's list of part questions."""
+# what a model asked to split a question is told (`kvrag.run.pipeline.model_parts`); its reply is read by `parsed`
+SPLIT_INSTRUCTION = (
+    "List the separate questions that this question asks, one question per line, each complete on its own "
+    "(name the thing it is about). If it asks only one thing, write it unchanged. Write nothing else.\n\n"
+    "Question: {question}"
+)
+_LIST_MARK = re.compile(r"^\s*(?:[-*\u2022]|\d+[.)]|Q\d*[:.])\s*")
+
+
+def parsed(reply: str, question: str, most: int = 4) -> list[Part] | None:
+    """The parts a model's reply lists (one question a line, list marks dropped), or None when it lists fewer than
+    two distinct questions, more than `most`, or a line that names nothing the question names (a word of four or
+    more letters of the question): the question is then answered whole."""
+    words = {w.lower() for w in re.findall(r"[A-Za-z]{4,}", question)}
+    found: list[str] = []
+    for line in reply.splitlines():
+        line = _LIST_MARK.sub("", line).strip()
+        if not line:
+            continue
+        if not line.endswith("?") or not words & {w.lower() for w in re.findall(r"[A-Za-z]{4,}", line)}:
+            return None
+        if line.lower() not in (f.lower() for f in found):
+            found.append(line)
+    if not 2 <= len(found) <= most:
+        return None
+    return [Part(_question(line)) for line in found]
+
+
+def resolve_parts(
+    question: str,
+    parts: str | Sequence[str | Part] | None,
+    model_split: Callable[[str], list[Part] | None] | None = None,
+) -> list[Part] | None:
+    """What `parts=` asks for: None (answer whole), "auto" (the built-in splitter: None when it cannot split),
+    "model" (the model lists the parts: `model_split(question)`, None when its reply does not parse), or the
+    caller's list of part questions."""
     if parts is None:
         return None
     if isinstance(parts, str):
-        if parts != "auto":
-            raise InvalidRequestError(f'parts={parts!r}: give "auto" or a list of part questions')
-        return split(question)
+        if parts == "auto":
+            return split(question)
+        if parts == "model" and model_split is not None:
+            return model_split(question)
+        raise InvalidRequestError(f'parts={parts!r}: give "auto", "model" or a list of part questions')
     return parts_of(parts)

@@ -16,7 +16,7 @@ from kvrag.answer import Answer, AnswerStats, Source, last_answer
 from kvrag.cache.chunks import Chunks
 from kvrag.errors import ContextOverflowError
 from kvrag.plan.defaults import shipped_default
-from kvrag.plan.parts import Part, compose, decide
+from kvrag.plan.parts import SPLIT_INSTRUCTION, Part, compose, decide, parsed
 from kvrag.plan.planner import Decision, make_plan
 from kvrag.plan.probe import Probe
 from kvrag.plan.request import Request
@@ -270,6 +270,20 @@ def decode_answer(
         stats=make_stats(tokens, ttft, time.perf_counter() - started_at),
         sources=list(sources),
     )
+
+
+def model_parts(kvmodel: KVModel, question: str, max_new_tokens: int = 96) -> list[Part] | None:
+    """The parts the model itself lists for `question` (greedy, under its chat template, no chunks), or None
+    when its reply does not list two to four questions about what the question names (`kvrag.plan.parts.parsed`):
+    the question is then answered whole. One short generation; only as good as the model."""
+    tokenizer = kvmodel.tokenizer
+    message = [{"role": "user", "content": SPLIT_INSTRUCTION.format(question=question.strip())}]
+    text = message[0]["content"] + "\n"
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    reply = last_answer(kvmodel.stream_prompt(ids, max_new_tokens=max_new_tokens))
+    return parsed(reply.text, question)
 
 
 @dataclass(slots=True)
