@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvrag import Answer
-from kvrag.model.loading import DEFAULT_MODEL_NAME
+from kvrag.adapters import DEFAULT_MODEL_NAME
 from langchain_core.callbacks import (
     AsyncCallbackManagerForChainRun,
     AsyncCallbackManagerForLLMRun,

@@ -14,8 +14,7 @@ from contextlib import closing
 from typing import Any, Iterator, Sequence
 
 from kvrag import KVRAG, Answer, InvalidRequestError, KVModel
-from kvrag.model.loading import DEFAULT_MODEL_NAME, EMBEDDED_WEIGHTS
-from kvrag.plan.request import check_options
+from kvrag.adapters import DEFAULT_MODEL_NAME, EMBEDDED_WEIGHTS, check_options
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage, SystemMessage

@@ -11,7 +11,7 @@ import warnings
 from typing import Any
 
 from kvrag import KVRAG, InvalidRequestError, Source
-from kvrag.engine.index import check_filters, check_top_k
+from kvrag.adapters import check_filters, check_top_k
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever

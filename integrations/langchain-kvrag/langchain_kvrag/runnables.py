@@ -15,10 +15,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence, Union
 
 from kvrag import KVRAG, NO_CONTEXT, Answer, EmptyInputError, InvalidRequestError, KVModel, Request, Source
-from kvrag.answer import last_answer
-from kvrag.engine.index import check_filters, check_top_k
-from kvrag.errors import type_name
-from kvrag.plan.request import check_options, scores_of
+from kvrag.adapters import check_filters, check_options, check_top_k, last_answer, scores_of, type_name
 from langchain_core.callbacks import AsyncCallbackManagerForChainRun, CallbackManagerForChainRun
 from langchain_core.documents import Document
 from langchain_core.prompt_values import PromptValue

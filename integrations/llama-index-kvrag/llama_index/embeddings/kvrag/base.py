@@ -8,7 +8,7 @@ from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.bridge.pydantic import PrivateAttr
 
 from kvrag import KVRAG, InvalidRequestError
-from kvrag.engine.embed import Embedder
+from kvrag.adapters import Embedder
 
 
 class KVRAGEmbedding(BaseEmbedding):

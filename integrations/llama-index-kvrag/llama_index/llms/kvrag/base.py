@@ -28,10 +28,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from kvrag import KVRAG, Answer, InvalidRequestError, KVModel
-from kvrag.engine.aio import in_thread, to_thread
-from kvrag.answer import last_answer
-from kvrag.run.generate import DRAFT_TOKENS
-from kvrag.plan.request import SAMPLING_FIELDS, check_options
+from kvrag.adapters import DRAFT_TOKENS, SAMPLING_FIELDS, check_options, in_thread, last_answer, to_thread
 
 dispatcher = instrument.get_dispatcher(__name__)
 

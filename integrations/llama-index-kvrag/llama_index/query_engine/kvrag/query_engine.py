@@ -29,9 +29,7 @@ from llama_index.llms.kvrag import KVRAGLLM
 from llama_index.retrievers.kvrag import KVRAGRetriever
 
 from kvrag import KVRAG, NO_CONTEXT, Answer, EmptyInputError, InvalidRequestError
-from kvrag.engine.index import check_top_k
-from kvrag.errors import type_name
-from kvrag.plan.request import SAMPLING_FIELDS, check_options, scores_of
+from kvrag.adapters import SAMPLING_FIELDS, check_options, check_top_k, scores_of, type_name
 
 __all__ = ["KVRAGAnswerEvent", "KVRAGQueryEngine", "NO_CONTEXT", "node_texts"]
 

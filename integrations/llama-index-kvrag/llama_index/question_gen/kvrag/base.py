@@ -16,8 +16,8 @@ from llama_index.core.question_gen.types import BaseQuestionGenerator, SubQuesti
 from llama_index.core.schema import QueryBundle
 from llama_index.core.tools.types import ToolMetadata
 
-from kvrag.errors import InvalidRequestError
-from kvrag.plan.parts import split
+from kvrag import InvalidRequestError
+from kvrag.adapters import split
 
 
 class KVRAGQuestionGenerator(BaseQuestionGenerator):

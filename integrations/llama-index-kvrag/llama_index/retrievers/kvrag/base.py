@@ -16,7 +16,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from llama_index.core.vector_stores.types import FilterCondition, FilterOperator, MetadataFilter, MetadataFilters
 
 from kvrag import KVRAG, InvalidRequestError
-from kvrag.engine.index import check_filters, check_top_k
+from kvrag.adapters import check_filters, check_top_k
 
 SUPPORTED_FILTERS = (
     "kvrag's retriever takes MetadataFilters of ExactMatchFilter / FilterOperator.EQ and FilterOperator.IN "
