@@ -67,11 +67,21 @@ def add_ingest(sub: Any) -> None:
 def add_info(sub: Any) -> None:
     """`kvrag info`."""
     info = sub.add_parser("info", help="counts, bytes and the model fingerprint of an index folder (read-only)")
-    info.add_argument("--index", required=True, type=Path, help="the index folder (`kvrag ingest` builds one)")
-    info.add_argument("--redis", default=None, metavar="URL", help="count the chunk KV in Redis (as given to ingest)")
-    secret_arg(info)
-    info.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    info.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    _index_and_store(info, "count the chunk KV in Redis (as given to ingest)")
+    _opening(info)
+
+
+def _index_and_store(parser: Any, redis_help: str) -> None:
+    """--index and --redis: the index folder a command works on and where its chunk KV is."""
+    parser.add_argument("--index", required=True, type=Path, help="the index folder (`kvrag ingest` builds one)")
+    parser.add_argument("--redis", default=None, metavar="URL", help=redis_help)
+
+
+def _opening(parser: Any) -> None:
+    """The secret, device and threads an index is opened with."""
+    secret_arg(parser)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
 
 
 def add_verify(sub: Any) -> None:
@@ -79,14 +89,11 @@ def add_verify(sub: Any) -> None:
     verify = sub.add_parser(
         "verify", help="read every indexed chunk's stored KV and check it (keyed checksum, its own tokens)"
     )
-    verify.add_argument("--index", required=True, type=Path, help="the index folder (`kvrag ingest` builds one)")
-    verify.add_argument("--redis", default=None, metavar="URL", help="check the chunk KV in Redis (as given to ingest)")
+    _index_and_store(verify, "check the chunk KV in Redis (as given to ingest)")
     verify.add_argument(
         "--repair", action="store_true", help="re-encode every entry that fails and write it back (else: exit 1)"
     )
-    secret_arg(verify)
-    verify.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    verify.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    _opening(verify)
 
 
 def add_gc(sub: Any) -> None:
@@ -94,8 +101,7 @@ def add_gc(sub: Any) -> None:
     gc = sub.add_parser(
         "gc", help="delete stored chunk KV that no indexed chunk refers to, and dead writers' temporary files"
     )
-    gc.add_argument("--index", required=True, type=Path, help="the index folder (`kvrag ingest` builds one)")
-    gc.add_argument("--redis", default=None, metavar="URL", help="collect in Redis (needs --exclusive)")
+    _index_and_store(gc, "collect in Redis (needs --exclusive)")
     gc.add_argument(
         "--exclusive",
         action="store_true",
@@ -103,9 +109,7 @@ def add_gc(sub: Any) -> None:
         "would look like orphans)",
     )
     gc.add_argument("--dry-run", action="store_true", help="count what would be removed, remove nothing")
-    secret_arg(gc)
-    gc.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    gc.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    _opening(gc)
 
 
 def _ingest(args: argparse.Namespace) -> None:
