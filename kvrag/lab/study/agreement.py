@@ -36,6 +36,7 @@ DEFAULT_CANDIDATES = (
     "token_select",
     "target_only",
     "target_only:likelihood",  # the chunk of the retriever's best three behind which the question is most likely
+    "target_only:gap",  # the retriever's pick where its score leads clearly, else the likelihood's (the default's)
     "top3_exact",  # full_prefill_top3's answers, at the cost of two chunks and the suffix
 )
 DEFAULT_BUDGETS = (0.05, 0.2)
