@@ -7,7 +7,7 @@ import contextlib
 import time
 import warnings
 from dataclasses import replace
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -80,9 +80,9 @@ class Querying:
         (`kvrag.plan.defaults`: target_only on the named models, target_recompute on others); a `budget` or
         `picker` left out comes with that default.
 
-        `parts`: answer a part at a time (`KVModel.answer`'s `parts`: a list of part questions, or "auto" for the
-        built-in splitter). The chunks are retrieved once for the whole question and their KV read once; each
-        part's retrieval scores are its own question's against those chunks, so each part picks its own target,
+        `parts`: answer a part at a time (`KVModel.answer`'s `parts`: a list of part questions, "auto" for the
+        built-in splitter or "model" for the model's own list). The chunks are retrieved once for the whole
+        question and their KV read once; each part's retrieval scores are its own question's against those chunks, so each part picks its own target,
         and a hop retrieves again with the previous part's answer in its question. None with no strategy named:
         as the default says (the shipped defaults say "auto"). A question answered in parts is streamed as one
         piece, its composed text, once every part is answered (a comparison's or a hop's text is known only then).
@@ -123,7 +123,7 @@ class Querying:
         sources: list[Source],
         t0: float,
         retrieve_s: float,
-        retrieve: Any = None,
+        retrieve: Callable[[str], pipeline.Retrieved | None] | None = None,
         given: Chunks | None = None,
     ) -> Iterator[str | Answer]:
         """The parts answered over the request's chunks, then their composed text as one piece and the Answer."""

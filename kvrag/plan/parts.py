@@ -221,17 +221,22 @@ def _num(value: float | None) -> str:
 
 
 def compose(parts: Sequence[Part], answers: Sequence[str]) -> str:
-    """One reply from the parts' answers: a comparison decided in code where its answers give the numbers (see
-    `decide`); a chain of hops, the last hop's answer; else a line each, in the parts' order (each part's question
-    and its own answer stay in `Answer.parts`)."""
+    """One reply from the parts' answers (`composed`'s text)."""
+    return composed(parts, answers)[0]
+
+
+def composed(parts: Sequence[Part], answers: Sequence[str]) -> tuple[str, str]:
+    """One reply from the parts' answers, and how it was made: "code", a comparison decided where its answers
+    give the numbers (see `decide`); "hops", a chain of hops answered by the last hop's answer; else "lines", a
+    line each in the parts' order (each part's question and its own answer stay in `Answer.parts`)."""
     if len(parts) != len(answers):
         raise ValueError(f"{len(parts)} parts and {len(answers)} answers")
     decided = decide(parts, answers)
     if decided is not None:
-        return decided
-    if len(parts) > 1 and all(p.hop for p in parts[1:]):  # a chain of hops: what the last one found
-        return " ".join(answers[-1].split())
-    return "\n".join(" ".join(answer.split()) for answer in answers)
+        return decided, "code"
+    if len(parts) > 1 and all(p.hop for p in parts[1:]):
+        return " ".join(answers[-1].split()), "hops"
+    return "\n".join(" ".join(answer.split()) for answer in answers), "lines"
 
 
 # what a model asked to split a question is told (`kvrag.run.pipeline.model_parts`); its reply is read by `parsed`

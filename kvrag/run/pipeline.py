@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from kvrag import cpu
 from kvrag.answer import Answer, AnswerStats, Source, last_answer
-from kvrag.cache.chunks import Chunks
+from kvrag.cache.chunks import Chunks, ChunkSource
 from kvrag.errors import ContextOverflowError
 from kvrag.plan.defaults import shipped_default
-from kvrag.plan.parts import SPLIT_INSTRUCTION, Part, compose, decide, parsed
+from kvrag.plan.parts import SPLIT_INSTRUCTION, Part, composed, parsed
 from kvrag.plan.planner import Decision, make_plan
 from kvrag.plan.probe import Probe
 from kvrag.plan.request import Request
@@ -345,14 +345,11 @@ def answer_parts(
         one = last_answer(stream(kvmodel, sub, given, executor, started_at=time.perf_counter(), sources=given_sources))
         answers.append(one)
         previous = one.text
-    texts = [a.text for a in answers]
-    text = compose(parts, texts)
-    hops = len(parts) > 1 and all(p.hop for p in parts[1:])
-    composed = "code" if decide(parts, texts) is not None else "hops" if hops else "lines"
-    if composed == "lines" and all(p.entity is not None for p in parts):
+    text, how = composed(parts, [a.text for a in answers])
+    if how == "lines" and all(p.entity is not None for p in parts):  # a comparison the numbers did not decide
         judged = _judge(kvmodel, request, parts, answers, executor)
         answers.append(judged)
-        text, composed = judged.text, "model"
+        text, how = judged.text, "model"
     first = answers[0].stats
     stats = replace(
         first,
@@ -370,9 +367,9 @@ def answer_parts(
         token_ids=[t for a in answers for t in a.token_ids],
         finish_reason=answers[-1].finish_reason,
         stats=stats,
-        sources=list(read.values()) if read else list(sources),
+        sources=list(read.values()),
         parts=answers,
-        composed=composed,
+        composed=how,
     )
 
 
@@ -380,10 +377,7 @@ def _judge(kvmodel: KVModel, request: Request, parts: Sequence[Part], answers: S
            executor: Executor) -> Answer:
     """A comparison the parts' answers could not decide in code, asked whole over those answers alone: one short
     prompt (the parts' questions and answers as its one chunk, encoded here and never stored)."""
-    from kvrag.cache.chunks import ChunkSource
-
     facts = "\n".join(f"{p.question} {' '.join(a.text.split())}" for p, a in zip(parts, answers))
-    sub = replace(request, chunks=[facts], scores=None, strategy="full_prefill", picker=None,
-                  target=None)
-    return last_answer(stream(kvmodel, sub, ChunkSource(kvmodel).chunks([facts]), executor,
-                              started_at=time.perf_counter()))
+    sub = replace(request, chunks=[facts], scores=None, strategy="full_prefill", picker=None, target=None)
+    fresh = ChunkSource(kvmodel).chunks([facts])
+    return last_answer(stream(kvmodel, sub, fresh, executor, started_at=time.perf_counter()))
