@@ -82,10 +82,11 @@ class Querying:
 
         `parts`: answer a part at a time (`KVModel.answer`'s `parts`: a list of part questions, "auto" for the
         built-in splitter or "model" for the model's own list). The chunks are retrieved once for the whole
-        question and their KV read once; each part's retrieval scores are its own question's against those chunks, so each part picks its own target,
-        and a hop retrieves again with the previous part's answer in its question. None with no strategy named:
-        as the default says (the shipped defaults say "auto"). A question answered in parts is streamed as one
-        piece, its composed text, once every part is answered (a comparison's or a hop's text is known only then).
+        question and their KV read once; each part's retrieval scores are its own question's against those
+        chunks, so each part picks its own target, and a hop retrieves again with the previous part's answer in
+        its question. None with no strategy named: as the default says (the shipped defaults say "auto"). A
+        question answered in parts is streamed as one piece, its composed text, once every part is answered (a
+        comparison's or a hop's text is known only then).
         """
         t0 = started_at if started_at is not None else time.perf_counter()
         request = Request.of(question, **options)  # checked before any retrieval work
