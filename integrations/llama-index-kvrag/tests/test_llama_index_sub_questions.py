@@ -56,7 +56,7 @@ def test_sub_question_engine_over_kvrag_reads_every_chunk_kv_from_the_one_store(
         query_engine_tools=[tool], question_gen=KVRAGQuestionGenerator(), llm=KVRAGLLM(kv, max_new_tokens=24),
         use_async=False,
     )
-    hits = rag.info()["store_hits"]
+    before = rag.info()
     response = engine.query("Who built the lighthouse of Karsa, and who runs Velloria's harbour?")
     nodes = [n.node.get_content() for n in response.source_nodes]
     asked = [n for n in nodes if n.startswith("Sub question:")]  # beside them, each tool call's retrieved nodes
@@ -64,5 +64,8 @@ def test_sub_question_engine_over_kvrag_reads_every_chunk_kv_from_the_one_store(
     assert asked[0].startswith("Sub question: Who built the lighthouse of Karsa?")
     assert asked[1].startswith("Sub question: Who runs Velloria's harbour?")
     assert "Mira Holt" in asked[0] and "Orin Dask" in asked[1]  # each sub-answer holds its fact
-    assert rag.info()["store_hits"] - hits == 4  # two chunks a sub-question, each read from the store
+    after = rag.info()
+    # each sub-question read its plan's chunks (its pick, or the candidates the likelihood pass scores) from the
+    # store, and not one chunk was missing there
+    assert 2 <= after["store_hits"] - before["store_hits"] <= 4 and after["store_misses"] == before["store_misses"]
     assert isinstance(str(response), str)
