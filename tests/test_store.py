@@ -245,3 +245,24 @@ def test_a_disk_store_never_writes_outside_its_folder_whatever_the_key(tmp_path_
     except StoreError as err:
         assert "invalid store key" in str(err)
     assert all(p.resolve().is_relative_to((root / "kv").resolve()) for p in root.rglob("*") if p.is_file())
+
+
+def test_an_entry_larger_than_the_redis_server_can_hold_is_refused_up_front_with_the_sizes(redis_server):
+    import redis
+
+    admin = redis.Redis.from_url(redis_server.url)
+    before = admin.config_get("maxmemory")["maxmemory"]
+    bound = int(admin.info("memory")["used_memory"]) + (1 << 20)  # room for small entries, not for a large one
+    admin.config_set("maxmemory", bound)
+    try:
+        s = RedisStore(redis_server.url, namespace=f"test-{os.urandom(4).hex()}", storage_dtype="float32")
+        s.bind(encoder=ENCODER, dtype=torch.float32, device="cpu")
+        big = chunk(tokens=bound // 384 + 64)  # float32 keys and values: 2 x 3 x 2 x 8 x 4 = 384 bytes a token
+        refused = rf"an entry of [\d,]+ bytes is larger than .* \(maxmemory {bound:,} bytes"
+        with pytest.raises(StoreError, match=refused):
+            s.put(key(1), big)
+        assert list(s.keys()) == []  # nothing was written
+        s.put(key(2), chunk(1))  # a small entry still goes in
+        assert list(s.keys()) == [key(2)]
+    finally:
+        admin.config_set("maxmemory", before)

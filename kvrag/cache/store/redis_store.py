@@ -49,6 +49,8 @@ class RedisStore(SerializedStore):
 
         self.read_only, self.retry_after_s = read_only, float(retry_after_s)
         self._redis = redis
+        self._limit_asked = False  # the server's bound on one entry, asked at the first write (`_entry_limit`)
+        self._limit: tuple[str, int] | None = None
         check_namespace(namespace)
         kwargs: dict[str, Any] = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
         if password is not None:
@@ -118,7 +120,30 @@ class RedisStore(SerializedStore):
         return self._call("read an entry", self.client.get, self.prefix + key)
 
     def _write(self, key: str, blob: bytes) -> None:
+        limit = self._entry_limit()
+        if limit is not None and len(blob) > limit[1]:
+            raise StoreError(
+                f"an entry of {len(blob):,} bytes is larger than the Redis server at {self.url} can hold "
+                f"({limit[0]} {limit[1]:,} bytes): raise it (CONFIG SET {limit[0]} ...) or keep the KV elsewhere "
+                "(the index folder's own disk store); nothing was written"
+            )
         self._call("write an entry", self.client.set, self.prefix + key, blob)
+
+    def _entry_limit(self) -> tuple[str, int] | None:
+        """The server's bound on one entry, asked once: the smaller of maxmemory (when set) and proto-max-bulk-len,
+        with its name; None when the server will not say (CONFIG refused to this user)."""
+        if not self._limit_asked:
+            self._limit_asked = True
+            try:
+                said: dict[str, int] = {}
+                for name in ("maxmemory", "proto-max-bulk-len"):
+                    for k, v in self.client.config_get(name).items():
+                        said[k.decode() if isinstance(k, bytes) else str(k)] = int(v)
+                bounds = [(name, n) for name, n in said.items() if n > 0]
+                self._limit = min(bounds, key=lambda b: b[1]) if bounds else None
+            except (self._redis.RedisError, AttributeError, ValueError, TypeError):  # AttributeError: a client
+                self._limit = None  # without CONFIG (a proxy's, a test's)
+        return self._limit
 
     def delete(self, key: str) -> None:
         if self.read_only:
