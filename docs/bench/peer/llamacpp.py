@@ -1,5 +1,8 @@
 """llama.cpp beside kvrag on the same GGUF: full prefill at ~1k and ~4k tokens, and ms a decoded token, 2 threads."""
-import json, statistics, sys, time
+import json
+import statistics
+import sys
+import time
 from importlib import resources
 from pathlib import Path
 from llama_cpp import Llama
@@ -23,11 +26,15 @@ for size in (1000, 4000):
     times = []
     for run in range(3):
         llm.reset()
-        t0 = time.perf_counter(); llm.eval(prompt); times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        times.append(time.perf_counter() - t0)
     steps = []
     tok = int(llm.sample(temp=0.0)) if hasattr(llm, "sample") else 0
     for i in range(32):
-        t0 = time.perf_counter(); llm.eval([tok]); steps.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        llm.eval([tok])
+        steps.append(time.perf_counter() - t0)
         tok = int(llm.sample(temp=0.0)) if hasattr(llm, "sample") else tok
     out["runs"].append({"context_tokens": size, "prefill_s": statistics.median(times), "prefill_runs": times,
                         "decode_ms": 1000 * statistics.median(steps)})
