@@ -100,10 +100,14 @@ def test_bench_decode_prints_every_step_and_the_floor(tmp_path, capsys):
     steps = {"kvrag_torch", "kvrag_compiled", "transformers_step"}
     if ckernel.available():  # the C step, with prompt-lookup drafts, on the question and a quote, on small pages
         steps |= {"kvrag", "kvrag_lookup", "kvrag_quote", "kvrag_lookup_quote", "kvrag_small_pages", "memory_read"}
+    if ckernel.available() and ckernel._library().int8_available():  # over int8 weights, beside its own read
+        steps |= {"kvrag_int8", "memory_read_int8"}
     assert row["context_tokens"] >= 150 and set(row["ms_per_token"]) == steps
     assert all(ms > 0 for ms in row["ms_per_token"].values()) and row["floor_ms"] > 0
     if ckernel.available():  # the read of a step's bytes, timed in the same rounds, and each path against it
         assert row["over_read"]["memory_read"] == 1.0 and row["over_read"]["kvrag"] > 0
+        if "kvrag_int8" in steps:  # against the read of its own, fewer bytes
+            assert row["over_read"]["memory_read_int8"] == 1.0 and row["over_read"]["kvrag_int8"] > 0
     assert forward_cost(kv, 1, 100).bytes > forward_cost(kv, 1, 0).bytes > 0  # the cached KV counts beside the weights
     assert forward_cost(kv, 10, 100).flops > forward_cost(kv, 10, 0).flops > forward_cost(kv, 1, 0).flops
     assert row["compile_s"] > 0 and not decodes_compiled(kv.model) and decodes_native(kv.model)  # as it found it

@@ -80,3 +80,57 @@ def test_top_p_keeps_only_the_nucleus():
 def test_bad_sampling_values_are_refused(kwargs, match):
     with pytest.raises(InvalidRequestError, match=match):
         Sampling(**kwargs)
+
+
+def _prefills(model, prompts):
+    from kvrag.run.recompute import full_prefill
+
+    outs = [full_prefill(model, ids) for ids in prompts]
+    return outs, [(o.cache, o.logits[-1], o.next_position) for o in outs]
+
+
+@pytest.mark.parametrize("sampling", [Sampling(max_new_tokens=9), Sampling(max_new_tokens=7, temperature=0.9, seed=3)])
+def test_answers_decoded_together_are_each_answer_decoded_alone(sampling):
+    """Three prompts of different lengths, one ended early by its stop check: every answer's tokens are `decode`'s
+    for it alone, and each cache is left as that decode leaves it."""
+    import copy
+
+    from tiny import tiny_model
+
+    from kvrag.cpu import ckernel
+    from kvrag.run.generate import decode, decode_together
+
+    if not ckernel.available():
+        pytest.skip("no C compiler for kvrag.cpu.ckernel")
+    model = copy.deepcopy(tiny_model("qwen2"))
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 250, (n,), generator=generator).tolist() for n in (12, 40, 7)]
+    outs, prefills = _prefills(model, prompts)
+    alone = []
+    for out in _prefills(model, prompts)[0]:
+        alone.append(list(decode(model, out.cache, out.logits[-1], out.next_position, sampling, eos_ids=())))
+    ends_at = alone[1][3]  # answer 1 stops at its fourth token
+
+    together = decode_together(model, prefills, sampling, eos_ids=(), stopped=lambda i, t: i == 1 and t == ends_at)
+    assert together is not None
+    for i, (mine, own) in enumerate(zip(together, alone)):
+        if i == 1:
+            cut = own.index(ends_at) + 1
+            assert mine.tokens == own[:cut] and mine.finish == "stop"
+        else:
+            assert mine.tokens == own and mine.finish == "length"
+    assert [o.cache.get_seq_length() for o in outs] == [len(p) + len(t.tokens) - 1 for p, t in zip(prompts, together)]
+
+
+def test_answers_are_not_decoded_together_where_the_c_step_does_not_take_the_model(monkeypatch):
+    import copy
+
+    from tiny import tiny_model
+
+    from kvrag.cpu import ckernel
+    from kvrag.run.generate import decode_together
+
+    monkeypatch.setattr(ckernel, "_library", lambda: None)
+    model = copy.deepcopy(tiny_model("llama"))
+    _, prefills = _prefills(model, [[5, 6, 7], [8, 9]])
+    assert decode_together(model, prefills, Sampling(max_new_tokens=4), eos_ids=()) is None

@@ -92,10 +92,27 @@ def kv():
     return KVModel(tiny_model("llama"), byte_tokenizer())
 
 
-def test_each_part_is_answered_as_if_asked_alone_over_chunk_kv_read_once(kv):
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_each_part_is_answered_as_if_asked_alone_over_chunk_kv_read_once(kv, monkeypatch, side_by_side):
+    """Decoded side by side (one pass of the C step a token for both parts) or, where the C step is off, one
+    part after the other: the same tokens as each part asked alone."""
+    from kvrag.cpu import ckernel, cstep
+    from kvrag.cpu.decode import native_decoding
+
+    if side_by_side and not ckernel.available():
+        pytest.skip("no C compiler for kvrag.cpu.ckernel")
+    passes = []
+    rows = cstep.DecodeStep.rows
+    monkeypatch.setattr(cstep.DecodeStep, "rows", lambda self, tokens, *a: passes.append(len(tokens)) or rows(
+        self, tokens, *a))
+    native_decoding(kv.model, side_by_side)
     questions = ["When does the archive open?", "What do cats hunt?"]
     whole = "When does the archive open, and what do cats hunt?"
-    got = kv.answer(whole, STRATEGY_CHUNKS, parts="auto", strategy="target_recompute", max_new_tokens=6)
+    try:
+        got = kv.answer(whole, STRATEGY_CHUNKS, parts="auto", strategy="target_recompute", max_new_tokens=6)
+    finally:
+        native_decoding(kv.model, True)
+    assert (passes[0] == 2 and len(passes) == 5) if side_by_side else not passes
     assert [p.question for p in split(whole)] == questions and len(got.parts) == 2
     for part, question in zip(got.parts, questions):
         alone = kv.answer(question, STRATEGY_CHUNKS, strategy="target_recompute", picker="likelihood", max_new_tokens=6)
@@ -215,7 +232,7 @@ def test_a_models_list_of_parts_is_read_strictly_and_else_the_question_is_whole(
 
 def test_parts_by_the_model_run_its_own_generation_and_fall_back_to_whole(kv, monkeypatch):
     from kvrag.answer import Answer, AnswerStats
-    from kvrag.run import pipeline
+    from kvrag.run import parts as run_parts
 
     asked = []
 
@@ -235,4 +252,4 @@ def test_parts_by_the_model_run_its_own_generation_and_fall_back_to_whole(kv, mo
     assert got.token_ids == auto.token_ids  # the same parts as the built-in splitter's: the same answers
     monkeypatch.setattr(kv, "stream_prompt", reply("I cannot split that."))
     whole = kv.answer(question, STRATEGY_CHUNKS, parts="model", strategy="target_recompute", max_new_tokens=3)
-    assert whole.parts == [] and pipeline.model_parts(kv, question) is None
+    assert whole.parts == [] and run_parts.model_parts(kv, question) is None

@@ -6,6 +6,7 @@ import time
 import pytest
 from tiny import byte_tokenizer, tiny_model
 
+from kvrag.answer import last_answer
 from kvrag import KVModel, MemoryStore, Request
 from kvrag.cache.chunks import ChunkSource
 from kvrag.cache.kv import ChunkKV
@@ -218,18 +219,18 @@ def test_the_likelihood_pickers_pass_over_the_winner_is_the_answers_prefill(name
         calls.append(job)
         return forward(self, job, **kw)
 
-    picked = pipeline.last_answer(
+    picked = last_answer(
         pipeline.stream(kv, Request.of(Q, TEXTS, strategy="target_only", picker="likelihood", **GEN),
                         source.chunks(TEXTS), executor, started_at=time.perf_counter())
     )
     HFExecutor.prefill = counted
     try:
-        again = pipeline.last_answer(
+        again = last_answer(
             pipeline.stream(kv, Request.of(Q, TEXTS, strategy="target_only", picker="likelihood", **GEN),
                             source.chunks(TEXTS), executor, started_at=time.perf_counter())
         )
         assert calls == []  # no prefill of its own: the picker's pass was it
-        given = pipeline.last_answer(
+        given = last_answer(
             pipeline.stream(kv, Request.of(Q, TEXTS, strategy="target_only", target=picked.stats.target,
                                            picker="oracle", **GEN),
                             source.chunks(TEXTS), executor, started_at=time.perf_counter())
@@ -239,6 +240,6 @@ def test_the_likelihood_pickers_pass_over_the_winner_is_the_answers_prefill(name
         HFExecutor.prefill = forward
     assert again.token_ids == picked.token_ids == given.token_ids and given.stats.target == picked.stats.target
     one = [TEXTS[picked.stats.target]]
-    alone = pipeline.last_answer(pipeline.stream(kv, Request.of(Q, one, strategy="full_prefill", **GEN),
+    alone = last_answer(pipeline.stream(kv, Request.of(Q, one, strategy="full_prefill", **GEN),
                                                  source.chunks(one), executor, started_at=time.perf_counter()))
     assert picked.token_ids == alone.token_ids  # exactly full prefill over the picked chunk

@@ -99,8 +99,9 @@ def _ask(args: argparse.Namespace) -> None:
 
 def _on_vllm(rag: Any, args: argparse.Namespace) -> None:
     """Hand the engine's plans to vLLM: an in-process engine with kvrag's connector, or a `vllm serve`."""
-    if args.compile_decode:
-        raise InvalidRequestError("--compile-decode is kvrag's transformers decode: vLLM decodes with its own")
+    for flag, given in (("--compile-decode", args.compile_decode), ("--int8-decode", args.int8_decode)):
+        if given:
+            raise InvalidRequestError(f"{flag} is kvrag's own decode: vLLM decodes with its own")
     vllm_kvrag = import_vllm_kvrag("--backend vllm")
     secret_file = str(args.secret_file) if args.secret_file else None  # the connector verifies under the same secret
     vllm_kvrag.attach.attach(rag, server=args.vllm_server, secret_file=secret_file)

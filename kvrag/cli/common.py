@@ -40,6 +40,12 @@ def compile_arg(parser: argparse.ArgumentParser) -> None:
         help="where the C decode step does not take the model: decode through torch.compile'd layer steps (seconds "
         "of compiling at the first token, faster after)",
     )
+    parser.add_argument(
+        "--int8-decode",
+        action="store_true",
+        help="decode over int8 copies of the weights (about half the bytes a token; tokens may differ from "
+        "bfloat16's: docs/performance.md)",
+    )
 
 
 def secret_arg(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +121,7 @@ def open_index(args: argparse.Namespace, *, read_only: bool = True) -> Any:
         secret=secret_of(args),
         read_only=read_only,
         compile_decode=getattr(args, "compile_decode", False),
+        int8_decode=getattr(args, "int8_decode", False),
         cpu_kernels=getattr(args, "cpu_kernels", True),
     )
 

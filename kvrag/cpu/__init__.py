@@ -44,6 +44,7 @@ __all__ = [
     "decoder_of",
     "enabled",
     "install",
+    "int8_decoding",
     "paged_write",
     "prefill_forward",
     "prefill_may_take",
@@ -97,6 +98,12 @@ def compile_decoding(model: torch.nn.Module) -> bool:
     """Decode `model` through the compiled step from its next decoded token on (`decode.compile_decoding`); False
     where it is not taken."""
     return enabled(model) and _decode.compile_decoding(model)
+
+
+def int8_decoding(model: torch.nn.Module, on: bool = True) -> bool:
+    """Decode `model` over int8 copies of its weights from its next decoded token on (`decode.int8_decoding`), or
+    with `on=False` over its own; False where the C step does not take them (the model's own weights decode)."""
+    return enabled(model) and _decode.int8_decoding(model, on)
 
 
 def decoder_of(model: torch.nn.Module) -> _decode.FastDecoder | None:

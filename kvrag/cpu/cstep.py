@@ -1,6 +1,7 @@
-"""The decode step in C (`csrc/decode_step.c`): every layer and the head of a llama-family model for one token, or a
-token and its prompt-lookup drafts, in one call over a `kvrag.cpu.decode.FastDecoder`'s weights. Built with the
-decode kernels (`kvrag.cpu.ckernel`)."""
+"""The decode step in C (`csrc/decode_step.c`): every layer and the head of a llama-family model for one token, a
+token and its prompt-lookup drafts, or the next token of several answers decoded side by side, in one call over a
+`kvrag.cpu.decode.FastDecoder`'s weights; optionally over int8 copies of the products' weights
+(`csrc/decode_int8.c`, `DecodeStep.use_int8`). Built with the decode kernels (`kvrag.cpu.ckernel`)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,45 @@ class _LayerWeights(ctypes.Structure):
     ]
 
 
+class _Int8Rows(ctypes.Structure):
+    _fields_ = [("values", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p)]
+
+
+class _LayerInt8(ctypes.Structure):
+    _fields_ = [(name, _Int8Rows) for name in ("qkv", "o", "gate_up", "down")]
+
+
 class _StepModel(ctypes.Structure):
     _fields_ = [(name, ctypes.c_long) for name in ("layers", "dim", "ffn", "heads", "kv_heads", "head_dim", "vocab")]
     _fields_ += [("bf16", ctypes.c_long), ("eps", ctypes.c_double), ("scale", ctypes.c_double)]
     _fields_ += [(name, ctypes.c_void_p) for name in ("embed", "norm", "lm_head")]
-    _fields_ += [("layer", ctypes.POINTER(_LayerWeights))]
+    _fields_ += [("layer", ctypes.POINTER(_LayerWeights)), ("int8_layer", ctypes.POINTER(_LayerInt8))]
+    _fields_ += [("int8_head", _Int8Rows)]
+
+
+INT8_GROUP = 64  # the columns of a weight row that share one scale (`csrc/decode_int8.c`)
+
+
+def int8_rows(weight: torch.Tensor, rows_at_once: int = 8192) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`weight` [R, C] (C a multiple of INT8_GROUP) as int8 values [R, C], float32 scales [R, C / INT8_GROUP] and
+    the offsets the kernel subtracts for its unsigned inputs (128 times the scale times the group's sum of values):
+    each group of INT8_GROUP columns of a row divided by its largest magnitude over 127 and rounded to the nearest
+    integer (symmetric; a group of zeros has scale 1). Converted a slice of rows at a time (the lm_head of a large
+    vocabulary would otherwise take a float32 copy of itself)."""
+    rows, columns = weight.shape
+    groups = columns // INT8_GROUP
+    values = torch.empty(rows, columns, dtype=torch.int8)
+    scales = torch.empty(rows, groups, dtype=torch.float32)
+    offsets = torch.empty(rows, groups, dtype=torch.float32)
+    for start in range(0, rows, rows_at_once):
+        block = weight[start : start + rows_at_once].float().view(-1, groups, INT8_GROUP)
+        scale = block.abs().amax(-1, keepdim=True) / 127.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        quantized = (block / scale).round_().clamp_(-127, 127)
+        values[start : start + rows_at_once] = quantized.view(-1, columns)
+        scales[start : start + rows_at_once] = scale.view(-1, groups)
+        offsets[start : start + rows_at_once] = 128.0 * scale.view(-1, groups) * quantized.sum(-1)
+    return values, scales, offsets
 
 
 class DecodeStep:
@@ -71,7 +106,52 @@ class DecodeStep:
             lm_head=decoder.lm_head.weight.data_ptr(),
             layer=structs,
         )
-        self._cache: tuple[tuple, tuple[ctypes.Array, ctypes.Array] | None] | None = None  # (cache seen, arrays)
+        self._cache: dict[tuple, tuple[ctypes.Array, ctypes.Array] | None] = {}  # cache seen: its arrays
+        self._decoder = decoder
+        self._int8: tuple[ctypes.Array, list[torch.Tensor], _Int8Rows] | None = None  # made on the first use_int8
+
+    def int8_takes(self) -> str | None:
+        """Why the int8 products do not take this model (None where they do): every product's input width must
+        be a multiple of INT8_GROUP."""
+        if not self._library.int8_available():
+            return "this CPU has no AVX512-VNNI (the int8 products' integer dot product)"
+        widths = {"hidden size": self.model.dim, "heads x head_dim": self.heads * self.head_dim}
+        widths["intermediate size"] = self.model.ffn
+        odd = [f"{name} {width}" for name, width in widths.items() if width % INT8_GROUP]
+        return f"{', '.join(odd)} not a multiple of {INT8_GROUP}" if odd else None
+
+    def use_int8(self, enabled: bool = True) -> bool:
+        """Read the products' weights (q/k/v, o, gate/up, down, the head) as int8 groups from the next step on
+        (quantized here on the first call, about half the bytes of bfloat16 a step: `int8_rows`), or with
+        `enabled=False` the model's own weights again. True where the step now reads int8 weights; False where
+        `int8_takes` says why not (the step then reads the model's weights)."""
+        if not enabled or self.int8_takes() is not None:
+            self.model.int8_layer = None
+            return False
+        if self._int8 is None:
+            self._int8 = self._quantized()
+        self.model.int8_layer, self.model.int8_head = self._int8[0], self._int8[2]
+        return True
+
+    @property
+    def reads_int8(self) -> bool:
+        """Whether the step reads int8 weights (`use_int8`)."""
+        return bool(self.model.int8_layer)
+
+    def _quantized(self) -> tuple[ctypes.Array, list[torch.Tensor], _Int8Rows]:
+        """The products' weights as int8 groups: the C structs and the tensors they point into (kept alive)."""
+        kept: list[torch.Tensor] = []
+
+        def rows(weight: torch.Tensor) -> _Int8Rows:
+            values, scales, offsets = int8_rows(weight)
+            kept.extend((values, scales, offsets))
+            return _Int8Rows(values.data_ptr(), scales.data_ptr(), offsets.data_ptr())
+
+        structs = (_LayerInt8 * len(self._decoder.layers))()
+        for struct, layer in zip(structs, self._decoder.layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(struct, name, rows(getattr(layer, name).weight))
+        return structs, kept, rows(self._decoder.lm_head.weight)
 
     @classmethod
     def of(cls, decoder) -> DecodeStep | None:  # type: ignore[no-untyped-def]
@@ -105,12 +185,12 @@ class DecodeStep:
         return self._arrays(keys, values) is not None
 
     def _arrays(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array] | None:
-        """The layers' key and value pointers as C arrays, made once a cache; None where the step does not take
-        its tensors."""
+        """The layers' key and value pointers as C arrays, made once a cache (the last MAX_TOKENS caches are kept:
+        answers decoded side by side ask for theirs at every step); None where the step does not take its
+        tensors."""
         seen = (tuple(t.data_ptr() for t in (*keys, *values)), keys[0].shape, values[-1].shape)
-        cache = self._cache
-        if cache is not None and cache[0] == seen:
-            return cache[1]
+        if seen in self._cache:
+            return self._cache[seen]
         capacity = keys[0].shape[1]
         ok = len(keys) == len(values) == self.model.layers and all(
             t.dtype == self.dtype
@@ -124,7 +204,9 @@ class DecodeStep:
         arrays = (
             ((ctypes.c_void_p * count)(*pointers[:count]), (ctypes.c_void_p * count)(*pointers[count:])) if ok else None
         )
-        self._cache = (seen, arrays)
+        if len(self._cache) >= MAX_TOKENS:
+            del self._cache[next(iter(self._cache))]
+        self._cache[seen] = arrays
         return arrays
 
     def __call__(
@@ -156,13 +238,7 @@ class DecodeStep:
             raise ValueError(
                 f"decode step: {count} tokens from slot {filled} of {capacity} (1 to {MAX_TOKENS} tokens)"
             )
-        if not all(0 <= t < self.vocab for t in tokens):
-            raise ValueError(f"decode step: tokens {tokens} outside a vocabulary of {self.vocab}")
-        rows = (count, self.head_dim)
-        if any(t.shape != rows or t.dtype != self.dtype or not t.is_contiguous() for t in (cos, sin)):
-            raise ValueError(
-                f"decode step: rotary rows {tuple(cos.shape)}, {tuple(sin.shape)}, not {rows} {self.dtype}"
-            )
+        self._check(tokens, cos, sin)
         arrays = self._arrays(keys, values)
         if arrays is None:
             raise ValueError("decode step: a cache this step does not take (check `takes` first)")
@@ -183,3 +259,57 @@ class DecodeStep:
         if status:
             raise MemoryError("decode step: no memory for the step's scratch")
         return logits
+
+    def rows(
+        self,
+        tokens: list[int],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        caches: list[tuple[list[torch.Tensor], list[torch.Tensor]]],
+        filled: list[int],
+    ) -> torch.Tensor:
+        """Logits [K, V] float32 of K = len(tokens) tokens of K answers decoded side by side (1 to MAX_TOKENS), in
+        one pass over the weights: token j extends caches[j] (its keys and values per layer, which `takes` must
+        take) at slot filled[j], with rotary rows cos[j], sin[j] ([K, d]), and attends to that cache's slots
+        0..filled[j]. Bit for bit the logits of a step of each token alone. Two tokens on one cache must be at
+        consecutive slots (a token and its draft)."""
+        count = len(tokens)
+        if not 1 <= count <= MAX_TOKENS or len(caches) != count or len(filled) != count:
+            raise ValueError(f"decode rows: {count} tokens, {len(caches)} caches, {len(filled)} slots (1 to "
+                             f"{MAX_TOKENS} of each, as many of each)")
+        self._check(tokens, cos, sin)
+        arrays, capacities = [], []
+        for (keys, values), slot in zip(caches, filled):
+            pointers = self._arrays(keys, values)
+            capacity = keys[0].shape[1]
+            if pointers is None or not 0 <= slot < capacity:
+                raise ValueError(f"decode rows: slot {slot} of a cache of {capacity} this step does not take")
+            arrays.append(pointers)
+            capacities.append(capacity)
+        logits = torch.empty(count, self.vocab, dtype=torch.float32)
+        pointer_rows = ctypes.c_void_p * count
+        status = self._library.decode_rows(
+            ctypes.byref(self.model),
+            pointer_rows(*(ctypes.addressof(a[0]) for a in arrays)),
+            pointer_rows(*(ctypes.addressof(a[1]) for a in arrays)),
+            (ctypes.c_long * count)(*capacities),
+            (ctypes.c_long * count)(*tokens),
+            count,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            (ctypes.c_long * count)(*filled),
+            logits.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status:
+            raise MemoryError("decode rows: no memory for the step's scratch")
+        return logits
+
+    def _check(self, tokens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> None:
+        if not all(0 <= t < self.vocab for t in tokens):
+            raise ValueError(f"decode step: tokens {tokens} outside a vocabulary of {self.vocab}")
+        rows = (len(tokens), self.head_dim)
+        if any(t.shape != rows or t.dtype != self.dtype or not t.is_contiguous() for t in (cos, sin)):
+            raise ValueError(
+                f"decode step: rotary rows {tuple(cos.shape)}, {tuple(sin.shape)}, not {rows} {self.dtype}"
+            )

@@ -605,6 +605,22 @@ def native_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
     return decoder is not None and decoder.native is not None
 
 
+def decodes_int8(model: torch.nn.Module) -> bool:
+    """Whether `int8_decoding` asked for int8 products in `model`'s C step."""
+    return bool(getattr(model, "_kvrag_int8_decode", False))
+
+
+def int8_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
+    """Decode `model` through the C step over int8 copies of its products' weights (`cstep.DecodeStep.use_int8`:
+    quantized here, once; about half the bytes a step of bfloat16, its inputs quantized per group as well, so its
+    tokens may differ from the bfloat16 step's: docs/performance.md reports how often), or with `enabled=False`
+    over the model's own weights again. The prefill is not changed. True where the C step now reads int8 weights;
+    False where it does not take them (`DecodeStep.int8_takes` says why) and decoding stays as it was."""
+    model._kvrag_int8_decode = enabled  # type: ignore[attr-defined]
+    decoder = decoder_of(model)
+    return decoder is not None and decoder.native is not None and decoder.native.reads_int8
+
+
 def decode_room(model: torch.nn.Module, tokens: int) -> int:
     """Free cache slots to keep after a prompt for `tokens` decoded ones: BLOCK - 1 more when `model` decodes
     compiled, whose attention reads whole blocks of slots (the extra slots hold no token and take no
@@ -674,6 +690,8 @@ def decoder_of(model: torch.nn.Module) -> FastDecoder | None:
         model._kvrag_fast_decoder = decoder  # type: ignore[attr-defined]
     if decoder is not None:
         decoder.use_native = decodes_native(model)
+        if decoder.native is not None and decodes_int8(model) != getattr(decoder.native, "reads_int8", False):
+            decoder.native.use_int8(decodes_int8(model))
         if decodes_compiled(model):
             decoder.compile()
     return decoder

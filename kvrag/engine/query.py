@@ -24,6 +24,7 @@ from kvrag.model.layout import check_unicode
 from kvrag.plan.defaults import default_parts, shipped_default
 from kvrag.plan.parts import Part, resolve_parts
 from kvrag.plan.request import Request
+from kvrag.run import parts as run_parts
 from kvrag.run import pipeline
 from kvrag.timing import Phases
 
@@ -100,12 +101,12 @@ class Querying:
                 yield from self._answer(request, sources, t0, time.perf_counter() - t0, phases)
                 return
 
-            def retrieve(part: str) -> pipeline.Retrieved | None:  # a hop's own retrieval
+            def retrieve(part: str) -> run_parts.Retrieved | None:  # a hop's own retrieval
                 found = self.retrieve(part, top_k=top_k, filters=filters, bm25=_bm25_flag(bm25, hybrid))
                 if not found:
                     return None
                 texts = [s.text for s in found]
-                return pipeline.Retrieved(texts, [s.score for s in found], self.source.chunks(texts), found)
+                return run_parts.Retrieved(texts, [s.score for s in found], self.source.chunks(texts), found)
 
             yield from self._answer_parts(request, split_parts, sources, t0, time.perf_counter() - t0, retrieve)
 
@@ -115,7 +116,7 @@ class Querying:
             parts = default_parts(self.defaults or shipped_default(self.kvmodel.fingerprint.weights))
         if parts is None:
             return None
-        return resolve_parts(question, parts, lambda q: pipeline.model_parts(self.kvmodel, q))
+        return resolve_parts(question, parts, lambda q: run_parts.model_parts(self.kvmodel, q))
 
     def _answer_parts(
         self,
@@ -124,7 +125,7 @@ class Querying:
         sources: list[Source],
         t0: float,
         retrieve_s: float,
-        retrieve: Callable[[str], pipeline.Retrieved | None] | None = None,
+        retrieve: Callable[[str], run_parts.Retrieved | None] | None = None,
         given: Chunks | None = None,
     ) -> Iterator[str | Answer]:
         """The parts answered over the request's chunks, then their composed text as one piece and the Answer."""
@@ -134,7 +135,7 @@ class Querying:
         def scores_of(part: str) -> list[float]:
             return (vectors @ torch.as_tensor(self.embedder.embed([part]))[0]).tolist()
 
-        answer = pipeline.answer_parts(
+        answer = run_parts.answer_parts(
             self.kvmodel,
             request,
             parts,

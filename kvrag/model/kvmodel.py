@@ -38,6 +38,7 @@ from kvrag.plan.defaults import default_parts, shipped_default
 from kvrag.plan.parts import resolve_parts
 from kvrag.plan.probe import Probe
 from kvrag.plan.request import Request
+from kvrag.run import parts as run_parts
 from kvrag.run import pipeline
 from kvrag.run.executor import HFExecutor
 from kvrag.run.generate import Sampling
@@ -79,6 +80,10 @@ class KVModel:
             chunk right behind the prefix. A chunk's KV, and its store key, depend on the lead.
         compile_decode: decode through torch.compile'd layer steps (`kvrag.cpu.decode`): seconds of compiling at
             the first decoded token, then faster tokens; worth it in a process that answers many questions.
+        int8_decode: decode through the C step over int8 copies of the weights (`kvrag.cpu.int8_decoding`: about
+            half the bytes a token of bfloat16, quantized once at load; the tokens may differ from bfloat16's,
+            docs/performance.md says how often). The prompt's prefill is unchanged. Ignored where the C step does
+            not take the model.
         cpu_kernels: let kvrag's CPU engine (`kvrag.cpu`: C kernels and module swaps, the same tokens) take this
             model's work where it applies; False keeps the model as transformers made it (set once, per model).
 
@@ -98,6 +103,7 @@ class KVModel:
         batch_tokens: int = DEFAULT_BATCH_TOKENS,
         lead: str = "",
         compile_decode: bool = False,
+        int8_decode: bool = False,
         cpu_kernels: bool = True,
     ) -> None:
         check_architecture(model.config)
@@ -131,6 +137,8 @@ class KVModel:
         self.source = ChunkSource(self)  # chunk KV for requests that give texts: encoded, no store
         if compile_decode:
             cpu.compile_decoding(model)  # compiled at the first decoded token (`kvrag.cpu`)
+        if int8_decode:
+            cpu.int8_decoding(model)  # the weights quantized now, not at the first answer
 
     @classmethod
     def from_pretrained(
@@ -323,7 +331,7 @@ class KVModel:
             parts: answer a part at a time over the same chunks (`kvrag.plan.parts`): a list of part questions (one
                 holding "{answer}" is a hop: it takes the previous part's answer), or "auto" for the built-in
                 splitter (a question it cannot split is answered whole), or "model": the model lists the parts
-                (`kvrag.run.pipeline.model_parts`; off by default, only as good as the model). Each part is its own
+                (`kvrag.run.parts.model_parts`; off by default, only as good as the model). Each part is its own
                 request over
                 the chunks' KV read once; the Answer's text holds the parts' answers a line each and `parts`
                 each part's Answer. With no scores and no picker named, each part's target is picked by the
@@ -335,11 +343,11 @@ class KVModel:
         if parts is None:
             return last_answer(self.stream(question, chunks, **kwargs))
         t0 = time.perf_counter()
-        split_parts = resolve_parts(question, parts, lambda q: pipeline.model_parts(self, q))
+        split_parts = resolve_parts(question, parts, lambda q: run_parts.model_parts(self, q))
         if split_parts is None:
             return last_answer(self.stream(question, chunks, started_at=t0, **kwargs))
         request = self.request(question, chunks, **kwargs)
-        return pipeline.answer_parts(
+        return run_parts.answer_parts(
             self, request, split_parts, self.source.chunks(request.chunks), self.executor, started_at=t0
         )
 

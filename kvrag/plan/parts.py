@@ -4,7 +4,7 @@ A question that asks for several things ("What is A, and who is B?", "What is th
 answered as parts over the same chunks: each part is its own request, planned and decoded alone over chunk KV
 read once, so a model that reads one fact at a time answers each. A hop is a part whose question holds
 "{answer}": the previous part's answer is put in before it is asked ("Who founded Velloria?", then "What is the
-birth year of {answer}?"). This module splits and composes text only; `kvrag.run.pipeline.answer_parts` runs the
+birth year of {answer}?"). This module splits and composes text only; `kvrag.run.parts.answer_parts` runs the
 parts and `KVModel.answer(parts=...)` / `KVRAG.query(parts=...)` are the entry points. It never touches a model.
 
 The built-in splitter is conservative: a question it cannot split is answered whole (`split` returns None). Its
@@ -239,7 +239,7 @@ def composed(parts: Sequence[Part], answers: Sequence[str]) -> tuple[str, str]:
     return "\n".join(" ".join(answer.split()) for answer in answers), "lines"
 
 
-# what a model asked to split a question is told (`kvrag.run.pipeline.model_parts`); its reply is read by `parsed`
+# what a model asked to split a question is told (`kvrag.run.parts.model_parts`); its reply is read by `parsed`
 SPLIT_INSTRUCTION = (
     "List the separate questions that this question asks, one question per line, each complete on its own "
     "(name the thing it is about). If it asks only one thing, write it unchanged. Write nothing else.\n\n"

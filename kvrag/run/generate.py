@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Iterable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -160,6 +160,93 @@ def decode(
     finally:
         if fast is not None:
             room.commit(cache, room.filled + step)  # the tokens fed so far, as a forward would have left the cache
+
+
+@dataclass(slots=True)
+class Decoded:
+    """One answer of `decode_together`: its tokens (no EOS) and why it ended ("eos", "length" or "stop")."""
+
+    tokens: list[int]
+    finish: str = "length"
+
+
+@torch.inference_mode()
+def decode_together(
+    model: torch.nn.Module,
+    prefills: Sequence[tuple[DynamicCache, torch.Tensor, int]],
+    sampling: Sampling,
+    eos_ids: Sequence[int],
+    lock: ContextManager[Any] | None = None,
+    stopped: Callable[[int, int], bool] | None = None,
+) -> list[Decoded] | None:
+    """Several answers decoded side by side, each over its own prefill's (cache, first logits, next position):
+    one C step a token of every answer still going (`DecodeStep.rows`, up to MAX_TOKENS a pass), so the weights
+    are read once for all of them. Each answer's tokens are, bit for bit, what `decode` gives it alone (each row's
+    logits are its own step's; a seeded answer samples from its own generator, as alone). `stopped(i, token)`:
+    whether answer i ends at `token` (a stop string), checked after each of its tokens.
+
+    None, having decoded nothing, where the C step does not take the model or a cache: the caller decodes each
+    answer alone. No prompt-lookup drafts: the weights' pass is shared by the answers instead."""
+    fast = cpu.decoder_of(model)
+    if fast is None or fast.native is None or not fast.use_native or not prefills:
+        return None
+    native, limit = fast.native, sampling.max_new_tokens
+    with lock or contextlib.nullcontext():
+        rooms = [cpu.Room.of(cache, cpu.decode_room(model, limit)) for cache, _, _ in prefills]
+        rotary = [fast.rotary(position, limit) for _, _, position in prefills]
+    if not all(native.takes(cos[0], room.keys, room.values) for room, (cos, _) in zip(rooms, rotary)):
+        return None
+    generators = [
+        torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None for _ in prefills
+    ]
+    answers = [Decoded([]) for _ in prefills]
+    last = [pick_token(logits, sampling, g) for (_, logits, _), g in zip(prefills, generators)]
+    steps = [0] * len(prefills)  # tokens of each answer fed into its cache
+    live = []
+    for i, token in enumerate(last):
+        if _ended(answers[i], token, eos_ids, stopped, i, limit):
+            continue
+        live.append(i)
+    try:
+        while live:
+            going = []
+            for start in range(0, len(live), cpu.MAX_TOKENS):
+                group = live[start : start + cpu.MAX_TOKENS]
+                cos = torch.stack([rotary[i][0][steps[i]] for i in group])
+                sin = torch.stack([rotary[i][1][steps[i]] for i in group])
+                with lock or contextlib.nullcontext():
+                    logits = native.rows(
+                        [last[i] for i in group],
+                        cos,
+                        sin,
+                        [(rooms[i].keys, rooms[i].values) for i in group],
+                        [rooms[i].filled + steps[i] for i in group],
+                    )
+                for row, i in enumerate(group):
+                    steps[i] += 1
+                    last[i] = pick_token(logits[row], sampling, generators[i])
+                    if not _ended(answers[i], last[i], eos_ids, stopped, i, limit):
+                        going.append(i)
+            live = going
+    finally:
+        for room, (cache, _, _), fed in zip(rooms, prefills, steps):
+            room.commit(cache, room.filled + fed)  # the tokens fed, as a forward would have left the cache
+    return answers
+
+
+def _ended(
+    answer: Decoded, token: int, eos_ids: Sequence[int], stopped: Callable[[int, int], bool] | None, i: int,
+    limit: int,
+) -> bool:
+    """Record `token` on `answer` (not an EOS); whether the answer ends with it."""
+    if token in eos_ids:
+        answer.finish = "eos"
+        return True
+    answer.tokens.append(token)
+    if stopped is not None and stopped(i, token):
+        answer.finish = "stop"
+        return True
+    return len(answer.tokens) >= limit
 
 
 class PromptLookup:

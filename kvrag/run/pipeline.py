@@ -8,15 +8,14 @@ KVModel and the engine call it with a `Request` that is already valid.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from kvrag import cpu
-from kvrag.answer import Answer, AnswerStats, Source, last_answer
-from kvrag.cache.chunks import Chunks, ChunkSource
+from kvrag.answer import Answer, AnswerStats, Source
+from kvrag.cache.chunks import Chunks
 from kvrag.errors import ContextOverflowError
 from kvrag.plan.defaults import shipped_default
-from kvrag.plan.parts import SPLIT_INSTRUCTION, Part, composed, parsed
 from kvrag.plan.planner import Decision, make_plan
 from kvrag.plan.probe import Probe
 from kvrag.plan.request import Request
@@ -270,114 +269,3 @@ def decode_answer(
         stats=make_stats(tokens, ttft, time.perf_counter() - started_at),
         sources=list(sources),
     )
-
-
-def model_parts(kvmodel: KVModel, question: str, max_new_tokens: int = 96) -> list[Part] | None:
-    """The parts the model itself lists for `question` (greedy, under its chat template, no chunks), or None
-    when its reply does not list two to four questions about what the question names (`kvrag.plan.parts.parsed`):
-    the question is then answered whole. One short generation; only as good as the model."""
-    tokenizer = kvmodel.tokenizer
-    message = [{"role": "user", "content": SPLIT_INSTRUCTION.format(question=question.strip())}]
-    text = message[0]["content"] + "\n"
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    reply = last_answer(kvmodel.stream_prompt(ids, max_new_tokens=max_new_tokens))
-    return parsed(reply.text, question)
-
-
-@dataclass(slots=True)
-class Retrieved:
-    """A hop's own retrieval: the chunks its question found, as a request gives them and as their KV is read."""
-
-    texts: list[str]
-    scores: list[float]
-    chunks: Chunks
-    sources: list[Source]
-
-
-def answer_parts(
-    kvmodel: KVModel,
-    request: Request,
-    parts: Sequence[Part],
-    chunks: Chunks,
-    executor: Executor,
-    *,
-    started_at: float,
-    scores_of: Callable[[str], list[float]] | None = None,
-    retrieve: Callable[[str], Retrieved | None] | None = None,
-    sources: Sequence[Source] = (),
-    retrieve_s: float = 0.0,
-) -> Answer:
-    """Each part answered as its own request over the same chunks (their KV read once, shared by every part),
-    then one Answer: the parts' answers composed (`Answer.composed` says how), every part's own Answer in `parts`.
-
-    `scores_of(question)`: the chunks' retrieval scores for one part (the engine scores each part's question
-    against the retrieved chunks); without it a part whose request names no picker and no default picker is
-    picked by the model's likelihood of the part behind each chunk: one question's scores would give every
-    part the same chunk. `retrieve(question)`: a hop's own retrieval, run with the previous part's answer in
-    its question (chunks it shares with the first retrieval come from the store); None keeps the given chunks.
-    A comparison whose answers state no single number each is decided by one short pass of the model over the
-    parts' questions and answers.
-    """
-    named = request.picker  # the caller's; else the default's where each part has its own scores
-    request.with_default(shipped_default(kvmodel.fingerprint.weights))
-    answers: list[Answer] = []
-    read = {s.id: s for s in sources}
-    previous: str | None = None
-    waited = time.perf_counter() - started_at  # before the first part's own clock starts (retrieval)
-    hop_retrieve_s = 0.0
-    for i, part in enumerate(parts):
-        question = part.asked_after(parts[i - 1] if i else None, previous)
-        scores = scores_of(question) if scores_of is not None else request.scores
-        picker = named or (request.picker if scores_of is not None else "likelihood")
-        sub = replace(request, question=question, scores=scores, picker=picker)
-        given, given_sources = chunks, list(sources)
-        found = None
-        if part.hop and retrieve is not None:
-            t0 = time.perf_counter()
-            found = retrieve(question)
-            hop_retrieve_s += time.perf_counter() - t0
-        if found is not None:
-            sub = replace(sub, chunks=list(found.texts), scores=list(found.scores))
-            given, given_sources = found.chunks, found.sources
-            read.update((s.id, s) for s in found.sources)
-        one = last_answer(stream(kvmodel, sub, given, executor, started_at=time.perf_counter(), sources=given_sources))
-        answers.append(one)
-        previous = one.text
-    text, how = composed(parts, [a.text for a in answers])
-    if how == "lines" and all(p.entity is not None for p in parts):  # a comparison the numbers did not decide
-        judged = _judge(kvmodel, request, parts, answers, executor)
-        answers.append(judged)
-        text, how = judged.text, "model"
-    first = answers[0].stats
-    stats = replace(
-        first,
-        ttft_s=waited + first.ttft_s,  # the first part's first token: what a streaming reader sees first
-        new_tokens=sum(a.stats.new_tokens for a in answers),
-        recomputed_tokens=sum(a.stats.recomputed_tokens for a in answers),
-        extra_token_layers=sum(a.stats.extra_token_layers for a in answers),
-        extra_work=[w for a in answers for w in a.stats.extra_work],
-        total_s=time.perf_counter() - started_at,
-        retrieve_s=retrieve_s + first.retrieve_s + hop_retrieve_s,
-        overspend_tokens=sum(a.stats.overspend_tokens for a in answers),
-    )
-    return Answer(
-        text=text,
-        token_ids=[t for a in answers for t in a.token_ids],
-        finish_reason=answers[-1].finish_reason,
-        stats=stats,
-        sources=list(read.values()),
-        parts=answers,
-        composed=how,
-    )
-
-
-def _judge(kvmodel: KVModel, request: Request, parts: Sequence[Part], answers: Sequence[Answer],
-           executor: Executor) -> Answer:
-    """A comparison the parts' answers could not decide in code, asked whole over those answers alone: one short
-    prompt (the parts' questions and answers as its one chunk, encoded here and never stored)."""
-    facts = "\n".join(f"{p.question} {' '.join(a.text.split())}" for p, a in zip(parts, answers))
-    sub = replace(request, chunks=[facts], scores=None, strategy="full_prefill", picker=None, target=None)
-    fresh = ChunkSource(kvmodel).chunks([facts])
-    return last_answer(stream(kvmodel, sub, fresh, executor, started_at=time.perf_counter()))

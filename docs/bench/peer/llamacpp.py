@@ -1,4 +1,5 @@
-"""llama.cpp beside kvrag on the same GGUF: full prefill at ~1k and ~4k tokens, and ms a decoded token, 2 threads."""
+"""llama.cpp beside kvrag on the same GGUF: full prefill at ~1k and ~4k tokens (more sizes as a second argument,
+e.g. 1000,4000,8000; sizes over 4k are timed once), and ms a decoded token, 2 threads."""
 import json
 import statistics
 import sys
@@ -21,10 +22,11 @@ text = (resources.files("kvrag") / "data" / "python_docs" / "api_entries.jsonl")
 llm = Llama(model_path=str(gguf), n_ctx=8192, n_threads=2, n_threads_batch=2, n_batch=512, verbose=False)
 tokens = llm.tokenize(text.encode(), add_bos=False)
 out = {"model": name, "gguf": gguf.name, "threads": 2, "runs": []}
-for size in (1000, 4000):
+sizes = [int(s) for s in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1000, 4000]
+for size in sizes:
     prompt = tokens[:size]
     times = []
-    for run in range(3):
+    for run in range(3 if size <= 4000 else 1):
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(prompt)

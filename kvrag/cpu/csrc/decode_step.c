@@ -224,30 +224,53 @@ static void rope(float *x, const void *cos, const void *sin, long d, int bf16) {
     memcpy(x, tmp, sizeof(float) * d);
 }
 
-/* The logits [K][V] (float32) of tokens[0..K-1] (1 <= K <= MAX_TOKENS) at K consecutive positions, whose rotary
- * rows are cos[j], sin[j] ([K][head_dim], model dtype). Token j's key and value go to slot `slot + j` of each
- * layer's keys[l], values[l] ([kv_heads, capacity, head_dim], the model's dtype, contiguous), and it attends to
- * slots 0..slot + j: the K tokens are K steps of one token each, run as one pass over the weights (their logits
- * are those K single steps' logits, bit for bit). 0, -1 where scratch memory ran out, -2 for a K out of range. */
-int decode_steps(const struct step_model *m, void *const *keys, void *const *values, long capacity,
-                 const long *tokens, long K, const void *cos, const void *sin, long slot, float *logits, int threads) {
+int product_int8(const void *w, const void *scales, const void *offsets, const float *x, float *sums, long R, long C,
+                 int K, float *scratch, int threads);
+
+/* out[j] = rnd(w x[j] + bias) for j < K, through the int8 weights where the model has them (decode_int8.c), else
+ * the model's own */
+static void weights_product(const void *w, const struct int8_rows *q, const float *x, const void *bias, float *out,
+                            long R, long C, int K, int bf16, float *split, int threads) {
+    if (!q) {
+        product(w, x, bias, out, R, C, K, bf16, split, threads);
+        return;
+    }
+    product_int8(q->values, q->scales, q->offsets, x, out, R, C, K, split, threads);
+    for (long j = 0; j < K; j++)
+        for (long r = 0; r < R; r++) out[j * R + r] = rnd(bias ? out[j * R + r] + get(bias, r, bf16) : out[j * R + r], bf16);
+}
+
+/* The logits [K][V] (float32) of tokens[0..K-1] (1 <= K <= MAX_TOKENS), one pass over the weights for all of them.
+ * Token j reads and writes the cache whose layers' keys and values are keys[j][l], values[j][l] ([kv_heads,
+ * capacity[j], head_dim], the model's dtype, contiguous): its key and value go to slot slots[j], and it attends to
+ * slots 0..slots[j]; its rotary rows are cos[j], sin[j] ([K][head_dim], model dtype). Tokens of one cache at
+ * consecutive slots (a token and its drafts) share one attention pass over that cache (a later token's key,
+ * written first, is not read by the earlier ones); tokens of different caches (answers decoded side by side) each
+ * attend to their own. Each token's logits are, bit for bit, those of a step of that token alone. 0, -1 where
+ * scratch memory ran out, -2 for a K out of range. */
+int decode_rows(const struct step_model *m, void *const *const *keys, void *const *const *values,
+                const long *capacity, const long *tokens, long K, const void *cos, const void *sin, const long *slots,
+                float *logits, int threads) {
     if (K < 1 || K > MAX_TOKENS) return -2;
     const int bf16 = (int)m->bf16;
     const long D = m->dim, F = m->ffn, H = m->heads, Hkv = m->kv_heads, d = m->head_dim, G = H / Hkv;
     const long qkv_rows = (H + 2 * Hkv) * d, widest = F > H * d ? (F > D ? F : D) : (H * d > D ? H * d : D);
-    const long blocks = (slot + K + 255) / 256;
+    long last = 0;
+    for (long j = 0; j < K; j++) last = slots[j] > last ? slots[j] : last;
+    const long blocks = (last + K + 255) / 256;
     size_t floats = K * (D + D + qkv_rows + H * d + H * d + 2 * F + F + widest + Hkv * blocks * G * (d + 2));
     float *x = malloc(sizeof(float) * floats);
     if (!x) return -1;
     float *h = x + K * D, *qkv = h + K * D, *q32 = qkv + K * qkv_rows, *att = q32 + K * H * d;
     float *gu = att + K * H * d, *act = gu + K * 2 * F, *split = act + K * F, *part = split + K * widest;
     const long rot = d * (bf16 ? 2 : 4); /* bytes of one rotary row */
+    const struct layer_int8 *q8 = m->int8_layer;
     for (long j = 0; j < K; j++)
         for (long i = 0; i < D; i++) x[j * D + i] = get(m->embed, tokens[j] * D + i, bf16);
     for (long l = 0; l < m->layers; l++) {
         const struct layer_weights *w = &m->layer[l];
         for (long j = 0; j < K; j++) rms_norm(x + j * D, w->norm_in, h + j * D, D, m->eps, bf16);
-        product(w->qkv, h, w->qkv_bias, qkv, qkv_rows, D, K, bf16, split, threads);
+        weights_product(w->qkv, q8 ? &q8[l].qkv : NULL, h, w->qkv_bias, qkv, qkv_rows, D, K, bf16, split, threads);
         for (long j = 0; j < K; j++) {
             float *q = qkv + j * qkv_rows, *k = q + H * d, *v = k + Hkv * d;
             const void *cj = (const char *)cos + j * rot, *sj = (const char *)sin + j * rot;
@@ -259,34 +282,47 @@ int decode_steps(const struct step_model *m, void *const *keys, void *const *val
             for (long i = 0; i < Hkv; i++) {
                 rope(k + i * d, cj, sj, d, bf16);
                 for (long e = 0; e < d; e++) {
-                    put(keys[l], (i * capacity + slot + j) * d + e, k[i * d + e], bf16);
-                    put(values[l], (i * capacity + slot + j) * d + e, v[i * d + e], bf16);
+                    put(keys[j][l], (i * capacity[j] + slots[j]) * d + e, k[i * d + e], bf16);
+                    put(values[j][l], (i * capacity[j] + slots[j]) * d + e, v[i * d + e], bf16);
                 }
             }
             for (long i = 0; i < H * d; i++) q32[j * H * d + i] = q[i] * (float)m->scale;
         }
-        /* token j sees slots 0..slot + j (the later tokens' keys, written above, are not read) */
-        if (bf16)
-            decode_attention_bf16_queries(q32, keys[l], values[l], capacity, Hkv, G, d, slot + 1, K, att, part,
-                                          threads);
-        else
-            decode_attention_f32_queries(q32, keys[l], values[l], capacity, Hkv, G, d, slot + 1, K, att, part,
-                                         threads);
+        for (long j = 0, run; j < K; j += run) { /* runs of one cache's consecutive slots: one attention pass */
+            for (run = 1; j + run < K && keys[j + run] == keys[j] && slots[j + run] == slots[j] + run; run++) {}
+            const float *qj = q32 + j * H * d;
+            if (bf16)
+                decode_attention_bf16_queries(qj, keys[j][l], values[j][l], capacity[j], Hkv, G, d, slots[j] + 1,
+                                              (int)run, att + j * H * d, part, threads);
+            else
+                decode_attention_f32_queries(qj, keys[j][l], values[j][l], capacity[j], Hkv, G, d, slots[j] + 1,
+                                             (int)run, att + j * H * d, part, threads);
+        }
         for (long i = 0; i < K * H * d; i++) att[i] = rnd(att[i], bf16);
-        product(w->o, att, NULL, h, D, H * d, K, bf16, split, threads);
+        weights_product(w->o, q8 ? &q8[l].o : NULL, att, NULL, h, D, H * d, K, bf16, split, threads);
         for (long i = 0; i < K * D; i++) x[i] = rnd(x[i] + h[i], bf16);
         for (long j = 0; j < K; j++) rms_norm(x + j * D, w->norm_post, h + j * D, D, m->eps, bf16);
-        product(w->gate_up, h, NULL, gu, 2 * F, D, K, bf16, split, threads);
+        weights_product(w->gate_up, q8 ? &q8[l].gate_up : NULL, h, NULL, gu, 2 * F, D, K, bf16, split, threads);
         for (long j = 0; j < K; j++)
             for (long i = 0; i < F; i++) {
                 float g = gu[j * 2 * F + i];
                 act[j * F + i] = rnd(rnd(g / (1.0f + expf(-g)), bf16) * gu[j * 2 * F + F + i], bf16);
             }
-        product(w->down, act, NULL, h, D, F, K, bf16, split, threads);
+        weights_product(w->down, q8 ? &q8[l].down : NULL, act, NULL, h, D, F, K, bf16, split, threads);
         for (long i = 0; i < K * D; i++) x[i] = rnd(x[i] + h[i], bf16);
     }
     for (long j = 0; j < K; j++) rms_norm(x + j * D, m->norm, h + j * D, D, m->eps, bf16);
-    product(m->lm_head, h, NULL, logits, m->vocab, D, K, bf16, split, threads);
+    weights_product(m->lm_head, q8 ? &m->int8_head : NULL, h, NULL, logits, m->vocab, D, K, bf16, split, threads);
     free(x);
     return 0;
+}
+
+/* decode_rows for K consecutive tokens of one cache (a token and its drafts) from slot `slot` */
+int decode_steps(const struct step_model *m, void *const *keys, void *const *values, long capacity,
+                 const long *tokens, long K, const void *cos, const void *sin, long slot, float *logits, int threads) {
+    if (K < 1 || K > MAX_TOKENS) return -2;
+    void *const *k[MAX_TOKENS], *const *v[MAX_TOKENS];
+    long capacities[MAX_TOKENS], slots[MAX_TOKENS];
+    for (long j = 0; j < K; j++) k[j] = keys, v[j] = values, capacities[j] = capacity, slots[j] = slot + j;
+    return decode_rows(m, k, v, capacities, tokens, K, cos, sin, slots, logits, threads);
 }

@@ -7,11 +7,23 @@ struct layer_weights { /* one decoder layer, in the model's dtype; q_norm, k_nor
     const void *norm_in, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *norm_post, *gate_up, *down;
 };
 
+/* a product's weight as int8 groups (decode_int8.c): values [R, C]; for each 64 of a row a float32 scale and its
+ * offset (128 times the scale times the group's sum) */
+struct int8_rows {
+    const void *values, *scales, *offsets;
+};
+
+struct layer_int8 { /* one decoder layer's products in int8, for the decode step */
+    struct int8_rows qkv, o, gate_up, down;
+};
+
 struct step_model {
     long layers, dim, ffn, heads, kv_heads, head_dim, vocab, bf16;
     double eps, scale;
     const void *embed, *norm, *lm_head;    /* [V, D], [D], [V, D] */
     const struct layer_weights *layer;     /* [layers] */
+    const struct layer_int8 *int8_layer;   /* [layers], or NULL: the decode step's products read these instead */
+    struct int8_rows int8_head;            /* the head's, where int8_layer is set */
 };
 
 #endif

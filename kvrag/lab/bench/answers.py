@@ -5,6 +5,10 @@ item's answer of every strategy is one `KVRAG.answer` over the item's chunks (th
 retrieval scores kvrag's embedder gives; greedy to the first line break), one after another in one process: its
 first token, its whole answer and whether it is right (the study's scoring). `default` is the model's shipped
 default, parts included. Medians a family and over every item; a warm-up answer of each strategy first.
+
+A strategy name ending in `_int8` (`default_int8`) is that strategy decoded over int8 weights
+(`kvrag.cpu.int8_decoding`, on for its answers only); its `same` counts the items whose answer is word for word the
+one the strategy gives over the model's own weights (listed too).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvrag.cache.store import MemoryStore
+from kvrag.cpu import int8_decoding
 from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
 from kvrag.lab.study import _model_name, load_items
@@ -47,9 +52,9 @@ def whole_answers(
         scores = (vectors @ torch.as_tensor(rag.embedder.embed([item.question]))[0]).tolist()
         if n == 0:  # untimed: the first answer of each strategy builds kernels and buffers
             for strategy in strategies:
-                rag.answer(item.question, texts, scores=scores, **_strategy(strategy), **options)
+                _answer(rag, strategy, item.question, texts, scores, options)
         for strategy in strategies:
-            answer = rag.answer(item.question, texts, scores=scores, **_strategy(strategy), **options)
+            answer = _answer(rag, strategy, item.question, texts, scores, options)
             rows.append(
                 {
                     "item": item.id,
@@ -77,6 +82,19 @@ def whole_answers(
     }
 
 
+def _answer(rag: KVRAG, strategy: str, question: str, texts: list[str], scores: list[float],
+            options: dict[str, Any]) -> Any:
+    """One answer of `strategy` (a name ending in `_int8`: decoded over int8 weights)."""
+    int8 = strategy.endswith("_int8")
+    if int8 and not int8_decoding(rag.kvmodel.model, True):
+        raise ValueError(f"{strategy}: the C decode step does not take int8 weights for this model on this machine")
+    try:
+        return rag.answer(question, texts, scores=scores, **_strategy(strategy.removesuffix("_int8")), **options)
+    finally:
+        if int8:
+            int8_decoding(rag.kvmodel.model, False)
+
+
 def _strategy(name: str) -> dict[str, Any]:
     return {} if name == "default" else {"strategy": name}
 
@@ -98,6 +116,10 @@ def summary(rows: Sequence[dict[str, Any]], strategies: Sequence[str]) -> dict[s
                 "answer_s": statistics.median(r["answer_s"] for r in mine),
                 "new_tokens": statistics.median(r["new_tokens"] for r in mine),
             }
+            base = strategy.removesuffix("_int8")
+            if base != strategy and base in strategies:
+                own = {r["item"]: r["text"] for r in rows if r["strategy"] == base}
+                out[family][strategy]["same"] = sum(r["text"] == own.get(r["item"]) for r in mine)
     return out
 
 
@@ -116,7 +138,10 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     for family, by in result["summary"].items():
         cells = [
-            f"{v['right']}/{v['items']}, {v['ttft_s']:.3f}, {v['answer_s']:.3f}" if (v := by.get(s)) else "-"
+            f"{v['right']}/{v['items']}, {v['ttft_s']:.3f}, {v['answer_s']:.3f}"
+            + (f" ({v['same']} same)" if "same" in v else "")
+            if (v := by.get(s))
+            else "-"
             for s in strategies
         ]
         lines.append(f"| {family} | " + " | ".join(cells) + " |")

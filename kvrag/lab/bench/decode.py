@@ -14,6 +14,11 @@ answer) and without, over the same answers: `kvrag_lookup` beside `kvrag` on the
 are for. Their tokens are the same; a token costs less than a step where drafts are confirmed, so these rows can
 sit below the floor, which prices one step.
 
+`kvrag_int8` times the C step over int8 copies of the weights (`kvrag.cpu.int8_decoding`), beside `kvrag`, and
+`memory_read_int8` is its own floor: the read of the bytes that step must read (the int8 weights, their scales
+and offsets, in place of the bfloat16 ones); its `over_read` is against that read. Its tokens may differ from
+`kvrag`'s (docs/performance.md reports how often).
+
 `kvrag_small_pages` times the C step over a copy of its weights in ordinary 4 KB pages, beside `kvrag`, whose
 weights the decoder keeps on 2 MB pages where the system gives them (`kvrag.cpu.hugepages`).
 
@@ -36,7 +41,15 @@ import torch
 
 from kvrag.cache.kv import ChunkKV
 from kvrag.cpu import ckernel, cstep, hugepages
-from kvrag.cpu.decode import compile_decoding, decoder_of, decodes_compiled, decodes_native, native_decoding
+from kvrag.cpu.decode import (
+    compile_decoding,
+    decoder_of,
+    decodes_compiled,
+    decodes_int8,
+    decodes_native,
+    int8_decoding,
+    native_decoding,
+)
 from kvrag.lab.bench.ttft import context_texts
 from kvrag.lab.demo import sample_docs
 from kvrag.lab.roofline import Machine, forward_cost
@@ -94,6 +107,8 @@ def decode_benchmark(
     fast = decoder_of(kv.model) is not None
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; fast step: {'yes' if fast else 'no'}")
     compiled_before, native_before = decodes_compiled(kv.model), decodes_native(kv.model)
+    int8_before = decodes_int8(kv.model)
+    int8_decoding(kv.model, False)  # `kvrag` is the model's own weights; `kvrag_int8` turns int8 on for its runs
     paths: dict[str, Callable[[int], tuple[float, int, int]]] = {
         "transformers_step": lambda n: _decode_time(kv, question, texts, n, False)
     }
@@ -104,6 +119,10 @@ def decode_benchmark(
                 if name:
                     paths["kvrag" + name] = functools.partial(_native, kv, asked, lambda: texts, False)
                 paths["kvrag_lookup" + name] = functools.partial(_native, kv, asked, lambda: texts, True)
+            if int8_decoding(kv.model, True):
+                saved = _int8_saved_bytes(decoder_of(kv.model).native)
+                paths["kvrag_int8"] = lambda n: _on_int8(kv, lambda: _decode_time(kv, question, texts, n, True))
+            int8_decoding(kv.model, False)
             small = _on_small_pages(decoder_of(kv.model))
             if small is not None:
                 paths["kvrag_small_pages"] = lambda n: _with_step(
@@ -118,6 +137,8 @@ def decode_benchmark(
     reader = _MemoryRead(kv)
     if reader.runs():
         paths["memory_read"] = reader
+        if "kvrag_int8" in paths:
+            paths["memory_read_int8"] = int8_reader = _MemoryRead(kv, less=saved)
     rows = []
     compile_s = None
     try:
@@ -126,6 +147,8 @@ def decode_benchmark(
             for name, path in paths.items():  # warm-up of every path (the compile happens in the first one)
                 t0 = time.perf_counter()
                 reader.cached = max(reader.cached, path(4)[1])
+                if "memory_read_int8" in paths:
+                    int8_reader.cached = reader.cached
                 if name == "kvrag_compiled" and compile_s is None:
                     compile_s = time.perf_counter() - t0
             times: dict[str, list[float]] = {name: [] for name in paths}
@@ -140,7 +163,28 @@ def decode_benchmark(
     finally:
         compile_decoding(kv.model, compiled_before)
         native_decoding(kv.model, native_before)
+        int8_decoding(kv.model, int8_before)
     return rows
+
+
+def _int8_saved_bytes(step: cstep.DecodeStep) -> int:
+    """Bytes a step over int8 weights reads less than one over the model's: the products' weights in the model's
+    dtype less their int8 values, scales and offsets."""
+    own = step._decoder.lm_head.weight.nbytes
+    products = ("qkv", "o", "gate_up", "down")
+    own += sum(getattr(layer, n).weight.nbytes for layer in step._decoder.layers for n in products)
+    return own - sum(t.nbytes for t in step._int8[1])
+
+
+def _on_int8(kv: KVModel, run: Callable[[], tuple[float, int, int]]) -> tuple[float, int, int]:
+    """`run` with the model on the C step over int8 weights, then back on its own."""
+    native_decoding(kv.model, True)
+    compile_decoding(kv.model, False)
+    int8_decoding(kv.model, True)
+    try:
+        return run()
+    finally:
+        int8_decoding(kv.model, False)
 
 
 def _native(
@@ -154,14 +198,14 @@ class _MemoryRead:
     """A path that reads, front to back, the bytes a step in the middle of the answer must read, from huge pages,
     in C: the seconds of one read, in place of a token's."""
 
-    def __init__(self, kv: KVModel) -> None:
-        self.kv, self.cached, self.buffer = kv, 0, torch.empty(0)
+    def __init__(self, kv: KVModel, less: int = 0) -> None:
+        self.kv, self.cached, self.buffer, self.less = kv, 0, torch.empty(0), less
 
     def runs(self) -> bool:
         return self.kv.prefix.keys.device.type == "cpu" and ckernel.available()
 
     def __call__(self, tokens: int) -> tuple[float, int, int]:
-        count = int(forward_cost(self.kv, 1, self.cached + tokens // 2).bytes) // 256 * 64  # float32s, 256 B a loop
+        count = int(forward_cost(self.kv, 1, self.cached + tokens // 2).bytes - self.less) // 256 * 64  # 256 B a loop
         if self.buffer.numel() != count:
             self.buffer = hugepages.empty((count,), torch.float32).fill_(1)
         t0 = time.perf_counter()
@@ -223,18 +267,19 @@ def _row(
     floor = forward_cost(kv, 1, cached + tokens // 2).floor(machine)  # a step in the middle of the answer
     ms = {name: 1000 * sorted(v)[len(v) // 2] for name, v in times.items()}
     read = ms.get("memory_read")
+    reads = {name: ms.get("memory_read_int8", read) if "int8" in name else read for name in ms}
     row = {
         "context_tokens": cached,
         "ms_per_token": ms,
         "floor_ms": 1000 * floor,
         "over_floor": {name: m / (1000 * floor) for name, m in ms.items()},
-        "over_read": {name: m / read for name, m in ms.items()} if read else None,
+        "over_read": {name: m / reads[name] for name, m in ms.items()} if read else None,
         "bandwidth_gb_s": machine.read_bytes / 1e9,
         "compile_s": compile_s,
     }
     shown = ", ".join(f"{name} {m:.1f} ms/token ({m / (1000 * floor):.2f}x)" for name, m in ms.items())
     log(f"{cached:>6} cached tokens: floor {1000 * floor:.1f} ms ({machine.read_bytes / 1e9:.1f} GB/s); {shown}")
     if read:
-        paired = ", ".join(f"{name} {m / read:.2f}x" for name, m in ms.items() if name != "memory_read")
+        paired = ", ".join(f"{name} {m / reads[name]:.2f}x" for name, m in ms.items() if not name.startswith("memory"))
         log(f"{'':>6} against the paired read of the same bytes ({read:.1f} ms): {paired}")
     return row

@@ -133,7 +133,8 @@ class _ItemRun:
         The teacher-forced measures (KL, gold log-likelihood) are a whole prompt's and are left out."""
         from kvrag.answer import last_answer
         from kvrag.plan.parts import split
-        from kvrag.run.pipeline import answer_parts, stream
+        from kvrag.run.parts import answer_parts
+        from kvrag.run.pipeline import stream
 
         model, request = self.request(row, Sampling(max_new_tokens=self.runner.config.max_new_tokens, stop=["\n"]))
         parts = split(self.item.question)
