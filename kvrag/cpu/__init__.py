@@ -26,7 +26,7 @@ from kvrag.cpu import decode as _decode
 from kvrag.cpu import prefill as _prefill
 from kvrag.cpu.attention import GQA_SDPA, use_gqa_sdpa
 from kvrag.cpu.ckernel import MAX_TOKENS, Stitch
-from kvrag.cpu.decode import Room
+from kvrag.cpu.room import Room
 from kvrag.cpu.linear import use_prefill_linears
 from kvrag.cpu.mlp import use_prefill_mlps
 from kvrag.cpu.norm import use_prefill_norms

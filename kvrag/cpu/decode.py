@@ -1,6 +1,6 @@
 """One decode step written for speed, on the model's own weights: what `generate.decode` runs for llama-family
-models instead of a whole transformers forward. (One module, past the house's ~450 lines: the decoder, its eager,
-compiled and CUDA-graph steps and the weight layout they share read as one piece; the C step is `cstep`'s.)
+models instead of a whole transformers forward. Beside it: the C step (`cstep`), the weights' layout (`weights`),
+the torch step's pieces and its compiled form (`steps`), the CUDA graphs (`graphs`) and the cache's room (`room`).
 
 On CPU a token's step is mostly vector-matrix products, and torch runs each of them on one core at about a
 third of the memory bandwidth (docs/performance.md). Here each product is split by output rows into one part
@@ -50,7 +50,6 @@ and stays on the eager step.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -58,40 +57,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvrag.cpu import ckernel, cstep, hugepages
+from kvrag.cpu import ckernel, cstep
+from kvrag.cpu.graphs import GraphSteps
 from kvrag.cpu.linear import PrefillLinear
+from kvrag.cpu.room import Room  # noqa: F401 - where callers find it (`kvrag.cpu.Room`)
+from kvrag.cpu.steps import BLOCK, _heads, _kernel_takes, _rms_norm, compiled, rope
+from kvrag.cpu.weights import Product, _arranged, _projections, _stacked_bias
 from kvrag.model.loading import rope_parameters
 
 TAKEN = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 PLAIN_LINEARS = (torch.nn.Linear, PrefillLinear)  # the same product (`kvrag.cpu.linear`)
-BLOCK = 256  # cache slots an attention block of the compiled step reads (docs/performance.md, "Decoding")
-
-
-class Product:
-    """x [in] times a weight [out, in], split by output rows into `parts` batched products (one a thread).
-
-    The parts are views of the weight, so nothing is copied, and each output is the same dot product as
-    `F.linear`'s.
-    """
-
-    __slots__ = ("weight", "bias", "parts", "split")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parts: int) -> None:
-        self.weight, self.bias = weight, bias
-        self.resplit(parts)
-
-    def resplit(self, parts: int) -> None:
-        """Split into `parts` (one part when `parts` does not divide the rows)."""
-        out, inner = self.weight.shape
-        self.parts = parts if out % parts == 0 else 1
-        self.split = self.weight.view(self.parts, out // self.parts, inner).transpose(1, 2)  # [P, in, out / P]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.expand(self.parts, 1, x.shape[-1])
-        if self.bias is None:
-            return torch.bmm(x, self.split).view(self.weight.shape[0])
-        # the bias inside the product, as F.linear adds it (after the sum, before rounding in low precision)
-        return torch.baddbmm(self.bias.view(self.parts, 1, -1), x, self.split).view(self.weight.shape[0])
 
 
 @dataclass(slots=True)
@@ -141,18 +116,6 @@ def supports(model: torch.nn.Module) -> str | None:
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
         return "logit soft-capping"
     return None
-
-
-def _projections(layer: torch.nn.Module) -> tuple[tuple[Any, ...], Any, tuple[Any, ...], Any]:
-    """A decoder layer's (q, k and v), o, (gate and up) and down linears: separate modules in llama, mistral and
-    qwen, one stacked module each for q/k/v and gate/up in phi3 (the same products, in the same order).
-    Missing modules are None (then `supports` refuses the model)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if hasattr(attn, "qkv_proj"):
-        return (attn.qkv_proj,), attn.o_proj, (getattr(mlp, "gate_up_proj", None),), getattr(mlp, "down_proj", None)
-    qkv = tuple(getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj"))
-    gate_up = tuple(getattr(mlp, n, None) for n in ("gate_proj", "up_proj"))
-    return qkv, getattr(attn, "o_proj", None), gate_up, getattr(mlp, "down_proj", None)
 
 
 class FastDecoder:
@@ -240,16 +203,12 @@ class FastDecoder:
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return _rms_norm(x, weight, self.eps)
 
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    _rope = staticmethod(rope)
 
     def compile(self) -> None:
         """Run steps through torch.compile'd layer and head functions from the next step on (compiled then)."""
         if self.compiled is None:
-            self.compiled = _compiled()
+            self.compiled = compiled()
 
     @torch.inference_mode()
     def step(
@@ -391,198 +350,8 @@ class FastDecoder:
         return logits
 
 
-class GraphSteps:
-    """A decoder's step on CUDA as one CUDA graph per set of cache buffers: every layer and the head replayed in
-    one launch, so a token costs the GPU's work and not hundreds of kernel launches from Python.
-
-    A graph is captured at the first step over a set of buffers (the step runs once eagerly on a side stream
-    first, as a capture requires, and that run is the step's result) and replayed for every later step over the
-    same buffers, in this answer and in later ones that reuse them (the executor pools its stitched caches). A
-    graph writes to its buffers' addresses, so it holds the buffers: the KEPT most recent graphs keep theirs
-    alive after their answers (a cache of another size or a plain prefill's cache brings new buffers and a new
-    graph, and the oldest graph and its buffers are let go).
-    """
-
-    KEPT = 2
-
-    def __init__(self, decoder: FastDecoder) -> None:
-        self.decoder = decoder
-        self.graphs: dict[tuple[Any, ...], _Graph] = {}
-        self.captures = 0  # graphs captured so far (a replay captures nothing)
-
-    def __call__(
-        self,
-        token: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        filled: int,
-    ) -> torch.Tensor:
-        key = (tuple(t.data_ptr() for t in (*keys, *values)), keys[0].shape, keys[0].stride(), keys[0].dtype)
-        graph = self.graphs.pop(key, None)
-        if graph is not None:
-            self.graphs[key] = graph  # the most recent last
-            return graph.replay(token, cos, sin, filled)
-        graph = _Graph(self.decoder, keys, values)
-        logits = graph.capture(token, cos, sin, filled)
-        self.captures += 1
-        self.graphs[key] = graph
-        while len(self.graphs) > self.KEPT:
-            del self.graphs[next(iter(self.graphs))]
-        return logits
-
-
-class _Graph:
-    """One captured step over one set of cache buffers, and its static inputs and output."""
-
-    def __init__(self, decoder: FastDecoder, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        device = keys[0].device
-        self.decoder, self.keys, self.values = decoder, keys, values
-        self.token = torch.zeros(1, dtype=torch.long, device=device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.cos = torch.zeros(decoder.head_dim, dtype=decoder.embed.dtype, device=device)
-        self.sin = torch.zeros_like(self.cos)
-        self.graph = torch.cuda.CUDAGraph()
-        self.logits = torch.empty(0)
-
-    def _inputs(self, token: int, cos: torch.Tensor, sin: torch.Tensor, filled: int) -> None:
-        self.token.fill_(token)
-        self.slot.fill_(filled)
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
-
-    def _run(self) -> torch.Tensor:
-        return self.decoder.static_step(self.token, self.cos, self.sin, self.keys, self.values, self.slot)
-
-    def capture(self, token: int, cos: torch.Tensor, sin: torch.Tensor, filled: int) -> torch.Tensor:
-        """This step's logits, from an eager run on a side stream; then the graph of the same step."""
-        self._inputs(token, cos, sin, filled)
-        current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            logits = self._run().clone()  # writes this token's key and value: the capture below writes nothing
-        current.wait_stream(side)
-        with torch.cuda.graph(self.graph):
-            self.logits = self._run()
-        return logits
-
-    def replay(self, token: int, cos: torch.Tensor, sin: torch.Tensor, filled: int) -> torch.Tensor:
-        self._inputs(token, cos, sin, filled)
-        self.graph.replay()
-        return self.logits.clone()  # the next replay overwrites the graph's own output
-
-
 def _no_decoder() -> None:
     return None
-
-
-def _kernel_takes(keys: list[torch.Tensor], values: list[torch.Tensor], group: int) -> bool:
-    """Whether the C kernel attends over this cache (its layers' buffers are alike: the first ones say)."""
-    return ckernel.supports(keys[0], group) and ckernel.supports(values[0], group)
-
-
-def _dot(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [in] times weight [out, in] as a reduction over each row (summed in float32), for inductor to generate."""
-    out = (weight.float() * x.float()).sum(-1)
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
-
-
-def _heads(
-    qkv: torch.Tensor,
-    heads: int,
-    kv_heads: int,
-    d: int,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token's stacked q, k and v [(Hq + 2 Hkv) d] as q [Hq, d], k and v [Hkv, d]: q and k normalized per
-    head where the model does (qwen3) and rotated."""
-    q = qkv[: heads * d].view(heads, d)
-    k = qkv[heads * d : (heads + kv_heads) * d].view(kv_heads, d)
-    v = qkv[(heads + kv_heads) * d :].view(kv_heads, d)
-    if q_norm is not None:
-        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)  # type: ignore[arg-type]
-    return FastDecoder._rope(q, cos, sin), FastDecoder._rope(k, cos, sin), v
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers' RMSNorm: in float32, then back to the input dtype before the weight."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def _layer_step(
-    x: torch.Tensor,
-    norm_in: torch.Tensor,
-    qkv_w: torch.Tensor,
-    qkv_b: torch.Tensor | None,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    o_w: torch.Tensor,
-    norm_post: torch.Tensor,
-    gate_up_w: torch.Tensor,
-    down_w: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    slot: torch.Tensor,
-    heads: int,
-    eps: float,
-    scale: float,
-    kernel: bool = False,
-) -> torch.Tensor:
-    """One decoder layer for one token, as `FastDecoder.step`'s loop body.
-
-    The token's key and value go to slot `slot` ([1]) of keys/values [H_kv, T, d], and it attends to slots
-    0..slot. With `kernel`, the C kernel does both (`kvrag::decode_attention`, an op inductor calls as it is),
-    over the whole buffer. Else keys/values are whole blocks of BLOCK slots of the cache and attention is split
-    by blocks (flash-decoding): each block's scores, softmax and weighted values on their own, then the blocks'
-    partial results merged by their maxima, so every key and value is read once and each core takes whole
-    blocks. Slots after `slot` may hold anything (they are masked out before any arithmetic reads them).
-    """
-    kv_heads, span, d = keys.shape
-    h = _rms_norm(x, norm_in, eps)
-    q, k, v = _heads(_dot(qkv_w, h, qkv_b), heads, kv_heads, d, q_norm, k_norm, eps, cos, sin)
-    if kernel:
-        out = torch.ops.kvrag.decode_attention(q, k, v, keys, values, slot, scale)  # [H, d] float32
-    else:
-        keys.index_copy_(1, slot, k[:, None])
-        values.index_copy_(1, slot, v[:, None])
-        blocks, group = span // BLOCK, heads // kv_heads
-        grouped = (q.view(kv_heads, 1, group, 1, d) * scale).float()  # the query rows of each kv head
-        scores = (grouped * keys.view(kv_heads, blocks, 1, BLOCK, d).float()).sum(-1)  # [H_kv, S, G, B]
-        seen = torch.arange(span, device=keys.device).view(blocks, 1, BLOCK) <= slot  # [S, 1, B]
-        scores = torch.where(seen, scores, float("-inf"))
-        top = scores.amax(-1)  # [H_kv, S, G]: every block holds a seen slot, so this is finite
-        weights = torch.exp(scores - top[..., None])
-        mass = weights.sum(-1)  # [H_kv, S, G]
-        weighted = weights[..., None] * values.view(kv_heads, blocks, 1, BLOCK, d).float()
-        partial = torch.where(seen[..., None], weighted, 0.0).sum(-2)  # [H_kv, S, G, d]
-        rescale = torch.exp(top - top.amax(1, keepdim=True))  # [H_kv, S, G]
-        out = (partial * rescale[..., None]).sum(1) / (mass * rescale).sum(1)[..., None]  # [H_kv, G, d]
-    x = x + _dot(o_w, out.to(x.dtype).reshape(heads * d))
-    gate, up = _dot(gate_up_w, _rms_norm(x, norm_post, eps)).chunk(2)
-    return x + _dot(down_w, F.silu(gate) * up)
-
-
-def _head_step(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
-    return _dot(lm_head, _rms_norm(x, norm, eps)).float()
-
-
-@functools.cache
-def _compiled() -> tuple[Any, Any]:
-    """The compiled layer step and head, made once a process (compiled code is kept per function and its shapes,
-    so every decoder of every model shares them)."""
-    return torch.compile(_layer_step, dynamic=False), torch.compile(_head_step, dynamic=False)
 
 
 def decodes_compiled(model: torch.nn.Module) -> bool:
@@ -639,45 +408,6 @@ def compile_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
     return decoder is not None
 
 
-def _arranged(groups: list[tuple[torch.nn.Linear, ...]]) -> list[torch.Tensor]:
-    """Each group's weights stacked by rows (q, k and v; gate and up), the groups one after the other in one
-    buffer, in the order a step reads them, on huge pages where the CPU memory has them (`kvrag.cpu.hugepages`: a
-    step streams its weights faster from there); the linears' own weights then view the buffer. One product a
-    group here, the same values for the transformers forward, and no second copy of the weights (the old ones are
-    freed as the modules let go of them). On another device the groups are only stacked."""
-    weights = [[m.weight for m in group] for group in groups]
-    shapes = [(sum(w.shape[0] for w in group), group[0].shape[1]) for group in weights]
-    first = weights[0][0]
-    if first.device.type == "cpu" and all(w.dtype == first.dtype for group in weights for w in group):
-        size = [rows * inner for rows, inner in shapes]
-        whole = hugepages.empty((sum(size),), first.dtype)
-        fused = [part.view(shape) for part, shape in zip(whole.split(size), shapes)]
-    else:
-        fused = [group[0].new_empty(shape) for group, shape in zip(weights, shapes)]
-    for group, linears, out in zip(weights, groups, fused):
-        torch.cat([w.detach() for w in group], out=out)
-        row = 0
-        for m in linears:
-            rows = m.weight.shape[0]
-            m.weight.data = out[row : row + rows]
-            row += rows
-    return fused
-
-
-def _stacked_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
-    """The linears' biases stacked the same way (a missing one as zeros); None when none has one."""
-    if all(m.bias is None for m in linears):
-        return None
-    fused = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in linears])
-    row = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        if m.bias is not None:
-            m.bias.data = fused[row : row + rows]
-        row += rows
-    return fused
-
-
 def decoder_of(model: torch.nn.Module) -> FastDecoder | None:
     """The model's FastDecoder, made once and kept on the model; None when it does not take the model."""
     decoder = getattr(model, "_kvrag_fast_decoder", None)
@@ -695,52 +425,3 @@ def decoder_of(model: torch.nn.Module) -> FastDecoder | None:
         if decodes_compiled(model):
             decoder.compile()
     return decoder
-
-
-def _has_room(layer: Any, length: int) -> bool:
-    """Whether the layer's keys and values are still the head of its buffers, with room for `length` slots (a
-    GrowingLayer's own test; the same for a plain layer that an earlier fast decode gave buffers)."""
-    in_room = getattr(layer, "_in_room", None)
-    if in_room is not None:
-        return in_room(length)
-    return all(
-        view.data_ptr() == buf.data_ptr() and view.stride() == buf.stride() and length <= buf.shape[-2]
-        for view, buf in ((layer.keys, layer._keys), (layer.values, layer._values))
-    )
-
-
-@dataclass(slots=True)
-class Room:
-    """A cache's keys and values as buffers with free slots after the filled ones, for `FastDecoder.step`."""
-
-    keys: list[torch.Tensor]  # per layer [H_kv, capacity, d]
-    values: list[torch.Tensor]  # per layer [H_kv, capacity, d]
-    filled: int  # slots in use, the same in every layer
-
-    @classmethod
-    def of(cls, cache: Any, room: int) -> Room:
-        """The cache's own preallocated room when it has enough (a StitchedCache), else its KV copied once into
-        buffers with `room` free slots, which the cache then holds."""
-        filled = cache.layers[0].keys.shape[-2]
-        keys, values = [], []
-        for layer in cache.layers:
-            own = getattr(layer, "_keys", None)
-            if own is None or not _has_room(layer, filled + room):
-                k, v = layer.keys, layer.values  # [1, H_kv, T, d]
-                own = k.new_empty((*k.shape[:2], filled + room, k.shape[-1]))
-                own_v = v.new_empty((*v.shape[:2], filled + room, v.shape[-1]))
-                own[:, :, :filled].copy_(k)
-                own_v[:, :, :filled].copy_(v)
-                layer._keys, layer._values = own, own_v
-            keys.append(layer._keys[0])
-            values.append(layer._values[0])
-            if layer._keys.is_cuda:  # finite numbers in the free slots, which a CUDA graph's step masks out
-                layer._keys[:, :, filled:].zero_()
-                layer._values[:, :, filled:].zero_()
-        return cls(keys, values, filled)
-
-    def commit(self, cache: Any, filled: int) -> None:
-        """Show the cache's layers the first `filled` slots, as a transformers forward leaves them."""
-        self.filled = filled
-        for layer in cache.layers:
-            layer.keys, layer.values = layer._keys[:, :, :filled], layer._values[:, :, :filled]
