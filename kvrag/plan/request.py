@@ -35,7 +35,8 @@ class Request:
 
     question: str
     chunks: list[str | ChunkKV] | None = None  # texts or ChunkKV, in the given order; None: not known yet
-    strategy: str | None = None  # a registered strategy; None or "default": the index's tuned or the model's shipped one
+    # a registered strategy; None or "default": the index's tuned or the model's shipped one
+    strategy: str | None = None
     picker: str | None = None  # how a target strategy picks its target; None: the strategy's or the default's
     target: int | None = None  # index of the chunk known to hold the answer (studies; reported beside the pick)
     scores: list[float] | None = None  # one retrieval score a chunk
