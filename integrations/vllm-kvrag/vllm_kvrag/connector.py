@@ -48,11 +48,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvrag import cpu
 from kvrag.cache.kv import ChunkKV
-from kvrag.cache.secret import user_key
-from kvrag.cache.store import DiskStore, KVStore, MemoryStore, RedisStore, TieredStore, has_credentials, redact
 from kvrag.errors import KVRAGError
 from kvrag.model.loading import check_architecture
 from kvrag.model.rope import Repositioner, rotary_of_config
+from vllm_kvrag.config import open_store
+from vllm_kvrag.layout import kv_heads_of, layout_of, scatter, tensor_parallel
 from vllm_kvrag.plan import Piece, TransferPlan
 
 if TYPE_CHECKING:
@@ -104,70 +104,6 @@ class KVRAGConnectorMetadata(KVConnectorMetadata):
     loads: list[_Load] = field(default_factory=list)
 
 
-_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
-
-
-def _read_file(path: Any, what: str) -> bytes:
-    """A secret the connector's config names by its file (the config itself is logged by vLLM)."""
-    try:
-        return Path(path).read_bytes().strip()
-    except OSError as err:
-        raise KVRAGError(f"the kvrag connector cannot read its {what} {path}: {err.strerror}") from None
-
-
-def open_store(extra: dict[str, Any]) -> KVStore:
-    """kvrag's store named by the connector's extra config."""
-    kind = extra.get("store", "disk")
-    storage = str(extra.get("storage_dtype", "float16"))
-    if kind == "disk":
-        if not extra.get("path"):
-            raise KVRAGError("the kvrag connector's store is 'disk': give kv_connector_extra_config['path']")
-        store: KVStore = DiskStore(extra["path"], storage, read_only=True)
-    elif kind == "redis":
-        url = str(extra.get("url", "redis://localhost:6379/0"))
-        if has_credentials(url):
-            raise KVRAGError(
-                f"the kvrag connector's Redis URL {redact(url)} carries a password, and vLLM writes "
-                "kv_connector_extra_config to its log: put the password in a file and give its path as password_file"
-            )
-        password = None
-        if extra.get("password_file"):
-            try:
-                password = _read_file(extra["password_file"], "password_file").decode()
-            except UnicodeDecodeError:
-                raise KVRAGError(f"the kvrag connector's password_file {extra['password_file']} is not UTF-8 text")
-        store = RedisStore(
-            url,
-            namespace=extra.get("namespace", "kvrag"),
-            storage_dtype=storage,
-            read_only=True,
-            password=password,
-            ssl=bool(extra.get("ssl")) or None,
-            **{name: str(extra[name]) for name in _TLS_FILES if extra.get(name)},
-        )
-    else:
-        raise KVRAGError(f"the kvrag connector's store must be 'disk' or 'redis', got {kind!r}")
-    if extra.get("tenant"):
-        store = store.scoped(str(extra["tenant"]))
-    if extra.get("secret_file"):
-        store.secret = _read_file(extra["secret_file"], "secret_file")
-        if len(store.secret) < 16:
-            raise KVRAGError(
-                f"the kvrag connector's secret_file {extra['secret_file']} holds {len(store.secret)} bytes: a secret "
-                "needs at least 16"
-            )
-    elif not extra.get("unkeyed"):
-        store.secret = user_key()  # as kvrag's engine keys a disk or Redis store by default
-    memory = extra.get("memory_bytes", 0)
-    if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
-        raise KVRAGError(
-            f"the kvrag connector's memory_bytes must be a whole number of bytes (0: none), got {memory!r}"
-        )
-    if memory > 0:  # entries kept decoded in this process, bounded in bytes: a hot chunk skips the read and check
-        return TieredStore(MemoryStore(memory), store)
-    return store
-
-
 class KVRAGConnector(KVConnectorBase_V1):
     """Fills the head of a planned request's prompt with kvrag's stored KV (see the module docstring)."""
 
@@ -188,6 +124,8 @@ class KVRAGConnector(KVConnectorBase_V1):
             self._shifts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             self._layouts: dict[tuple[Any, ...], bool | None] = {}  # a cache layout -> keys transposed, or None
+            self._refused: set[str] = set()  # layouts refused so far (each said once)
+            self._tp = tensor_parallel()  # (rank, size): which kv heads of an entry this worker writes
 
     # -- scheduler side ---------------------------------------------------------------------------------
 
@@ -237,6 +175,15 @@ class KVRAGConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVRAGConnectorMetadata)
         layers = _paged_layers(forward_context)
+        refused = next((why for _, layer, cache in layers if isinstance(why := layout_of(layer, cache), str)), None)
+        if refused is not None:  # nothing is written: vLLM computes every planned token
+            if refused not in self._refused:
+                self._refused.add(refused)
+                warnings.warn(f"kvrag: this worker's cache is {refused}; vLLM computes the planned tokens",
+                              KVRAGLoadWarning, stacklevel=2)
+            for load in meta.loads:
+                self._errors |= {load.block_ids[t // self._block_size] for t in range(load.begin, load.end)}
+            return
         for load in meta.loads:
             filled = self._fill_direct(load, layers)
             if filled is None:
@@ -340,7 +287,8 @@ class KVRAGConnector(KVConnectorBase_V1):
         if isinstance(found, str):
             return found
         layers = keys_out.shape[0]  # the layers this worker holds are the first `layers` of the entry's or fewer
-        keys, values = found[0][:layers], found[1][:layers]  # keys post-RoPE at the entry's start
+        heads = self._heads(found[0].shape[1], keys_out.shape[1])
+        keys, values = found[0][:layers, heads], found[1][:layers, heads]  # keys post-RoPE at the entry's start
         if keys.shape != keys_out.shape or values.shape != values_out.shape:
             return f" (its KV is {tuple(found[0].shape)}, this worker's cache takes {tuple(keys_out.shape)})"
         if piece.position != piece.start:
@@ -351,6 +299,15 @@ class KVRAGConnector(KVConnectorBase_V1):
             keys_out.copy_(keys)
         values_out.copy_(values)
         return None
+
+    def _heads(self, stored: int, held: int) -> slice:
+        """The kv heads of an entry's `stored` ones this worker writes (all, or its tensor-parallel share)."""
+        if stored == held:
+            return slice(None)
+        try:
+            return kv_heads_of(stored, *self._tp)
+        except ValueError:
+            return slice(0, 0)  # not vLLM's split: the shapes then disagree and the piece is a miss
 
     def _entry(self, piece: Piece, lo: int, hi: int, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | str:
         """A piece's stored keys and values for tokens [lo, hi), [L, H_kv, t, D] views of its entry as stored; or for
@@ -422,7 +379,8 @@ class KVRAGConnector(KVConnectorBase_V1):
         if isinstance(found, str):
             return found
         n = len(caches[0])
-        keys, values = found[0][first : first + n], found[1][first : first + n]
+        heads = self._heads(found[0].shape[1], caches[0][0].shape[1])
+        keys, values = found[0][first : first + n, heads], found[1][first : first + n, heads]
         if len(keys) != n or keys.shape[1] != caches[0][0].shape[1] or keys.shape[3] != caches[0][0].shape[3]:
             return f" (its KV is {tuple(found[0].shape)}, this worker's cache takes layers {first}.. of {n})"
         cos = sin = None
@@ -533,13 +491,15 @@ def _cache_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _write(layer: Any, cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write [T, H_kv, D] keys and values into a layer's paged cache at `slots`, with vLLM's own write op."""
-    isa = getattr(layer, "isa", None)
-    if isa is None or cache.dim() != 4:
-        raise KVRAGError(
-            f"kvrag's connector writes KV through vLLM's CPU attention backend; layer {type(layer).__name__} with "
-            f"a cache of shape {tuple(cache.shape)} is another backend, which this connector does not write yet"
-        )
+    """Write [T, H_kv, D] keys and values into a layer's paged cache at `slots`: with vLLM's own write op on its CPU
+    backend, by `layout.scatter` into a GPU backend's cache (`layout.layout_of` has taken the layout)."""
+    found = layout_of(layer, cache)
+    if isinstance(found, str):
+        raise KVRAGError(f"kvrag's connector does not write {found}")  # start_load_kv refuses these first
+    if found.kind == "split":
+        scatter(cache, keys, values, slots)
+        return
+    isa = layer.isa
     from vllm import _custom_ops as ops
 
     key_cache, value_cache = _cache_views(cache)
