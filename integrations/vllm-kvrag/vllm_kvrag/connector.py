@@ -20,6 +20,12 @@ user's kvrag key, `kvrag.cache.secret`, as the engine's default; `unkeyed: true`
 `memory_bytes` (default 0: none) keeps entries, once read and verified, decoded (in their storage dtype) in
 the worker's memory, at most that many bytes, least recently used out first.
 
+On vLLM's GPU attention backends (FlashAttention, FlashInfer, Triton) the cache's content is a token's key then its
+value, in whichever of vLLM's KVCacheLayouts the strides say; the connector writes it with an indexed copy on the
+cache's device (`vllm_kvrag.layout.scatter`), each tensor-parallel worker its own share of the kv heads, and refuses
+an fp8 or unknown cache by name (vLLM then computes the tokens). This is checked on CPU against the caches vLLM's
+own allocator lays out, not yet inside vLLM on a GPU.
+
 Where kvrag's paged-write kernel builds (`kvrag.cpu.paged_write`) and writes what vLLM's own write op writes
 (checked once a cache layout, on a scratch cache, before the first load), reader threads read each entry, verify
 it, check its token ids against the prompt's, and write it straight into the request's blocks: keys rotated from
@@ -31,12 +37,9 @@ buffer.
 
 from __future__ import annotations
 
-import os
-import re
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,7 +55,8 @@ from kvrag.errors import KVRAGError
 from kvrag.model.loading import check_architecture
 from kvrag.model.rope import Repositioner, rotary_of_config
 from vllm_kvrag.config import open_store
-from vllm_kvrag.layout import kv_heads_of, layout_of, scatter, tensor_parallel
+from vllm_kvrag.layout import kv_heads_of, layout_of, tensor_parallel
+from vllm_kvrag.paged import KVRAGLoadWarning, _cache_views, _missed, _paged_layers, _use_worker_cpus, _write
 from vllm_kvrag.plan import Piece, TransferPlan
 
 if TYPE_CHECKING:
@@ -65,11 +69,6 @@ if TYPE_CHECKING:
 
 _GROUP_TOKENS = 1024  # tokens read into one buffer, then written with one call a layer (two buffers: ~95 MB here)
 _READERS = 2  # threads reading and verifying entries, and rotating their keys
-_LAYER = re.compile(r"layers\.(\d+)\.")
-
-
-class KVRAGLoadWarning(UserWarning):
-    """A stored entry could not be read when its tokens were due; vLLM computes those tokens itself."""
 
 
 @dataclass(slots=True)
@@ -445,72 +444,3 @@ class KVRAGConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
-
-
-def _missed(piece: Piece, why: str) -> None:
-    warnings.warn(
-        f"kvrag: the stored entry {piece.key[:12]} is missing or damaged{why}; vLLM computes its tokens",
-        KVRAGLoadWarning,
-        stacklevel=3,
-    )
-
-
-def _use_worker_cpus() -> None:
-    """Let a reader thread run on every core the worker's threads may use. vLLM's CPU worker pins its main
-    thread to one core (its OpenMP threads to the others), and a thread inherits its creator's pinning: the
-    readers would otherwise share the writer's one core while the others sit idle during the load."""
-    if not hasattr(os, "sched_setaffinity"):
-        return  # not Linux: nothing is pinned this way
-    cpus: set[int] = set()
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            cpus |= os.sched_getaffinity(int(task.name))
-        except (OSError, ValueError):  # a thread that ended meanwhile
-            continue
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-
-
-def _paged_layers(forward_context: ForwardContext) -> list[tuple[int, Any, torch.Tensor]]:
-    """(layer index, attention layer, its paged cache) for every decoder layer of the forward."""
-    layers = []
-    for name, layer in forward_context.no_compile_layers.items():
-        cache = getattr(layer, "kv_cache", None)
-        found = _LAYER.search(name)
-        if cache is not None and found is not None:
-            layers.append((int(found.group(1)), layer, cache))
-    return layers
-
-
-def _cache_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A CPU-backend layer's paged cache [blocks, H_kv, block_size, 2 D] as its keys' and values' [blocks, H_kv,
-    block_size, D] views (a head's block holds its keys, then its values)."""
-    blocks, heads, block_size, _ = cache.shape
-    key_cache, value_cache = cache.view(blocks, heads, block_size * 2, -1).chunk(2, dim=2)
-    return key_cache, value_cache
-
-
-def _write(layer: Any, cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write [T, H_kv, D] keys and values into a layer's paged cache at `slots`: with vLLM's own write op on its CPU
-    backend, by `layout.scatter` into a GPU backend's cache (`layout.layout_of` has taken the layout)."""
-    found = layout_of(layer, cache)
-    if isinstance(found, str):
-        raise KVRAGError(f"kvrag's connector does not write {found}")  # start_load_kv refuses these first
-    if found.kind == "split":
-        scatter(cache, keys, values, slots)
-        return
-    isa = layer.isa
-    from vllm import _custom_ops as ops
-
-    key_cache, value_cache = _cache_views(cache)
-    ops.cpu_attn_reshape_and_cache(
-        keys.to(cache.dtype),
-        values.to(cache.dtype),
-        key_cache,
-        value_cache,
-        slots,
-        isa,
-        k_scale=getattr(layer, "_k_scale_float", 1.0),
-        v_scale=getattr(layer, "_v_scale_float", 1.0),
-        kv_cache_dtype=getattr(getattr(layer, "impl", None), "kv_cache_dtype", "auto"),
-    )
