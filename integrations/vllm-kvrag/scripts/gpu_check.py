@@ -33,6 +33,7 @@ def _layout_module():
     path = Path(__file__).resolve().parents[1] / "vllm_kvrag" / "layout.py"
     spec = importlib.util.spec_from_file_location("kvrag_layout", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
     spec.loader.exec_module(module)
     return module
 

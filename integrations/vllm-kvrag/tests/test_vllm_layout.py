@@ -103,3 +103,15 @@ def test_each_worker_writes_vllms_own_share_of_the_kv_heads(total, size):
         assert torch.equal(mine, one[:, heads])
     with pytest.raises(ValueError, match="evenly"):
         kv_heads_of(3, 0, 2)
+
+
+def test_the_gpu_check_script_runs_with_torch_alone_and_finds_the_cpu_equal_to_itself():
+    """scripts/gpu_check.py is what a GPU machine without vLLM runs; here on CPU against CPU (it must at least run)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "gpu_check: 18 of 18 equal"
