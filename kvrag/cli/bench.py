@@ -14,7 +14,8 @@ from kvrag.errors import InvalidRequestError
 
 
 def add_bench(sub: Any) -> None:
-    """`kvrag bench-ingest` and `kvrag bench`."""
+    """`kvrag bench-ingest` and `kvrag bench`.
+    Long by design: a flat list of the bench commands' options, one declaration each."""
     bench = sub.add_parser("bench-ingest", help="ingest throughput beside the model's raw batched forward")
     model_args(bench)
     bench.add_argument("--copies", type=int, default=3, help="copies of the bundled docs to ingest (default 3)")

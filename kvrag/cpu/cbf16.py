@@ -317,7 +317,8 @@ def prefill_attention(
     (`causal`: token i of n sees keys up to T - n + i; else every key): [B, n, H, D] bfloat16, as transformers'
     attention functions return it. None where the kernel does not take these tensors: another dtype or device,
     an additive mask with other values (found in a pass over the mask, before any attention), a head size that
-    is not a multiple of 32 or above 128, more than 8 query heads a kv head, no AVX512-BF16, no compiler."""
+    is not a multiple of 32 or above 128, more than 8 query heads a kv head, no AVX512-BF16, no compiler.
+    Long by design: each refusal checked in turn, then one C call; the checks are what the kernel takes."""
     if (
         query.dim() != 4
         or query.device.type != "cpu"

@@ -86,7 +86,9 @@ def forward_benchmark(
     `linears`: "kernel" (the model as kvrag loads it: bfloat16 linear layers on CPU through `kvrag.cpu.linear`),
     "torch" (every `PrefillLinear` made a plain `nn.Linear` again), or both, each strategy then run both ways in
     turn, keyed "<strategy> (<way> linears)", with the paired difference of the two logged. `norms` the same for
-    the RMSNorms of `kvrag.cpu.norm` (keyed "<strategy> (<way> norms)"); one of the two at most runs both ways."""
+    the RMSNorms of `kvrag.cpu.norm` (keyed "<strategy> (<way> norms)"); one of the two at most runs both ways.
+    Long by design: every path is timed inside one interleaved loop (a slow spell of the machine
+    touches all alike), which splitting would scatter."""
     for part, ways in (("linears", linears), ("norms", norms)):
         unknown = set(ways) - {"kernel", "torch"}
         if unknown or not ways:

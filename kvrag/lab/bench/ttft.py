@@ -224,6 +224,8 @@ def ttft_benchmark(
     One warm-up of everything at the first size; then, size by size, `runs` rounds, each running every
     strategy, reference and answer once (interleaved, so a slow spell of the machine touches all of them alike),
     each forward over a whole prompt followed by an untimed suffix-only forward (HEAVY).
+    Long by design: every path is timed inside one interleaved loop (a slow spell of the machine
+    touches all alike), which splitting would scatter.
     """
     if answer_tokens < 2:
         raise ValueError(f"answer_tokens must be at least 2 (a first token and a decode step), got {answer_tokens}")
