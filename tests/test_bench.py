@@ -100,7 +100,7 @@ def test_bench_decode_prints_every_step_and_the_floor(tmp_path, capsys):
     steps = {"kvrag_torch", "kvrag_compiled", "transformers_step"}
     if ckernel.available():  # the C step, with prompt-lookup drafts, on the question and a quote, on small pages
         steps |= {"kvrag", "kvrag_lookup", "kvrag_quote", "kvrag_lookup_quote", "kvrag_small_pages", "memory_read"}
-    if ckernel.available() and ckernel._library().int8_available():  # over int8 weights, beside its own read
+    if ckernel.available() and ckernel._library().int8_available():  # over int8 and int4 weights, each its own read
         steps |= {"kvrag_int8", "memory_read_int8"}
     assert row["context_tokens"] >= 150 and set(row["ms_per_token"]) == steps
     assert all(ms > 0 for ms in row["ms_per_token"].values()) and row["floor_ms"] > 0

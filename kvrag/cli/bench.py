@@ -50,8 +50,8 @@ def add_bench(sub: Any) -> None:
     bench.add_argument(
         "--strategies",
         default="full_prefill_top1,full_prefill_top3,default",
-        help="comma-separated; default is the model's shipped default, a name ending in _int8 that strategy decoded "
-        "over int8 weights (default: full_prefill_top1,full_prefill_top3,default)",
+        help="comma-separated; default is the model's shipped default, a name ending in _int8 or _int4 that "
+        "strategy decoded over those weights (default: full_prefill_top1,full_prefill_top3,default)",
     )
     bench.add_argument("--max-new-tokens", type=int, default=48, help="most tokens an answer decodes (default 48)")
     bench.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
@@ -129,14 +129,14 @@ def _bench_dtype(args: argparse.Namespace) -> None:
 
 
 def _bench_answers(args: argparse.Namespace) -> None:
-    from kvrag.lab.bench.answers import markdown, whole_answers
+    from kvrag.lab.bench.answers import markdown, quantized, whole_answers
     from kvrag.model.kvmodel import KVModel
     from kvrag.plan.strategies import get_strategy
 
     strategies = parse_csv(args.strategies, str, "--strategies")
     for name in strategies:
-        if name.removesuffix("_int8") != "default":
-            get_strategy(name.removesuffix("_int8"))  # an unknown name is refused before the model loads
+        if quantized(name)[0] != "default":
+            get_strategy(quantized(name)[0])  # an unknown name is refused before the model loads
     if not 1 <= args.limit <= 10_000 or args.max_new_tokens < 1:
         raise InvalidRequestError(f"need --limit in 1..10000 and --max-new-tokens >= 1, got {args.limit}, "
                                   f"{args.max_new_tokens}")
@@ -186,7 +186,7 @@ def _bench(args: argparse.Namespace) -> None:
         device=args.device,
         cache_dir=args.cache_dir,
         compile_decode=args.compile_decode,
-        int8_decode=args.int8_decode,
+        decode_weights=args.decode_weights,
         cpu_kernels=args.cpu_kernels,
     )
     command = "kvrag " + " ".join(shlex.quote(a) for a in args.argv)

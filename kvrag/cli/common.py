@@ -41,10 +41,11 @@ def compile_arg(parser: argparse.ArgumentParser) -> None:
         "of compiling at the first token, faster after)",
     )
     parser.add_argument(
-        "--int8-decode",
-        action="store_true",
-        help="decode over int8 copies of the weights (about half the bytes a token; tokens may differ from "
-        "bfloat16's: docs/performance.md)",
+        "--decode-weights",
+        choices=("model", "int8", "int4"),
+        default="model",
+        help="what the C decode step reads: the model's own weights (default), or int8 or int4 copies (about half "
+        "and a quarter of the bytes a token; tokens may differ from the model's own: docs/performance.md)",
     )
 
 
@@ -121,7 +122,7 @@ def open_index(args: argparse.Namespace, *, read_only: bool = True) -> Any:
         secret=secret_of(args),
         read_only=read_only,
         compile_decode=getattr(args, "compile_decode", False),
-        int8_decode=getattr(args, "int8_decode", False),
+        decode_weights=getattr(args, "decode_weights", "model"),
         cpu_kernels=getattr(args, "cpu_kernels", True),
     )
 

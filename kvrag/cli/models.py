@@ -35,7 +35,7 @@ def _demo(args: argparse.Namespace) -> None:
         device=args.device,
         cache_dir=args.cache_dir,
         compile_decode=args.compile_decode,
-        int8_decode=args.int8_decode,
+        decode_weights=args.decode_weights,
         cpu_kernels=args.cpu_kernels,
     )
     run_demo(load=load, questions=args.questions, max_new_tokens=args.max_new_tokens)

@@ -41,10 +41,10 @@ __all__ = [
     "bf16_prefill_kernels_preferred",
     "compile_decoding",
     "decode_room",
+    "decode_weights",
     "decoder_of",
     "enabled",
     "install",
-    "int8_decoding",
     "paged_write",
     "prefill_forward",
     "prefill_may_take",
@@ -100,10 +100,10 @@ def compile_decoding(model: torch.nn.Module) -> bool:
     return enabled(model) and _decode.compile_decoding(model)
 
 
-def int8_decoding(model: torch.nn.Module, on: bool = True) -> bool:
-    """Decode `model` over int8 copies of its weights from its next decoded token on (`decode.int8_decoding`), or
-    with `on=False` over its own; False where the C step does not take them (the model's own weights decode)."""
-    return enabled(model) and _decode.int8_decoding(model, on)
+def decode_weights(model: torch.nn.Module, kind: str = "model") -> bool:
+    """Decode `model` over its own weights ("model") or quantized copies ("int8", "int4") from its next decoded token
+    on (`decode.decode_weights`); False where the C step does not take them (the model's own weights decode)."""
+    return enabled(model) and _decode.decode_weights(model, kind)
 
 
 def decoder_of(model: torch.nn.Module) -> _decode.FastDecoder | None:

@@ -30,7 +30,7 @@ from kvrag.cpu.cbuild import build
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("decode_attention.c", "rotate_keys.c", "decode_step.c", "decode_int8.c", "stream_read.c")
+    for name in ("decode_attention.c", "rotate_keys.c", "decode_step.c", "decode_quantized.c", "stream_read.c")
 )
 BLOCK = 256  # the kernel's block of cache slots
 MAX_TOKENS = 8  # tokens one call of the C decode step takes (`DecodeStep.steps`)

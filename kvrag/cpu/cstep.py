@@ -1,7 +1,7 @@
 """The decode step in C (`csrc/decode_step.c`): every layer and the head of a llama-family model for one token, a
 token and its prompt-lookup drafts, or the next token of several answers decoded side by side, in one call over a
 `kvrag.cpu.decode.FastDecoder`'s weights; optionally over int8 copies of the products' weights
-(`csrc/decode_int8.c`, `DecodeStep.use_int8`). Built with the decode kernels (`kvrag.cpu.ckernel`)."""
+or int4 (`csrc/decode_quantized.c`, `DecodeStep.quantize`). Built with the decode kernels (`kvrag.cpu.ckernel`)."""
 
 from __future__ import annotations
 
@@ -33,10 +33,11 @@ class _StepModel(ctypes.Structure):
     _fields_ += [("bf16", ctypes.c_long), ("eps", ctypes.c_double), ("scale", ctypes.c_double)]
     _fields_ += [(name, ctypes.c_void_p) for name in ("embed", "norm", "lm_head")]
     _fields_ += [("layer", ctypes.POINTER(_LayerWeights)), ("int8_layer", ctypes.POINTER(_LayerInt8))]
-    _fields_ += [("int8_head", _Int8Rows)]
+    _fields_ += [("int8_head", _Int8Rows), ("int_bits", ctypes.c_long)]
 
 
-INT8_GROUP = 64  # the columns of a weight row that share one scale (`csrc/decode_int8.c`)
+INT8_GROUP = 64  # the columns of a weight row that share one scale (`csrc/decode_quantized.c`), int8 and int4
+BITS = (8, 4)  # the quantized weights the C step reads
 
 
 def int8_rows(weight: torch.Tensor, rows_at_once: int = 8192) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,6 +60,30 @@ def int8_rows(weight: torch.Tensor, rows_at_once: int = 8192) -> tuple[torch.Ten
         scales[start : start + rows_at_once] = scale.view(-1, groups)
         offsets[start : start + rows_at_once] = 128.0 * scale.view(-1, groups) * quantized.sum(-1)
     return values, scales, offsets
+
+
+def int4_rows(weight: torch.Tensor, rows_at_once: int = 8192) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`weight` [R, C] (C a multiple of 128) as 4-bit values two to a byte [R, C / 2] (uint8; in each 128 columns,
+    byte i holds column i in its low half and column 64 + i in its high half), float16 scales and float16 minimums
+    [R, C / INT8_GROUP]: each group of INT8_GROUP columns of a row as the nearest of 16 evenly spaced levels from its
+    least to its largest weight (w = scale u + minimum, u 0 to 15; a group of one value has scale 1), the levels
+    taken from the float16 scale and minimum the kernel reads."""
+    rows, columns = weight.shape
+    groups = columns // INT8_GROUP
+    values = torch.empty(rows, columns // 2, dtype=torch.uint8)
+    scales = torch.empty(rows, groups, dtype=torch.float16)
+    minimums = torch.empty(rows, groups, dtype=torch.float16)
+    for start in range(0, rows, rows_at_once):
+        block = weight[start : start + rows_at_once].float().view(-1, groups, INT8_GROUP)
+        least = block.amin(-1, keepdim=True).half()
+        scale = ((block.amax(-1, keepdim=True) - least.float()) / 15.0).half()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        levels = ((block - least.float()) / scale.float()).round_().clamp_(0, 15).to(torch.uint8)
+        levels = levels.view(-1, columns // 128, 2, 64)  # each 128 columns: the low 64 and the high 64
+        values[start : start + rows_at_once] = (levels[:, :, 0] | (levels[:, :, 1] << 4)).view(-1, columns // 2)
+        scales[start : start + rows_at_once] = scale.view(-1, groups)
+        minimums[start : start + rows_at_once] = least.view(-1, groups)
+    return values, scales, minimums
 
 
 class DecodeStep:
@@ -108,42 +133,51 @@ class DecodeStep:
         )
         self._cache: dict[tuple, tuple[ctypes.Array, ctypes.Array] | None] = {}  # cache seen: its arrays
         self._decoder = decoder
-        self._int8: tuple[ctypes.Array, list[torch.Tensor], _Int8Rows] | None = None  # made on the first use_int8
+        self._quantized: dict[int, tuple[ctypes.Array, list[torch.Tensor], _Int8Rows]] = {}  # bits: made on first use
 
-    def int8_takes(self) -> str | None:
-        """Why the int8 products do not take this model (None where they do): every product's input width must
-        be a multiple of INT8_GROUP."""
+    def quantized_takes(self, bits: int) -> str | None:
+        """Why the C step's `bits`-bit products (8 or 4) do not take this model (None where they do): the CPU's
+        integer dot product (AVX512-VNNI), and every product's input width a multiple of 64 (int8) or 128 (int4)."""
+        if bits not in BITS:
+            raise ValueError(f"quantized decoding reads 8- or 4-bit weights, not {bits}")
         if not self._library.int8_available():
-            return "this CPU has no AVX512-VNNI (the int8 products' integer dot product)"
+            return "this CPU has no AVX512-VNNI (the quantized products' integer dot product)"
         widths = {"hidden size": self.model.dim, "heads x head_dim": self.heads * self.head_dim}
         widths["intermediate size"] = self.model.ffn
-        odd = [f"{name} {width}" for name, width in widths.items() if width % INT8_GROUP]
-        return f"{', '.join(odd)} not a multiple of {INT8_GROUP}" if odd else None
+        multiple = INT8_GROUP if bits == 8 else 2 * INT8_GROUP
+        odd = [f"{name} {width}" for name, width in widths.items() if width % multiple]
+        return f"{', '.join(odd)} not a multiple of {multiple}" if odd else None
 
-    def use_int8(self, enabled: bool = True) -> bool:
-        """Read the products' weights (q/k/v, o, gate/up, down, the head) as int8 groups from the next step on
-        (quantized here on the first call, about half the bytes of bfloat16 a step: `int8_rows`), or with
-        `enabled=False` the model's own weights again. True where the step now reads int8 weights; False where
-        `int8_takes` says why not (the step then reads the model's weights)."""
-        if not enabled or self.int8_takes() is not None:
-            self.model.int8_layer = None
+    def quantize(self, bits: int | None) -> bool:
+        """Read the products' weights (q/k/v, o, gate/up, down, the head) as `bits`-bit groups, 8 or 4, from the
+        next step on (quantized here on the first call for those bits: `int8_rows`, `int4_rows`), or with None the
+        model's own weights again. True where the step now reads `bits`-bit weights; False where
+        `quantized_takes` says why not (the step then reads the model's weights)."""
+        if bits is None or self.quantized_takes(bits) is not None:
+            self.model.int8_layer, self.model.int_bits = None, 0
             return False
-        if self._int8 is None:
-            self._int8 = self._quantized()
-        self.model.int8_layer, self.model.int8_head = self._int8[0], self._int8[2]
+        if bits not in self._quantized:
+            self._quantized[bits] = self._made(bits)
+        structs, _, head = self._quantized[bits]
+        self.model.int8_layer, self.model.int8_head, self.model.int_bits = structs, head, bits
         return True
 
     @property
-    def reads_int8(self) -> bool:
-        """Whether the step reads int8 weights (`use_int8`)."""
-        return bool(self.model.int8_layer)
+    def reads_bits(self) -> int | None:
+        """The bits of the weights the step reads, 8 or 4 (`quantize`), or None: the model's own."""
+        return int(self.model.int_bits) if self.model.int8_layer else None
 
-    def _quantized(self) -> tuple[ctypes.Array, list[torch.Tensor], _Int8Rows]:
-        """The products' weights as int8 groups: the C structs and the tensors they point into (kept alive)."""
+    def quantized_bytes(self, bits: int) -> int:
+        """Bytes of the `bits`-bit weights, scales and offsets a step reads (made by `quantize`)."""
+        return sum(t.nbytes for t in self._quantized[bits][1])
+
+    def _made(self, bits: int) -> tuple[ctypes.Array, list[torch.Tensor], _Int8Rows]:
+        """The products' weights quantized: the C structs and the tensors they point into (kept alive)."""
         kept: list[torch.Tensor] = []
+        convert = int8_rows if bits == 8 else int4_rows
 
         def rows(weight: torch.Tensor) -> _Int8Rows:
-            values, scales, offsets = int8_rows(weight)
+            values, scales, offsets = convert(weight)
             kept.extend((values, scales, offsets))
             return _Int8Rows(values.data_ptr(), scales.data_ptr(), offsets.data_ptr())
 

@@ -374,20 +374,27 @@ def native_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
     return decoder is not None and decoder.native is not None
 
 
-def decodes_int8(model: torch.nn.Module) -> bool:
-    """Whether `int8_decoding` asked for int8 products in `model`'s C step."""
-    return bool(getattr(model, "_kvrag_int8_decode", False))
+WEIGHTS = {"model": None, "int8": 8, "int4": 4}  # what the C step may read: the model's own, or quantized copies
 
 
-def int8_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
-    """Decode `model` through the C step over int8 copies of its products' weights (`cstep.DecodeStep.use_int8`:
-    quantized here, once; about half the bytes a step of bfloat16, its inputs quantized per group as well, so its
-    tokens may differ from the bfloat16 step's: docs/performance.md reports how often), or with `enabled=False`
-    over the model's own weights again. The prefill is not changed. True where the C step now reads int8 weights;
-    False where it does not take them (`DecodeStep.int8_takes` says why) and decoding stays as it was."""
-    model._kvrag_int8_decode = enabled  # type: ignore[attr-defined]
+def decoded_weights(model: torch.nn.Module) -> str:
+    """Which weights `decode_weights` asked `model`'s C step to read: "model", "int8" or "int4"."""
+    return str(getattr(model, "_kvrag_decode_weights", "model"))
+
+
+def decode_weights(model: torch.nn.Module, kind: str = "model") -> bool:
+    """Decode `model` through the C step over its own weights ("model", the default) or over quantized copies of its
+    products' weights, "int8" or "int4" (`cstep.DecodeStep.quantize`: made here, once each; about half and a
+    quarter of bfloat16's bytes a step; the inputs are quantized per group as well, so the tokens may differ from
+    the model's own: docs/performance.md reports how often). The prefill is not changed. True where the C step now
+    reads what was asked; False where it does not take it (`DecodeStep.quantized_takes` says why) and decoding
+    stays on the model's own weights."""
+    if kind not in WEIGHTS:
+        raise ValueError(f"decode weights must be one of {', '.join(WEIGHTS)}, not {kind!r}")
+    model._kvrag_decode_weights = kind  # type: ignore[attr-defined]
     decoder = decoder_of(model)
-    return decoder is not None and decoder.native is not None and decoder.native.reads_int8
+    native = decoder.native if decoder is not None else None
+    return native is not None and native.reads_bits == WEIGHTS[kind] and (kind != "model" or decoder.use_native)
 
 
 def decode_room(model: torch.nn.Module, tokens: int) -> int:
@@ -420,8 +427,9 @@ def decoder_of(model: torch.nn.Module) -> FastDecoder | None:
         model._kvrag_fast_decoder = decoder  # type: ignore[attr-defined]
     if decoder is not None:
         decoder.use_native = decodes_native(model)
-        if decoder.native is not None and decodes_int8(model) != getattr(decoder.native, "reads_int8", False):
-            decoder.native.use_int8(decodes_int8(model))
+        bits = WEIGHTS[decoded_weights(model)]
+        if decoder.native is not None and bits != getattr(decoder.native, "reads_bits", None):
+            decoder.native.quantize(bits)
         if decodes_compiled(model):
             decoder.compile()
     return decoder

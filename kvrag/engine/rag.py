@@ -162,7 +162,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         require_store: bool = False,
         secret: bytes | str | None = None,
         compile_decode: bool = False,
-        int8_decode: bool = False,
+        decode_weights: str = "model",
         cpu_kernels: bool = True,
         create: bool = True,
     ) -> KVRAG:
@@ -171,7 +171,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         The KV store defaults to memory in front of a disk store in `path/kv` (memory only without a path).
         `max_kv_bytes` bounds the default disk store (least recently used entries evicted past it: `DiskStore`; kept
         in the manifest, so the folder keeps its bound when opened again).
-        `namespace`, `require_store` and `secret` are those of `KVRAG`; `compile_decode`, `int8_decode` and
+        `namespace`, `require_store` and `secret` are those of `KVRAG`; `compile_decode`, `decode_weights` and
         `cpu_kernels` those of `KVModel`. `model` is a named model (`kvrag models`), a Hugging Face id or a
         folder, or a `KVModel` already loaded (the one a `KVRAGLLM` or `ChatKVRAG` holds: one copy of the weights
         serves both; an index at `path` must have been built with that model). `create=False` refuses a `path`
@@ -198,7 +198,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
                 require_store=require_store,
                 secret=secret,
                 compile_decode=compile_decode,
-                int8_decode=int8_decode,
+                decode_weights=decode_weights,
                 cpu_kernels=cpu_kernels,
                 model=model if isinstance(model, KVModel) else None,
             )
@@ -212,7 +212,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
                     device=device,
                     cache_dir=cache_dir,
                     compile_decode=compile_decode,
-                    int8_decode=int8_decode,
+                    decode_weights=decode_weights,
                     cpu_kernels=cpu_kernels,
                 ),
                 model,
@@ -250,7 +250,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         secret: bytes | str | None = None,
         read_only: bool = False,
         compile_decode: bool = False,
-        int8_decode: bool = False,
+        decode_weights: str = "model",
         cpu_kernels: bool = True,
         model: KVModel | None = None,
     ) -> KVRAG:
@@ -259,7 +259,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         The namespace is the one the index was built with; passing another raises IndexLoadError, and so does
         a `secret` other than the one it was built with. `read_only` opens it without writing anything (a
         chunk recomputed for lack of stored KV is not stored). `max_kv_bytes` bounds its disk store (default: the
-        bound it was built with, if any). `compile_decode`, `int8_decode` and `cpu_kernels` are those of `KVModel`;
+        bound it was built with, if any). `compile_decode`, `decode_weights` and `cpu_kernels` are those of `KVModel`;
         `model`, a `KVModel` already loaded with the index's model, is used instead of loading another copy
         (refused, naming both, when its weights are not the index's).
         """
@@ -281,7 +281,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
                 device=device,
                 cache_dir=cache_dir,
                 compile_decode=compile_decode,
-                int8_decode=int8_decode,
+                decode_weights=decode_weights,
                 cpu_kernels=cpu_kernels,
             )
             if kv.fingerprint.digest != manifest["fingerprint"]:

@@ -15,6 +15,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 # (model as shown, study run, bench run), under docs/study/models/ and docs/bench/
 RUNS = (
+    ("Qwen2.5-Coder-1.5B (`qwen2.5-coder-1.5b`, bfloat16)", "q15-seed3", "q15"),
     ("Qwen2.5-Coder-0.5B (`qwen2.5-coder-0.5b`, bfloat16)", "q05-seed3", "q05"),
     ("SmolLM2-135M (embedded, float32)", "s135-seed3", "s135"),
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -80,10 +81,11 @@ class KVModel:
             chunk right behind the prefix. A chunk's KV, and its store key, depend on the lead.
         compile_decode: decode through torch.compile'd layer steps (`kvrag.cpu.decode`): seconds of compiling at
             the first decoded token, then faster tokens; worth it in a process that answers many questions.
-        int8_decode: decode through the C step over int8 copies of the weights (`kvrag.cpu.int8_decoding`: about
-            half the bytes a token of bfloat16, quantized once at load; the tokens may differ from bfloat16's,
-            docs/performance.md says how often). The prompt's prefill is unchanged. Ignored where the C step does
-            not take the model.
+        decode_weights: what the C decode step reads: "model" (the default: the model's own weights, the tokens
+            of transformers' forward), or "int8" or "int4" copies of the weights (`kvrag.cpu.decode_weights`:
+            about half and a quarter of bfloat16's bytes a token, quantized once at load; the tokens may differ
+            from the model's own, docs/performance.md says how often). The prompt's prefill is unchanged. Where
+            the C step does not take the model it decodes over the model's own weights and warns.
         cpu_kernels: let kvrag's CPU engine (`kvrag.cpu`: C kernels and module swaps, the same tokens) take this
             model's work where it applies; False keeps the model as transformers made it (set once, per model).
 
@@ -103,7 +105,7 @@ class KVModel:
         batch_tokens: int = DEFAULT_BATCH_TOKENS,
         lead: str = "",
         compile_decode: bool = False,
-        int8_decode: bool = False,
+        decode_weights: str = "model",
         cpu_kernels: bool = True,
     ) -> None:
         check_architecture(model.config)
@@ -137,8 +139,10 @@ class KVModel:
         self.source = ChunkSource(self)  # chunk KV for requests that give texts: encoded, no store
         if compile_decode:
             cpu.compile_decoding(model)  # compiled at the first decoded token (`kvrag.cpu`)
-        if int8_decode:
-            cpu.int8_decoding(model)  # the weights quantized now, not at the first answer
+        if decode_weights != "model" and not cpu.decode_weights(model, decode_weights):  # quantized now, once
+            warnings.warn(f"decode_weights={decode_weights!r} is not taken for this model here (the C decode step "
+                          "does not take it: see kvrag.cpu.decode_weights); it decodes over its own weights",
+                          RuntimeWarning, stacklevel=2)
 
     @classmethod
     def from_pretrained(

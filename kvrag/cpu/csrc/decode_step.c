@@ -226,16 +226,21 @@ static void rope(float *x, const void *cos, const void *sin, long d, int bf16) {
 
 int product_int8(const void *w, const void *scales, const void *offsets, const float *x, float *sums, long R, long C,
                  int K, float *scratch, int threads);
+int product_int4(const void *w, const void *scales, const void *mins, const float *x, float *sums, long R, long C,
+                 int K, float *scratch, int threads);
 
-/* out[j] = rnd(w x[j] + bias) for j < K, through the int8 weights where the model has them (decode_int8.c), else
- * the model's own */
-static void weights_product(const void *w, const struct int8_rows *q, const float *x, const void *bias, float *out,
-                            long R, long C, int K, int bf16, float *split, int threads) {
+/* out[j] = rnd(w x[j] + bias) for j < K, through the quantized weights where the model has them
+ * (decode_quantized.c: `bits` 8 or 4), else the model's own */
+static void weights_product(const void *w, const struct int8_rows *q, int bits, const float *x, const void *bias,
+                            float *out, long R, long C, int K, int bf16, float *split, int threads) {
     if (!q) {
         product(w, x, bias, out, R, C, K, bf16, split, threads);
         return;
     }
-    product_int8(q->values, q->scales, q->offsets, x, out, R, C, K, split, threads);
+    if (bits == 4)
+        product_int4(q->values, q->scales, q->offsets, x, out, R, C, K, split, threads);
+    else
+        product_int8(q->values, q->scales, q->offsets, x, out, R, C, K, split, threads);
     for (long j = 0; j < K; j++)
         for (long r = 0; r < R; r++) out[j * R + r] = rnd(bias ? out[j * R + r] + get(bias, r, bf16) : out[j * R + r], bf16);
 }
@@ -265,12 +270,13 @@ int decode_rows(const struct step_model *m, void *const *const *keys, void *cons
     float *gu = att + K * H * d, *act = gu + K * 2 * F, *split = act + K * F, *part = split + K * widest;
     const long rot = d * (bf16 ? 2 : 4); /* bytes of one rotary row */
     const struct layer_int8 *q8 = m->int8_layer;
+    const int bits = (int)m->int_bits;
     for (long j = 0; j < K; j++)
         for (long i = 0; i < D; i++) x[j * D + i] = get(m->embed, tokens[j] * D + i, bf16);
     for (long l = 0; l < m->layers; l++) {
         const struct layer_weights *w = &m->layer[l];
         for (long j = 0; j < K; j++) rms_norm(x + j * D, w->norm_in, h + j * D, D, m->eps, bf16);
-        weights_product(w->qkv, q8 ? &q8[l].qkv : NULL, h, w->qkv_bias, qkv, qkv_rows, D, K, bf16, split, threads);
+        weights_product(w->qkv, q8 ? &q8[l].qkv : NULL, bits, h, w->qkv_bias, qkv, qkv_rows, D, K, bf16, split, threads);
         for (long j = 0; j < K; j++) {
             float *q = qkv + j * qkv_rows, *k = q + H * d, *v = k + Hkv * d;
             const void *cj = (const char *)cos + j * rot, *sj = (const char *)sin + j * rot;
@@ -299,20 +305,20 @@ int decode_rows(const struct step_model *m, void *const *const *keys, void *cons
                                              (int)run, att + j * H * d, part, threads);
         }
         for (long i = 0; i < K * H * d; i++) att[i] = rnd(att[i], bf16);
-        weights_product(w->o, q8 ? &q8[l].o : NULL, att, NULL, h, D, H * d, K, bf16, split, threads);
+        weights_product(w->o, q8 ? &q8[l].o : NULL, bits, att, NULL, h, D, H * d, K, bf16, split, threads);
         for (long i = 0; i < K * D; i++) x[i] = rnd(x[i] + h[i], bf16);
         for (long j = 0; j < K; j++) rms_norm(x + j * D, w->norm_post, h + j * D, D, m->eps, bf16);
-        weights_product(w->gate_up, q8 ? &q8[l].gate_up : NULL, h, NULL, gu, 2 * F, D, K, bf16, split, threads);
+        weights_product(w->gate_up, q8 ? &q8[l].gate_up : NULL, bits, h, NULL, gu, 2 * F, D, K, bf16, split, threads);
         for (long j = 0; j < K; j++)
             for (long i = 0; i < F; i++) {
                 float g = gu[j * 2 * F + i];
                 act[j * F + i] = rnd(rnd(g / (1.0f + expf(-g)), bf16) * gu[j * 2 * F + F + i], bf16);
             }
-        weights_product(w->down, q8 ? &q8[l].down : NULL, act, NULL, h, D, F, K, bf16, split, threads);
+        weights_product(w->down, q8 ? &q8[l].down : NULL, bits, act, NULL, h, D, F, K, bf16, split, threads);
         for (long i = 0; i < K * D; i++) x[i] = rnd(x[i] + h[i], bf16);
     }
     for (long j = 0; j < K; j++) rms_norm(x + j * D, m->norm, h + j * D, D, m->eps, bf16);
-    weights_product(m->lm_head, q8 ? &m->int8_head : NULL, h, NULL, logits, m->vocab, D, K, bf16, split, threads);
+    weights_product(m->lm_head, q8 ? &m->int8_head : NULL, bits, h, NULL, logits, m->vocab, D, K, bf16, split, threads);
     free(x);
     return 0;
 }

@@ -7,8 +7,9 @@ struct layer_weights { /* one decoder layer, in the model's dtype; q_norm, k_nor
     const void *norm_in, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *norm_post, *gate_up, *down;
 };
 
-/* a product's weight as int8 groups (decode_int8.c): values [R, C]; for each 64 of a row a float32 scale and its
- * offset (128 times the scale times the group's sum) */
+/* a product's weight quantized (decode_quantized.c). int8: values [R, C]; for each 64 of a row a float32 scale and
+ * its offset (128 times the scale times the group's sum). int4: values [R, C / 2], two to a byte; for each 64 of a
+ * row a float16 scale and a float16 minimum (in `offsets`). */
 struct int8_rows {
     const void *values, *scales, *offsets;
 };
@@ -24,6 +25,7 @@ struct step_model {
     const struct layer_weights *layer;     /* [layers] */
     const struct layer_int8 *int8_layer;   /* [layers], or NULL: the decode step's products read these instead */
     struct int8_rows int8_head;            /* the head's, where int8_layer is set */
+    long int_bits;                         /* 8 or 4: what int8_layer and int8_head hold */
 };
 
 #endif

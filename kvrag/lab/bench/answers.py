@@ -6,9 +6,9 @@ retrieval scores kvrag's embedder gives; greedy to the first line break), one af
 first token, its whole answer and whether it is right (the study's scoring). `default` is the model's shipped
 default, parts included. Medians a family and over every item; a warm-up answer of each strategy first.
 
-A strategy name ending in `_int8` (`default_int8`) is that strategy decoded over int8 weights
-(`kvrag.cpu.int8_decoding`, on for its answers only); its `same` counts the items whose answer is word for word the
-one the strategy gives over the model's own weights (listed too).
+A strategy name ending in `_int8` or `_int4` (`default_int8`) is that strategy decoded over quantized weights
+(`kvrag.cpu.decode_weights`, on for its answers only); its `same` counts the items whose answer is word for word
+the one the strategy gives over the model's own weights (listed too).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvrag.cache.store import MemoryStore
-from kvrag.cpu import int8_decoding
+from kvrag.cpu import decode_weights
 from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
 from kvrag.lab.study import _model_name, load_items
@@ -84,15 +84,23 @@ def whole_answers(
 
 def _answer(rag: KVRAG, strategy: str, question: str, texts: list[str], scores: list[float],
             options: dict[str, Any]) -> Any:
-    """One answer of `strategy` (a name ending in `_int8`: decoded over int8 weights)."""
-    int8 = strategy.endswith("_int8")
-    if int8 and not int8_decoding(rag.kvmodel.model, True):
-        raise ValueError(f"{strategy}: the C decode step does not take int8 weights for this model on this machine")
+    """One answer of `strategy` (a name ending in `_int8` or `_int4`: decoded over those weights)."""
+    base, kind = quantized(strategy)
+    if kind != "model" and not decode_weights(rag.kvmodel.model, kind):
+        raise ValueError(f"{strategy}: the C decode step does not take {kind} weights for this model on this machine")
     try:
-        return rag.answer(question, texts, scores=scores, **_strategy(strategy.removesuffix("_int8")), **options)
+        return rag.answer(question, texts, scores=scores, **_strategy(base), **options)
     finally:
-        if int8:
-            int8_decoding(rag.kvmodel.model, False)
+        if kind != "model":
+            decode_weights(rag.kvmodel.model, "model")
+
+
+def quantized(strategy: str) -> tuple[str, str]:
+    """A bench strategy name as (the strategy, the decode weights): "default_int4" is ("default", "int4")."""
+    for kind in ("int8", "int4"):
+        if strategy.endswith("_" + kind):
+            return strategy.removesuffix("_" + kind), kind
+    return strategy, "model"
 
 
 def _strategy(name: str) -> dict[str, Any]:
@@ -116,7 +124,7 @@ def summary(rows: Sequence[dict[str, Any]], strategies: Sequence[str]) -> dict[s
                 "answer_s": statistics.median(r["answer_s"] for r in mine),
                 "new_tokens": statistics.median(r["new_tokens"] for r in mine),
             }
-            base = strategy.removesuffix("_int8")
+            base = quantized(strategy)[0]
             if base != strategy and base in strategies:
                 own = {r["item"]: r["text"] for r in rows if r["strategy"] == base}
                 out[family][strategy]["same"] = sum(r["text"] == own.get(r["item"]) for r in mine)

@@ -14,10 +14,10 @@ answer) and without, over the same answers: `kvrag_lookup` beside `kvrag` on the
 are for. Their tokens are the same; a token costs less than a step where drafts are confirmed, so these rows can
 sit below the floor, which prices one step.
 
-`kvrag_int8` times the C step over int8 copies of the weights (`kvrag.cpu.int8_decoding`), beside `kvrag`, and
-`memory_read_int8` is its own floor: the read of the bytes that step must read (the int8 weights, their scales
-and offsets, in place of the bfloat16 ones); its `over_read` is against that read. Its tokens may differ from
-`kvrag`'s (docs/performance.md reports how often).
+`kvrag_int8` and `kvrag_int4` time the C step over int8 and int4 copies of the weights (`kvrag.cpu.decode_weights`),
+beside `kvrag`, and `memory_read_int8`, `memory_read_int4` are their own floors: the read of the bytes those steps
+must read (the quantized weights, their scales and offsets, in place of the model's); their `over_read` is against
+that read. Their tokens may differ from `kvrag`'s (docs/performance.md reports how often).
 
 `kvrag_small_pages` times the C step over a copy of its weights in ordinary 4 KB pages, beside `kvrag`, whose
 weights the decoder keeps on 2 MB pages where the system gives them (`kvrag.cpu.hugepages`).
@@ -45,9 +45,9 @@ from kvrag.cpu.decode import (
     compile_decoding,
     decoder_of,
     decodes_compiled,
-    decodes_int8,
+    decode_weights,
+    decoded_weights,
     decodes_native,
-    int8_decoding,
     native_decoding,
 )
 from kvrag.lab.bench.ttft import context_texts
@@ -109,8 +109,8 @@ def decode_benchmark(
     fast = decoder_of(kv.model) is not None
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; fast step: {'yes' if fast else 'no'}")
     compiled_before, native_before = decodes_compiled(kv.model), decodes_native(kv.model)
-    int8_before = decodes_int8(kv.model)
-    int8_decoding(kv.model, False)  # `kvrag` is the model's own weights; `kvrag_int8` turns int8 on for its runs
+    weights_before = decoded_weights(kv.model)
+    decode_weights(kv.model, "model")  # `kvrag` is the model's own weights; `kvrag_int8`, `_int4` quantized ones
     paths: dict[str, Callable[[int], tuple[float, int, int]]] = {
         "transformers_step": lambda n: _decode_time(kv, question, texts, n, False)
     }
@@ -121,10 +121,12 @@ def decode_benchmark(
                 if name:
                     paths["kvrag" + name] = functools.partial(_native, kv, asked, lambda: texts, False)
                 paths["kvrag_lookup" + name] = functools.partial(_native, kv, asked, lambda: texts, True)
-            if int8_decoding(kv.model, True):
-                saved = _int8_saved_bytes(decoder_of(kv.model).native)
-                paths["kvrag_int8"] = lambda n: _on_int8(kv, lambda: _decode_time(kv, question, texts, n, True))
-            int8_decoding(kv.model, False)
+            saved: dict[str, int] = {}
+            for kind in ("int8", "int4"):
+                if decode_weights(kv.model, kind):
+                    saved[kind] = _saved_bytes(decoder_of(kv.model).native, int(kind[3:]))
+                    paths["kvrag_" + kind] = functools.partial(_on_weights, kv, kind, question, lambda: texts)
+            decode_weights(kv.model, "model")
             small = _on_small_pages(decoder_of(kv.model))
             if small is not None:
                 paths["kvrag_small_pages"] = lambda n: _with_step(
@@ -139,8 +141,8 @@ def decode_benchmark(
     reader = _MemoryRead(kv)
     if reader.runs():
         paths["memory_read"] = reader
-        if "kvrag_int8" in paths:
-            paths["memory_read_int8"] = int8_reader = _MemoryRead(kv, less=saved)
+        quantized_readers = {kind: _MemoryRead(kv, less=less) for kind, less in saved.items()}
+        paths.update({"memory_read_" + kind: r for kind, r in quantized_readers.items()})
     rows = []
     compile_s = None
     try:
@@ -149,8 +151,8 @@ def decode_benchmark(
             for name, path in paths.items():  # warm-up of every path (the compile happens in the first one)
                 t0 = time.perf_counter()
                 reader.cached = max(reader.cached, path(4)[1])
-                if "memory_read_int8" in paths:
-                    int8_reader.cached = reader.cached
+                for quantized_reader in quantized_readers.values():
+                    quantized_reader.cached = reader.cached
                 if name == "kvrag_compiled" and compile_s is None:
                     compile_s = time.perf_counter() - t0
             times: dict[str, list[float]] = {name: [] for name in paths}
@@ -165,28 +167,30 @@ def decode_benchmark(
     finally:
         compile_decoding(kv.model, compiled_before)
         native_decoding(kv.model, native_before)
-        int8_decoding(kv.model, int8_before)
+        decode_weights(kv.model, weights_before)
     return rows
 
 
-def _int8_saved_bytes(step: cstep.DecodeStep) -> int:
-    """Bytes a step over int8 weights reads less than one over the model's: the products' weights in the model's
-    dtype less their int8 values, scales and offsets."""
+def _saved_bytes(step: cstep.DecodeStep, bits: int) -> int:
+    """Bytes a step over `bits`-bit weights reads less than one over the model's: the products' weights in the
+    model's dtype less their quantized values, scales and offsets."""
     own = step._decoder.lm_head.weight.nbytes
     products = ("qkv", "o", "gate_up", "down")
     own += sum(getattr(layer, n).weight.nbytes for layer in step._decoder.layers for n in products)
-    return own - sum(t.nbytes for t in step._int8[1])
+    return own - step.quantized_bytes(bits)
 
 
-def _on_int8(kv: KVModel, run: Callable[[], tuple[float, int, int]]) -> tuple[float, int, int]:
-    """`run` with the model on the C step over int8 weights, then back on its own."""
+def _on_weights(
+    kv: KVModel, kind: str, question: str, texts: Callable[[], list[ChunkKV]], tokens: int
+) -> tuple[float, int, int]:
+    """The C step's seconds a token over `kind` weights ("int8", "int4"), then back on the model's own."""
     native_decoding(kv.model, True)
     compile_decoding(kv.model, False)
-    int8_decoding(kv.model, True)
+    decode_weights(kv.model, kind)
     try:
-        return run()
+        return _decode_time(kv, question, texts(), tokens, True)
     finally:
-        int8_decoding(kv.model, False)
+        decode_weights(kv.model, "model")
 
 
 def _native(
@@ -269,7 +273,7 @@ def _row(
     floor = forward_cost(kv, 1, cached + tokens // 2).floor(machine)  # a step in the middle of the answer
     ms = {name: 1000 * sorted(v)[len(v) // 2] for name, v in times.items()}
     read = ms.get("memory_read")
-    reads = {name: ms.get("memory_read_int8", read) if "int8" in name else read for name in ms}
+    reads = {name: ms.get("memory_read_" + name[-4:], read) if name[-4:] in ("int8", "int4") else read for name in ms}
     row = {
         "context_tokens": cached,
         "ms_per_token": ms,
