@@ -46,12 +46,13 @@ def _cell(accuracy: float, ttft_s: float | None) -> str:
 
 
 def study_row(name: str, run: str) -> str:
-    """Right answers and the median first token of full prefill, the two baselines and the default."""
+    """The draw, then right answers and the median first token of full prefill, the two baselines and the
+    default."""
     study = _study(run)
     rows = study["strategies"]
     full = _all(study)["full_prefill_accuracy"]
     default = next(r for label, r in rows.items() if label.startswith("default"))
-    cells = [_cell(full, default["full_prefill_ttft_s"])]
+    cells = [f"{_all(study)['n']} (`{_draw(study['command'])}`)", _cell(full, default["full_prefill_ttft_s"])]
     cells += [_cell(rows[label]["accuracy"], rows[label]["ttft_s"]) for label, _ in BASELINES]
     cells.append(f"**{_cell(default['accuracy'], default['ttft_s'])}**")
     return f"| {name} | {' | '.join(cells)} |"
@@ -76,13 +77,12 @@ def bench_row(name: str, run: str, context: int = 4000) -> str | None:
 
 def table() -> str:
     """The README's two tables: quality per model on the study's fresh draw, speed per model from the bench."""
-    study = _study(RUNS[0][1])
     lines = [
-        f"Right answers and median first token, {_all(study)['n']} items of the eight built-in "
-        f"sets (`kvrag study --data builtin:all {_draw(study['command'])}`, {study['threads']} threads):",
+        "Right answers and median first token on the eight built-in sets (`kvrag study --data builtin:all`, a draw "
+        "no choice was made on):",
         "",
-        "| model | full prefill | full prefill, top chunk | full prefill, top three | the default |",
-        "|---|---|---|---|---|",
+        "| model | items (draw) | full prefill | full prefill, top chunk | full prefill, top three | the default |",
+        "|---|---|---|---|---|---|",
         *(study_row(name, study_run) for name, study_run, _ in RUNS),
     ]
     benches = [(name, bench_row(name, run)) for name, _, run in RUNS]
