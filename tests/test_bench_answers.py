@@ -33,3 +33,18 @@ def test_whole_answers_time_and_score_each_strategy_on_each_item(capsys):
 def test_the_command_refuses_an_unknown_strategy_before_loading(capsys):
     assert main(["bench-answers", "--strategies", "full_prefill_top1,bogus"]) == 2
     assert "unknown strategy 'bogus'" in capsys.readouterr().err
+
+
+def test_a_strategy_decoded_over_quantized_weights_counts_the_answers_it_shares_with_the_model_s_own():
+    from kvrag.lab.bench.answers import quantized
+
+    assert quantized("default_int4") == ("default", "int4") and quantized("reuse") == ("reuse", "model")
+    rows = [
+        {"item": i, "family": "f", "strategy": s, "correct": True, "ttft_s": 0.1, "answer_s": 0.2, "new_tokens": 3,
+         "text": text}
+        for i, (own, int8) in enumerate([("a", "a"), ("b", "c"), ("d", "d")])
+        for s, text in (("default", own), ("default_int8", int8))
+    ]
+    table = summary(rows, ["default", "default_int8"])
+    assert table["all"]["default_int8"]["same"] == 2 and "same" not in table["all"]["default"]
+    assert main(["bench-answers", "--strategies", "bogus_int4"]) == 2  # the strategy under the suffix is checked

@@ -144,6 +144,10 @@ def _together(
     picked from them). None where the C step does not take the model (each part is then answered alone)."""
     runs: list[tuple[Prefilled, float, float]] = []  # prefill, when it started, when its logits were out
     sampling = subs[0].sampling
+    with kvmodel.lock:  # made once a model, and it restacks the model's weights
+        fast = cpu.decoder_of(kvmodel.model)
+    if fast is None or fast.native is None or not fast.use_native:
+        return None  # decided before any prefill: the parts are then answered one after the other
     if any(sub.sampling != sampling for sub in subs) or len(subs) > cpu.MAX_TOKENS:
         return None
     try:
@@ -169,7 +173,8 @@ def _together(
     for sub, (run, started, out), detok, one in zip(subs, runs, detoks, decoded):
         detok.finish()
         stats = stats_of(sub, run, one.tokens, out - started, done - started, run.chunks.load_s)
-        answers.append(Answer(detok.text, one.tokens, one.finish, stats, sources=list(sources)))
+        answers.append(Answer(text=detok.text, token_ids=one.tokens, finish_reason=one.finish, stats=stats,
+                              sources=list(sources)))
     return answers
 
 
