@@ -99,7 +99,8 @@ def _ask(args: argparse.Namespace) -> None:
 
 def _on_vllm(rag: Any, args: argparse.Namespace) -> None:
     """Hand the engine's plans to vLLM: an in-process engine with kvrag's connector, or a `vllm serve`."""
-    for flag, given in (("--compile-decode", args.compile_decode), ("--decode-weights", args.decode_weights != "model")):
+    flags = (("--compile-decode", args.compile_decode), ("--decode-weights", args.decode_weights != "model"))
+    for flag, given in flags:
         if given:
             raise InvalidRequestError(f"{flag} is kvrag's own decode: vLLM decodes with its own")
     vllm_kvrag = import_vllm_kvrag("--backend vllm")

@@ -38,6 +38,28 @@
 
 int int8_available(void) { return 1; }
 
+/* K rows of C inputs quantized per group of INT8_GROUP: xq = round(x / s) + shift (s the group's largest magnitude
+ * over 127; stored as bytes, the shift 128 making them unsigned for vpdpbusd's first operand), xs[j][g] = s, and
+ * where xsum is given, xsum[j][g] = s times the group's sum of the unshifted values */
+static void quantize_inputs(const float *x, long K, long C, int shift, int8_t *xq, float *xs, float *xsum) {
+    const long groups = C / INT8_GROUP;
+    for (long j = 0; j < K; j++)
+        for (long g = 0; g < groups; g++) {
+            const float *from = x + j * C + g * INT8_GROUP;
+            float top = 0;
+            for (int i = 0; i < INT8_GROUP; i++) top = fmaxf(top, fabsf(from[i]));
+            float s = top > 0 ? top / 127.0f : 1.0f, inv = 1.0f / s;
+            long total = 0;
+            for (int i = 0; i < INT8_GROUP; i++) {
+                long q = lrintf(from[i] * inv);
+                xq[j * C + g * INT8_GROUP + i] = (int8_t)(uint8_t)(q + shift);
+                total += q;
+            }
+            xs[j * groups + g] = s;
+            if (xsum) xsum[j * groups + g] = s * (float)total;
+        }
+}
+
 /* One group's dot product for input j (its 64 bytes at xq), as float32 lanes times the two scales, added to acc */
 #define GROUP_DOT(K, acc, wv, xq, g, wscale)                                                                    \
     for (int j = 0; j < K; j++) {                                                                               \
@@ -85,27 +107,18 @@ PRODUCT_I8(1) PRODUCT_I8(2) PRODUCT_I8(3) PRODUCT_I8(4) PRODUCT_I8(5) PRODUCT_I8
 int product_int8(const int8_t *w, const float *scales, const float *offsets, const float *x, float *sums, long R,
                  long C, int K, float *scratch, int threads) {
     if (C % INT8_GROUP || K < 1 || K > 8) return -2;
-    const long groups = C / INT8_GROUP;
-    uint8_t *xq = (uint8_t *)scratch;  /* K * C bytes */
+    int8_t *xq = (int8_t *)scratch;    /* K * C bytes */
     float *xs = scratch + K * C / 4;   /* K * groups floats: fits in the K * C floats (groups <= C / 64) */
-    for (long j = 0; j < K; j++)
-        for (long g = 0; g < groups; g++) {
-            const float *from = x + j * C + g * INT8_GROUP;
-            float top = 0;
-            for (int i = 0; i < INT8_GROUP; i++) top = fmaxf(top, fabsf(from[i]));
-            float s = top > 0 ? top / 127.0f : 1.0f, inv = 1.0f / s;
-            xs[j * groups + g] = s;
-            for (int i = 0; i < INT8_GROUP; i++) xq[j * C + g * INT8_GROUP + i] = (uint8_t)(lrintf(from[i] * inv) + 128);
-        }
+    quantize_inputs(x, K, C, 128, xq, xs, NULL);
     switch (K) {
-    case 1: product_i8_1(w, scales, offsets, xq, xs, sums, R, C, threads); break;
-    case 2: product_i8_2(w, scales, offsets, xq, xs, sums, R, C, threads); break;
-    case 3: product_i8_3(w, scales, offsets, xq, xs, sums, R, C, threads); break;
-    case 4: product_i8_4(w, scales, offsets, xq, xs, sums, R, C, threads); break;
-    case 5: product_i8_5(w, scales, offsets, xq, xs, sums, R, C, threads); break;
-    case 6: product_i8_6(w, scales, offsets, xq, xs, sums, R, C, threads); break;
-    case 7: product_i8_7(w, scales, offsets, xq, xs, sums, R, C, threads); break;
-    default: product_i8_8(w, scales, offsets, xq, xs, sums, R, C, threads); break;
+    case 1: product_i8_1(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
+    case 2: product_i8_2(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
+    case 3: product_i8_3(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
+    case 4: product_i8_4(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
+    case 5: product_i8_5(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
+    case 6: product_i8_6(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
+    case 7: product_i8_7(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
+    default: product_i8_8(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
     }
     return 0;
 }
@@ -155,7 +168,8 @@ int product_int8(const int8_t *w, const float *scales, const float *offsets, con
 
 static inline void halves_to_floats(const uint16_t *from, float *to, long n) {
     long i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(to + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(from + i))));
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(to + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(from + i))));
     if (i < n) {
         __mmask16 live = (__mmask16)((1u << (n - i)) - 1);
         _mm512_mask_storeu_ps(to + i, live, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, from + i)));
@@ -174,21 +188,7 @@ int product_int4(const uint8_t *w, const uint16_t *scales, const uint16_t *mins,
     int8_t *xq = (int8_t *)scratch;          /* K * C bytes */
     float *xs = scratch + K * C / 4;         /* K * groups floats */
     float *xsum = xs + K * groups;           /* K * groups floats: K * C / 4 + 2 K C / 64 <= K * C */
-    for (long j = 0; j < K; j++)
-        for (long g = 0; g < groups; g++) {
-            const float *from = x + j * C + g * INT8_GROUP;
-            float top = 0;
-            for (int i = 0; i < INT8_GROUP; i++) top = fmaxf(top, fabsf(from[i]));
-            float s = top > 0 ? top / 127.0f : 1.0f, inv = 1.0f / s;
-            long total = 0;
-            for (int i = 0; i < INT8_GROUP; i++) {
-                long q = lrintf(from[i] * inv);
-                xq[j * C + g * INT8_GROUP + i] = (int8_t)q;
-                total += q;
-            }
-            xs[j * groups + g] = s;
-            xsum[j * groups + g] = s * (float)total;
-        }
+    quantize_inputs(x, K, C, 0, xq, xs, xsum);
     switch (K) {
     case 1: product_i4_1(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
     case 2: product_i4_2(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;

@@ -242,7 +242,10 @@ static void weights_product(const void *w, const struct int8_rows *q, int bits, 
     else
         product_int8(q->values, q->scales, q->offsets, x, out, R, C, K, split, threads);
     for (long j = 0; j < K; j++)
-        for (long r = 0; r < R; r++) out[j * R + r] = rnd(bias ? out[j * R + r] + get(bias, r, bf16) : out[j * R + r], bf16);
+        for (long r = 0; r < R; r++) {
+            float sum = out[j * R + r];
+            out[j * R + r] = rnd(bias ? sum + get(bias, r, bf16) : sum, bf16);
+        }
 }
 
 /* The logits [K][V] (float32) of tokens[0..K-1] (1 <= K <= MAX_TOKENS), one pass over the weights for all of them.
@@ -276,7 +279,8 @@ int decode_rows(const struct step_model *m, void *const *const *keys, void *cons
     for (long l = 0; l < m->layers; l++) {
         const struct layer_weights *w = &m->layer[l];
         for (long j = 0; j < K; j++) rms_norm(x + j * D, w->norm_in, h + j * D, D, m->eps, bf16);
-        weights_product(w->qkv, q8 ? &q8[l].qkv : NULL, bits, h, w->qkv_bias, qkv, qkv_rows, D, K, bf16, split, threads);
+        weights_product(w->qkv, q8 ? &q8[l].qkv : NULL, bits, h, w->qkv_bias, qkv, qkv_rows, D, K, bf16, split,
+                        threads);
         for (long j = 0; j < K; j++) {
             float *q = qkv + j * qkv_rows, *k = q + H * d, *v = k + Hkv * d;
             const void *cj = (const char *)cos + j * rot, *sj = (const char *)sin + j * rot;
