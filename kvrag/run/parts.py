@@ -81,19 +81,19 @@ def answer_parts(
     waited = time.perf_counter() - started_at  # before the first part's own clock starts (retrieval)
     hop_retrieve_s = 0.0
 
-    def request_of(part: Part, question: str) -> Request:
+    def request_of(question: str) -> Request:
         scores = scores_of(question) if scores_of is not None else request.scores
         picker = named or (request.picker if scores_of is not None else "likelihood")
         return replace(request, question=question, scores=scores, picker=picker)
 
     together = None
     if not any(p.hop for p in parts) and isinstance(executor, HFExecutor):
-        subs = [request_of(p, p.asked_after(None, None)) for p in parts]
+        subs = [request_of(p.asked_after(None, None)) for p in parts]
         together = _together(kvmodel, subs, chunks, executor, sources)
     answers.extend(together or ())
     for i, part in enumerate(parts if together is None else ()):
         question = part.asked_after(parts[i - 1] if i else None, previous)
-        sub = request_of(part, question)
+        sub = request_of(question)
         given, given_sources = chunks, list(sources)
         found = None
         if part.hop and retrieve is not None:
