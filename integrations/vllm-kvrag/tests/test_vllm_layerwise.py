@@ -1,0 +1,149 @@
+"""Loading layer by layer (`"layerwise": true`): the protocol on its own, and end to end on vLLM's CPU build, where
+each attention layer waits in `wait_for_layer_load` for its own layer's write only."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm only (make test runs these tests there)")
+
+from vllm_kvrag.layerwise import LayerPipeline
+
+from kvrag import Request
+from kvrag.cache.chunks import ChunkSource
+from kvrag.run import pipeline
+
+FILLER = " It is one of the old towns of the coast, with narrow streets, a market on Tuesdays and a lighthouse."
+TEXTS = [
+    "The harbour of Velloria holds forty-two ships and is run by Mara Quell, its keeper since 2011." + FILLER * 2,
+    "The river Tam floods every spring and leaves the lower fields under water until May." + FILLER * 2,
+    "The archive opens at nine in the morning and closes at five, except on Sundays." + FILLER * 2,
+]
+ASKS = [
+    ("Who runs the harbour of Velloria?", dict(strategy="target_recompute", scores=[0.9, 0.2, 0.4])),
+    ("When does the archive open?", dict(strategy="reuse", scores=[0.1, 0.2, 0.9])),
+    ("When does the river Tam flood?", dict(strategy="target_recompute", scores=[0.2, 0.9, 0.1])),
+]
+
+
+def test_each_layer_waits_for_its_own_write_only():
+    pipeline = LayerPipeline([0, 1, 2, 3], torch.device("cpu"))
+    gates = {i: threading.Event() for i in range(4)}
+    log: list[str] = []
+
+    def write(i: int) -> None:
+        gates[i].wait(5)
+        log.append(f"write {i}")
+
+    pipeline.start(write, prepare=lambda: log.append("prepare"))
+    gates[0].set()
+    pipeline.wait(0)  # layer 0 is written, layer 1 held back: the forward's layer 0 goes on
+    log.append("layer 0 runs")
+    assert pipeline.written == [0]
+    for i in (1, 2, 3):
+        gates[i].set()
+        pipeline.wait(i)
+        log.append(f"layer {i} runs")
+    pipeline.wait(7)  # a layer the pipeline does not load: nothing to wait for
+    assert pipeline.join() is None
+    assert log == ["prepare", "write 0", "layer 0 runs", "write 1", "layer 1 runs", "write 2", "layer 2 runs",
+                   "write 3", "layer 3 runs"]  # fmt: skip
+
+
+def test_a_failed_write_never_leaves_the_forward_waiting_and_is_reported():
+    pipeline = LayerPipeline([0, 1, 2], torch.device("cpu"))
+
+    def write(i: int) -> None:
+        if i == 1:
+            raise OSError("the store went away")
+
+    pipeline.start(write)
+    started = time.perf_counter()
+    for i in (0, 1, 2):
+        pipeline.wait(i)
+    assert time.perf_counter() - started < 5
+    error = pipeline.join()
+    assert isinstance(error, OSError) and pipeline.written == [0]
+
+
+def test_the_layerwise_setting_is_a_boolean():
+    from vllm_kvrag.connector import KVRAGConnector, _layerwise_setting
+
+    from kvrag.errors import KVRAGError
+
+    assert _layerwise_setting({}) is None and _layerwise_setting({"layerwise": False}) is False
+    with pytest.raises(KVRAGError, match="layerwise must be true or false, got 'yes'"):
+        _layerwise_setting({"layerwise": "yes"})
+    # a CUDA graph would skip the waits inside the forward: vLLM is asked for piecewise graphs unless it is off
+    assert KVRAGConnector.requires_piecewise_for_cudagraph({}) is True
+    assert KVRAGConnector.requires_piecewise_for_cudagraph({"layerwise": False}) is False
+
+
+# Run in a process of its own: the engine runs in-process there (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that its
+# connector's waits can be seen, and vLLM's CPU worker pins that process's threads, not the test session's.
+_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    from vllm import LLM
+    from vllm_kvrag import layerwise
+    from vllm_kvrag.executor import VLLMExecutor, connector_config
+    from kvrag import KVModel, Request
+    from kvrag.cache.chunks import ChunkSource
+    from kvrag.cache.store import DiskStore
+    from kvrag.run import pipeline
+
+    folder, root, asks, texts = json.loads(sys.argv[1])
+    waits = []  # (layer, written before the wait returned) for every wait of a pipeline that loads something
+    original = layerwise.LayerPipeline.wait
+
+    def wait(self, layer):
+        original(self, layer)
+        if layer in self._ready:
+            waits.append((layer, layer in self.written))
+
+    layerwise.LayerPipeline.wait = wait
+    extra = {"store": "disk", "path": root, "storage_dtype": "float32", "unkeyed": True, "layerwise": True}
+    llm = LLM(model=folder, dtype="float32", max_model_len=4096, block_size=32, enforce_eager=True,
+              kv_cache_memory_bytes=1 << 29, kv_transfer_config=connector_config(extra))
+    kv = KVModel.from_pretrained(folder, dtype="float32")
+    store = DiskStore(root, "float32")
+    executor = VLLMExecutor(kv, llm, store)
+    out = []
+    for question, options in asks:
+        request = Request.of(question, texts, max_new_tokens=16, **options)
+        chunks = ChunkSource(kv, store).chunks(request.chunks)
+        *_, final = pipeline.stream(kv, request, chunks, executor, started_at=time.perf_counter())
+        out.append(final.token_ids)
+    print("RESULT " + json.dumps({"tokens": out, "waits": waits, "layers": kv.model.config.num_hidden_layers}))
+    """
+)
+
+
+def test_layer_by_layer_on_vllm_gives_the_same_tokens_and_waits_for_each_layer(kv, executor, store, folder):
+    own = []
+    for question, options in ASKS:  # the session engine: every layer written before the forward
+        request = Request.of(question, TEXTS, max_new_tokens=16, **options)
+        chunks = ChunkSource(kv, store).chunks(request.chunks)
+        *_, final = pipeline.stream(kv, request, chunks, executor, started_at=time.perf_counter())
+        own.append(final.token_ids)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    args = json.dumps([folder, str(store.root), ASKS, TEXTS])
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, args], env=env, capture_output=True, text=True, timeout=600)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, done.stderr[-3000:]
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result["tokens"] == own
+    layers = result["layers"]
+    waits = result["waits"]
+    # one planned prefill a request, each layer waited for in order, each written before its wait returned
+    assert len(waits) == len(ASKS) * layers
+    assert [w[0] for w in waits] == list(range(layers)) * len(ASKS) and all(w[1] for w in waits)
