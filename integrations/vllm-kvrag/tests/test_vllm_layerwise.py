@@ -147,3 +147,44 @@ def test_layer_by_layer_on_vllm_gives_the_same_tokens_and_waits_for_each_layer(k
     # one planned prefill a request, each layer waited for in order, each written before its wait returned
     assert len(waits) == len(ASKS) * layers
     assert [w[0] for w in waits] == list(range(layers)) * len(ASKS) and all(w[1] for w in waits)
+
+
+def _script(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"kvrag_script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_7b_bench_computes_over_cached_kv_what_its_full_prefill_computes():
+    """scripts/bench_7b.py times a model of its own (torch alone): its forward of the last tokens over the earlier
+    tokens' cached KV is its full prefill's, so the two timings are of the same work's two ways."""
+    bench = _script("bench_7b")
+    model = bench.Model(bench.SHAPES["tiny"], torch.device("cpu"), torch.float32)
+    ids = torch.randint(0, model.vocab, (96,), generator=torch.Generator().manual_seed(0))
+
+    def cache():
+        return [torch.zeros(2, model.kv_heads, len(ids), model.head_dim) for _ in range(model.layers)]
+
+    full = model.forward(ids, 0, cache())
+    split = cache()
+    model.forward(ids[:60], 0, [c[:, :, :60] for c in split])
+    waited = []
+    last = model.forward(ids[60:], 60, split, wait=waited.append)
+    assert waited == list(range(model.layers))
+    torch.testing.assert_close(last, full, rtol=1e-5, atol=1e-5)
+
+
+def test_the_7b_bench_runs_with_torch_alone():
+    done = subprocess.run(
+        [sys.executable, str(_script("bench_7b").__file__), "--device", "cpu", "--shape", "tiny", "--context", "512",
+         "--target", "64", "--runs", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[1].startswith("full prefill: ") and lines[-1].startswith("target_recompute, KV loaded layer by layer")

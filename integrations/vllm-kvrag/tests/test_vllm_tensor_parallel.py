@@ -50,7 +50,9 @@ def _engine(folder: str, root: str, tp: int):
         kv_cache_memory_bytes=1 << 28,
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
-        kv_transfer_config=connector_config({"store": "disk", "path": root, "storage_dtype": "float32", "unkeyed": True}),
+        kv_transfer_config=connector_config(
+            {"store": "disk", "path": root, "storage_dtype": "float32", "unkeyed": True}
+        ),
     )
 
 

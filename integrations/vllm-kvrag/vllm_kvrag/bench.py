@@ -55,6 +55,8 @@ def run(
     concurrent_context: int = 1000,
     storage_dtype: str = "float16",
     memory_bytes: int = 0,
+    dtype: str = "auto",
+    layerwise: bool | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     from vllm import LLM
@@ -68,7 +70,10 @@ def run(
 
     folder = resolve(folder)  # a named model's converted folder; None: the embedded default's
     root = tempfile.mkdtemp(prefix="kvrag-bench-vllm-")
-    kv = KVModel.from_pretrained(folder, dtype="float32")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where vLLM's build runs, kvrag's engine runs too
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    kv = KVModel.from_pretrained(folder, dtype=dtype, device=device)
     pool = context_texts(kv, max([*contexts, concurrent_context * max(concurrency, default=1) // 4]), chunk_tokens)
     longest = (
         len(kv.prefix) + sum(len(kv.layout.chunk_ids(t)) for t in pool[: _fit(kv, pool, max(contexts, default=0))]) + 64
@@ -76,13 +81,15 @@ def run(
     extra: dict[str, Any] = {"store": "disk", "path": root, "storage_dtype": storage_dtype}
     if memory_bytes:
         extra["memory_bytes"] = memory_bytes
+    if layerwise is not None:
+        extra["layerwise"] = layerwise
     llm = LLM(
         model=folder,
-        dtype="float32",
+        dtype=dtype,
         max_model_len=max(longest + answer_tokens, 2048),
         block_size=BLOCK,
         enforce_eager=True,
-        gpu_memory_utilization=0.3,  # on the CPU backend: the share of memory kept for the paged KV
+        gpu_memory_utilization=0.3,  # the share of the GPU's memory (on the CPU backend: of the host's) for paged KV
         max_num_seqs=max([*concurrency, 1]),
         kv_transfer_config=connector_config(extra),
     )
@@ -93,11 +100,14 @@ def run(
         "threads": torch.get_num_threads(),
         "storage_dtype": storage_dtype,
         "memory_bytes": memory_bytes,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "dtype": dtype,
+        "layerwise": layerwise,
         "answer_tokens": answer_tokens,
         "ttft": [],
         "throughput": [],
     }
-    log(f"threads {result['threads']}, entries stored as {storage_dtype}")
+    log(f"{result['device']}, {dtype}, threads {result['threads']}, entries stored as {storage_dtype}")
     question = "What does the documentation say about the first topic?"
     for size in contexts:
         texts = pool[: _fit(kv, pool, size)]
@@ -264,7 +274,9 @@ def _throughput_line(row: dict[str, Any]) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     """The result as two tables: seconds to the first token, and throughput."""
-    lines = [f"threads {result['threads']}, float32, entries stored as {result['storage_dtype']}", ""]
+    where = f"{result.get('device', 'cpu')}, {result.get('dtype', 'float32')}"
+    layerwise = {None: "", True: ", layer by layer", False: ", whole before the forward"}[result.get("layerwise")]
+    lines = [f"{where}, threads {result['threads']}, entries stored as {result['storage_dtype']}{layerwise}", ""]
     if result["ttft"]:
         names = [k for k, v in result["ttft"][0].items() if isinstance(v, float)]
         lines += ["| context tokens | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
@@ -302,6 +314,18 @@ def parser() -> argparse.ArgumentParser:
         default=0,
         help="the connector's memory tier, in bytes (default 0: entries from disk)",
     )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the model's dtype in vLLM and in kvrag's engine (auto: bfloat16 on a GPU, float32 on CPU)",
+    )
+    p.add_argument(
+        "--layerwise",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="the connector loads layer by layer beside the forward (auto: on a GPU)",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
     return p
@@ -332,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
         concurrent_context=args.concurrent_context,
         storage_dtype=args.storage_dtype,
         memory_bytes=args.memory_bytes,
+        dtype=args.dtype,
+        layerwise={"auto": None, "on": True, "off": False}[args.layerwise],
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )
     result["command"] = "kvrag bench-vllm " + " ".join(shlex.quote(a) for a in argv)

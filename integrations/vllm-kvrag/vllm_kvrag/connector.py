@@ -18,7 +18,8 @@ tenant: `tenant` (the engine's namespace: the connector reads that tenant's view
 engine writes it) and `secret_file` (a file holding the secret its entries are checksummed with; by default the
 user's kvrag key, `kvrag.cache.secret`, as the engine's default; `unkeyed: true` for entries written with none);
 `memory_bytes` (default 0: none) keeps entries, once read and verified, decoded (in their storage dtype) in
-the worker's memory, at most that many bytes, least recently used out first.
+the worker's memory, at most that many bytes, least recently used out first; `layerwise` (true or false; not
+given: true where the caches are on a GPU) loads layer by layer beside the forward.
 
 On vLLM's GPU attention backends (FlashAttention, FlashInfer, Triton) the cache's content is a token's key then its
 value, in whichever of vLLM's KVCacheLayouts the strides say; the connector writes it with an indexed copy on the
@@ -28,11 +29,12 @@ own allocator lays out, not yet inside vLLM on a GPU.
 
 Where kvrag's paged-write kernel builds (`kvrag.cpu.paged_write`) and writes what vLLM's own write op writes
 (checked once a cache layout, on a scratch cache, before the first load), reader threads read each entry, verify
-it, check its token ids against the prompt's, and write it straight into the request's blocks: keys rotated from
-the position they were encoded at to their place and converted on the way, one pass over each entry. Elsewhere a
-load reads its pieces a group of about _GROUP_TOKENS tokens at a time into a buffer (keys rotated, in the model's
+it, check its token ids against the prompt's, and write it straight into the request's blocks (`direct`). Elsewhere
+a load reads its pieces a group of about _GROUP_TOKENS tokens at a time into a buffer (keys rotated, in the model's
 dtype), and writes each group with one call of vLLM's write op a layer, while the readers fill the next group's
-buffer.
+buffer. With `layerwise` (extra config; by default where the caches are on a GPU) the step's load runs beside the
+forward instead, a layer at a time, and each attention layer waits for its own layer in `wait_for_layer_load`
+(`layered`, `layerwise`).
 """
 
 from __future__ import annotations
