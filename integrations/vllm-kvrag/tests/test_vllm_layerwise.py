@@ -188,3 +188,75 @@ def test_the_7b_bench_runs_with_torch_alone():
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert lines[1].startswith("full prefill: ") and lines[-1].startswith("target_recompute, KV loaded layer by layer")
+
+
+def _bare_connector(store, layerwise=None):
+    """A connector's worker-side state only, over `store`, for a tiny Llama's rotation (head size 32)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import LlamaConfig
+    from vllm_kvrag.connector import KVRAGConnector
+
+    from kvrag.model.rope import Repositioner, rotary_of_config
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=2)
+    connector = object.__new__(KVRAGConnector)
+    connector._store, connector._dtype = store, torch.float32
+    connector._repositioner = Repositioner(rotary=rotary_of_config(config))
+    connector._reader, connector._block_size, connector._buffers = ThreadPoolExecutor(2), 16, {}
+    connector._shifts, connector._errors, connector._tp = {}, set(), (0, 1)
+    connector._layerwise, connector._pipeline, connector._layer_of = layerwise, None, {}
+    return connector
+
+
+def test_layer_by_layer_writes_a_gpu_layout_cache_as_the_whole_step_load_does(tmp_path):
+    """On GPU-backend caches (here on CPU): the layered load, keys rotated where the cache is, leaves the caches bit
+    for bit as the whole-step load does; a piece whose entry holds other tokens stops it there, the pieces before it
+    written, its blocks and the rest load errors."""
+    from vllm_kvrag import layered
+    from vllm_kvrag.connector import KVRAGLoadWarning, _Load
+    from vllm_kvrag.plan import Piece, TransferPlan
+
+    from kvrag.cache.kv import ChunkKV
+    from kvrag.cache.store import DiskStore
+
+    store = DiskStore(tmp_path, "float16")
+    store.bind(encoder="encoder", dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    pieces, ids = [], []
+    for n, (start, position, length) in enumerate([(0, 0, 20), (20, 45, 30), (20, 20, 25)]):  # one moved by 25
+        tokens = torch.arange(1000 * n, 1000 * n + length)
+        store.put(f"{n:02d}" * 32, ChunkKV(tokens, torch.randn(2, 2, length, 32, generator=g),
+                                           torch.randn(2, 2, length, 32, generator=g), start, "encoder"))  # fmt: skip
+        pieces.append(Piece(f"{n:02d}" * 32, start, position, length))
+        ids.append(tokens.tolist())
+    order = [pieces[0], pieces[2], pieces[1]]  # in the prompt: 0..20, 20..45, 45..75
+    plan = TransferPlan(tuple(order), "encoder")
+    prompt = ids[0] + ids[2] + ids[1]
+    blocks = [5, 2, 7, 0, 3]
+
+    def caches():
+        return [(i, object(), torch.zeros(8, 2, 16, 64)) for i in range(2)]  # no isa: a GPU backend's layout
+
+    whole, piped = caches(), caches()
+    connector = _bare_connector(store)
+    assert connector._fill(_Load(plan, blocks, 0, 75, prompt), whole) == 75
+    pipeline = layered.start(connector, [_Load(plan, blocks, 0, 75, prompt)], piped)
+    for i in (0, 1):
+        pipeline.wait(i)
+    layered.finish(connector, pipeline, [])
+    assert connector._errors == set() and pipeline.written == [0, 1]
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(whole, piped)) and whole[0][2].any()
+
+    forged = prompt[:30] + [7] + prompt[31:]  # the second piece (tokens 20..45) is not what its entry holds
+    piped = caches()
+    with pytest.warns(KVRAGLoadWarning, match="other tokens than the prompt's"):
+        pipeline = layered.start(connector, [_Load(plan, blocks, 0, 75, forged)], piped)
+        layered.finish(connector, pipeline, [])
+    assert connector._errors == {blocks[1], blocks[2], blocks[3], blocks[4]}  # tokens 20.. : blocks 1 to 4
+    first = [b * 16 + t % 16 for t in range(20) for b in [blocks[t // 16]]]
+    for (_, _, a), (_, _, b) in zip(whole, piped):
+        assert torch.equal(a.transpose(1, 2).reshape(-1, 2, 64)[first], b.transpose(1, 2).reshape(-1, 2, 64)[first])
+        rest = torch.ones(8 * 16, dtype=torch.bool)
+        rest[first] = False
+        assert not b.transpose(1, 2).reshape(-1, 2, 64)[rest].any()  # nothing of the forged piece or after it

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -63,6 +64,7 @@ def run(
 
     from kvrag import KVModel
     from kvrag.cache.chunks import ChunkSource
+    from kvrag.cache.secret import user_key
     from kvrag.cache.store import DiskStore
     from kvrag.lab.bench.ttft import context_texts
     from kvrag.model.catalog import resolve
@@ -94,8 +96,10 @@ def run(
         kv_transfer_config=connector_config(extra),
     )
     store = DiskStore(root, storage_dtype)
+    store.secret = user_key()  # the entries keyed as kvrag's engine keys them by default, and the connector reads them
     ex = VLLMExecutor(kv, llm, store)
     ChunkSource(kv, store).chunks(pool).kv()  # every chunk's KV stored once, before anything is timed
+    _check_readable(extra, kv, ex.prefix_key)
     result: dict[str, Any] = {
         "threads": torch.get_num_threads(),
         "storage_dtype": storage_dtype,
@@ -119,6 +123,21 @@ def run(
         result["throughput"].append(row)
         log(_throughput_line(row))
     return result
+
+
+def _check_readable(extra: dict[str, Any], kv: Any, key: str) -> None:
+    """Read an entry as the connector's worker reads it (its store, its secret): an entry it cannot read is
+    computed by vLLM, and the connector's rows would time vLLM's own prefill under the connector's name."""
+    from kvrag.errors import KVRAGError
+    from vllm_kvrag.config import open_store
+
+    reader = open_store(extra)
+    reader.bind(encoder=kv.encoder_id, dtype=None, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if reader.get(key) is None:
+            where = extra.get("path") or extra.get("url")
+            raise KVRAGError(f"the connector cannot read the bench's entries in {where} (written under another secret)")
 
 
 def _fit(kv: Any, pool: list[str], tokens: int) -> int:

@@ -197,6 +197,7 @@ class KVRAGConnector(KVConnectorBase_V1):
     # -- worker side ------------------------------------------------------------------------------------
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._finish_layers()  # a step's layers are all written before the next step's load starts
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVRAGConnectorMetadata)
         layers = _paged_layers(forward_context)
