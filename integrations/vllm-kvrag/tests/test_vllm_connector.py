@@ -98,6 +98,9 @@ def test_a_missing_or_damaged_entry_is_computed_by_vllm(kv, executor, store):
         tokens = list(executor.decode(run.prefill, request.sampling))
         executor.release(run.prefill)
         assert tokens[: len(own.token_ids)] == own.token_ids, damage
+        # counted as the work vLLM did: the chunk computed, not loaded (a damaged entry fails in the worker, after
+        # vLLM counted it cached; the connector reports where vLLM computed from)
+        assert run.prefill.recomputed_tokens == run.prefill.context_tokens, damage
         store.delete(key)
 
 

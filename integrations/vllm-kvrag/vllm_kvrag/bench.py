@@ -96,9 +96,10 @@ def run(
         kv_transfer_config=connector_config(extra),
     )
     store = DiskStore(root, storage_dtype)
-    store.secret = user_key()  # the entries keyed as kvrag's engine keys them by default, and the connector reads them
-    ex = VLLMExecutor(kv, llm, store)
-    ChunkSource(kv, store).chunks(pool).kv()  # every chunk's KV stored once, before anything is timed
+    # keyed with the user's key, as kvrag's engine keys a disk store by default and the connector reads it
+    store.secret = user_key()
+    ex = VLLMExecutor(kv, llm, store, secret=store.secret)
+    ChunkSource(kv, store, secret=store.secret).chunks(pool).kv()  # every chunk stored once, before any timing
     _check_readable(extra, kv, ex.prefix_key)
     result: dict[str, Any] = {
         "threads": torch.get_num_threads(),
@@ -156,7 +157,7 @@ def _answer(kv: Any, executor: Any, store: Any, question: str, texts: list[str],
     from kvrag.run import pipeline
 
     request = Request.of(question, texts, strategy=strategy, target=0, max_new_tokens=tokens)
-    chunks = ChunkSource(kv, store).chunks(request.chunks)
+    chunks = ChunkSource(kv, store, secret=store.secret).chunks(request.chunks)
     *_, final = pipeline.stream(kv, request, chunks, executor, started_at=time.perf_counter())
     return final
 

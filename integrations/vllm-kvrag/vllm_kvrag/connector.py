@@ -133,6 +133,10 @@ class KVRAGConnector(KVConnectorBase_V1):
         self._dtype = vllm_config.model_config.dtype
         # scheduler: request id -> plan, begin, end, the prompt's ids [begin, end)
         self._pending: dict[str, tuple[TransferPlan, int, int, list[int]]] = {}
+        # scheduler: request id -> the blocks, begin and end of its last load, until it finishes; and where vLLM
+        # computes from because a load of it failed (reported back in the finished request's kv_transfer_params)
+        self._loading: dict[str, tuple[list[int], int, int]] = {}
+        self._computed_from: dict[str, int] = {}
         self._errors: set[int] = set()  # worker: blocks whose KV could not be loaded this step
         self._repositioner: Repositioner | None = None
         if role == KVConnectorRole.WORKER:
@@ -184,6 +188,7 @@ class KVRAGConnector(KVConnectorBase_V1):
             if new.req_id in self._pending:
                 plan, begin, end, ids = self._pending.pop(new.req_id)
                 meta.loads.append(_Load(plan, list(new.block_ids[0]), begin, end, ids))
+                self._loading[new.req_id] = (list(new.block_ids[0]), begin, end)
         # A request vLLM preempted is matched again when it resumes (its KV was freed): it comes back among the
         # cached requests, with every block it now holds, and is loaded again like a new one.
         cached = scheduler_output.scheduled_cached_reqs
@@ -191,8 +196,27 @@ class KVRAGConnector(KVConnectorBase_V1):
             if req_id in self._pending and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
                 plan, begin, end, ids = self._pending.pop(req_id)
                 meta.loads.append(_Load(plan, list(cached.new_block_ids[i][0]), begin, end, ids))
+                self._loading[req_id] = (list(cached.new_block_ids[i][0]), begin, end)
+                self._computed_from.pop(req_id, None)  # loaded again: only this load's failure counts
         self._pending.clear()  # matched but not scheduled this step: matched afresh when it is
         return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Note where vLLM computes a request from because a block of its load failed (it truncates the request's
+        computed tokens to that block's start): vLLM's own count of cached tokens does not say so."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        bs = self._block_size
+        for req_id, (blocks, begin, end) in self._loading.items():
+            failed = next((b for b in range(begin // bs, (end - 1) // bs + 1) if blocks[b] in invalid), None)
+            if failed is not None:
+                self._computed_from[req_id] = min(self._computed_from.get(req_id, end), failed * bs)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._loading.pop(request.request_id, None)
+        computed_from = self._computed_from.pop(request.request_id, None)
+        return False, None if computed_from is None else {"kvrag_computed_from": computed_from}
 
     # -- worker side ------------------------------------------------------------------------------------
 

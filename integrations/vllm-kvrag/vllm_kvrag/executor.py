@@ -174,12 +174,12 @@ class VLLMExecutor(PlannedRequests):
             prompt["cache_salt"] = self.tenant_salt
         stepper = self._stepper
         stepper.add(prefill.request_id, prompt, params)
-        sent, counted = 0, False
+        sent, counted, prefix = 0, False, len(self.kvmodel.prefix)
         while True:
             out = stepper.next(prefill.request_id)
             tokens = out.outputs[0].token_ids
             if not counted:
-                count_cached(prefill, getattr(out, "num_cached_tokens", None), len(self.kvmodel.prefix))
+                count_cached(prefill, getattr(out, "num_cached_tokens", None), prefix)
                 counted = True
             if self.logprobs and prefill.first_logprobs is None and out.outputs[0].logprobs:
                 first = out.outputs[0].logprobs[0]
@@ -188,6 +188,9 @@ class VLLMExecutor(PlannedRequests):
             sent = len(tokens)
             if out.finished:
                 stepper.forget(prefill.request_id)
+                computed_from = (getattr(out, "kv_transfer_params", None) or {}).get("kvrag_computed_from")
+                if computed_from is not None:  # a load failed in the worker: vLLM computed from there
+                    count_cached(prefill, min(int(computed_from), getattr(out, "num_cached_tokens", 0) or 0), prefix)
                 return
 
     def release(self, prefill: VLLMPrefill) -> None:
@@ -198,7 +201,9 @@ class VLLMExecutor(PlannedRequests):
 def count_cached(prefill: VLLMPrefill, cached: int | None, prefix: int) -> None:
     """Make the prefill's recomputed count vLLM's own: the context tokens it did not take from a cache (the
     connector's load, or its prefix cache; `cached` is vLLM's `num_cached_tokens`, None when not reported). A
-    plan whose entries were gone or damaged is then counted as the work vLLM did, not as the plan meant."""
+    plan whose entries were gone is then counted as the work vLLM did, not as the plan meant; one whose load failed
+    in the worker (an entry damaged by then) is counted again when the request finishes, from where the connector
+    says vLLM computed (`kvrag_computed_from`, its finished request's kv_transfer_params)."""
     if prefill.plan is None or cached is None:
         return
     context = prefill.context_tokens
