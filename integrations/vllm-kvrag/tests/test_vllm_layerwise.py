@@ -16,18 +16,9 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm only (make test runs these tests there)")
 
+from test_vllm_connector import TEXTS, answer  # noqa: E402
 from vllm_kvrag.layerwise import LayerPipeline
 
-from kvrag import Request
-from kvrag.cache.chunks import ChunkSource
-from kvrag.run import pipeline
-
-FILLER = " It is one of the old towns of the coast, with narrow streets, a market on Tuesdays and a lighthouse."
-TEXTS = [
-    "The harbour of Velloria holds forty-two ships and is run by Mara Quell, its keeper since 2011." + FILLER * 2,
-    "The river Tam floods every spring and leaves the lower fields under water until May." + FILLER * 2,
-    "The archive opens at nine in the morning and closes at five, except on Sundays." + FILLER * 2,
-]
 ASKS = [
     ("Who runs the harbour of Velloria?", dict(strategy="target_recompute", scores=[0.9, 0.2, 0.4])),
     ("When does the archive open?", dict(strategy="reuse", scores=[0.1, 0.2, 0.9])),
@@ -129,12 +120,10 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_layer_by_layer_on_vllm_gives_the_same_tokens_and_waits_for_each_layer(kv, executor, store, folder):
-    own = []
-    for question, options in ASKS:  # the session engine: every layer written before the forward
-        request = Request.of(question, TEXTS, max_new_tokens=16, **options)
-        chunks = ChunkSource(kv, store).chunks(request.chunks)
-        *_, final = pipeline.stream(kv, request, chunks, executor, started_at=time.perf_counter())
-        own.append(final.token_ids)
+    own = [  # the session engine: every layer written before the forward
+        answer(kv, executor, store, question, TEXTS, max_new_tokens=16, **options).token_ids
+        for question, options in ASKS
+    ]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     args = json.dumps([folder, str(store.root), ASKS, TEXTS])
     done = subprocess.run([sys.executable, "-c", _SCRIPT, args], env=env, capture_output=True, text=True, timeout=600)
