@@ -282,6 +282,8 @@ def test_a_request_resumed_after_preemption_is_loaded_again_into_its_new_blocks(
     plan = TransferPlan((Piece("ab" * 32, 0, 0, 40),), "encoder")
     ids = list(range(40))
     connector._pending = {"new": (plan, 0, 40, ids), "resumed": (plan, 0, 40, ids), "running": (plan, 0, 40, ids)}
+    connector._block_size, connector._loading = 32, {}
+    connector._computed_from = {"resumed": 0}  # a load that failed before the preemption: it is loaded again
     output = SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id="new", block_ids=([3, 4],))],
         scheduled_cached_reqs=SimpleNamespace(
@@ -291,6 +293,16 @@ def test_a_request_resumed_after_preemption_is_loaded_again_into_its_new_blocks(
     loads = connector.build_connector_meta(output).loads
     assert [(load.block_ids, load.begin, load.end) for load in loads] == [([3, 4], 0, 40), ([7, 8], 0, 40)]
     assert connector._pending == {}  # a request matched but not scheduled is matched afresh when it is
+
+    # the worker reports the resumed request's second block as failed: vLLM computes it from token 32, and the
+    # finished request says so (vLLM's own count of cached tokens would still hold the failed tokens)
+    connector.update_connector_output(SimpleNamespace(invalid_block_ids={8}))
+    assert connector.request_finished(SimpleNamespace(request_id="resumed"), [7, 8]) == (
+        False,
+        {"kvrag_computed_from": 32},
+    )
+    assert connector.request_finished(SimpleNamespace(request_id="new"), [3, 4]) == (False, None)
+    assert connector._loading == {} and connector._computed_from == {}
 
 
 def test_a_store_that_fails_while_the_worker_reads_is_a_miss_not_a_dead_worker(tmp_path):
