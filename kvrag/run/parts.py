@@ -144,12 +144,12 @@ def _together(
     picked from them). None where the C step does not take the model (each part is then answered alone)."""
     runs: list[tuple[Prefilled, float, float]] = []  # prefill, when it started, when its logits were out
     sampling = subs[0].sampling
+    if any(sub.sampling != sampling for sub in subs) or len(subs) > cpu.MAX_TOKENS:
+        return None
     with kvmodel.lock:  # made once a model, and it restacks the model's weights
         fast = cpu.decoder_of(kvmodel.model)
     if fast is None or fast.native is None or not fast.use_native:
         return None  # decided before any prefill: the parts are then answered one after the other
-    if any(sub.sampling != sampling for sub in subs) or len(subs) > cpu.MAX_TOKENS:
-        return None
     try:
         for sub in subs:
             started = time.perf_counter()
