@@ -39,6 +39,7 @@ class AnswerStats:
     store_hits: int = 0  # chunks whose KV came from a store (retrieval engine)
     retrieve_s: float = 0.0  # seconds spent retrieving and loading chunk KV (retrieval engine; part of ttft_s)
     targets: list[int] | None = None  # every picked chunk, best first (a set picker's; else [target])
+    reason: str = ""  # why this plan answered (the default's choice by need; empty when the caller named the plan)
 
     @property
     def recomputed_fraction(self) -> float:
@@ -99,6 +100,7 @@ class Source:
     text: str
     score: float  # retrieval score (cosine similarity; fused rank score with hybrid retrieval)
     metadata: dict[str, Any] = field(default_factory=dict)
+    read: bool = False  # whether a prompt that answered held this chunk (retrieved is not read)
 
 
 @dataclass(slots=True)
@@ -115,6 +117,9 @@ class Answer:
     # "hops" (a chain of hops: the last hop's answer),
     # "model" (a comparison asked whole over the parts' answers: that pass's Answer is the last of `parts`)
     composed: str | None = None
+    # the evidence was too weak to answer: `text` says the documents do not say, `draft` keeps what the model wrote
+    abstained: bool = False
+    draft: str | None = None  # the model's own text when the answer abstained
 
     @classmethod
     def no_context(cls, retrieve_s: float = 0.0) -> Answer:
@@ -122,11 +127,18 @@ class Answer:
         stats = AnswerStats.without_chunks("none", ttft_s=retrieve_s, total_s=retrieve_s, retrieve_s=retrieve_s)
         return cls(text=NO_CONTEXT, token_ids=[], finish_reason="no_context", stats=stats)
 
+    @property
+    def read(self) -> list[Source]:
+        """The sources a prompt that answered held (the rest were retrieved and not read)."""
+        return [s for s in self.sources if s.read]
+
     def to_dict(self) -> dict[str, Any]:
-        """The documented JSON form: text, finish_reason, sources, stats."""
+        """The documented JSON form: text, finish_reason, abstained, sources (each with `read`), stats."""
         return {
             "text": self.text,
             "finish_reason": self.finish_reason,
+            "abstained": self.abstained,
+            **({"draft": self.draft} if self.abstained else {}),
             "sources": [asdict(s) for s in self.sources],
             "stats": self.stats.to_dict(),
             **({"parts": [p.to_dict() for p in self.parts], "composed": self.composed} if self.parts else {}),
