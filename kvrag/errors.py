@@ -7,7 +7,14 @@ from __future__ import annotations
 
 
 class KVRAGError(Exception):
-    """Base class of every error kvrag raises on purpose."""
+    """Base class of every error kvrag raises on purpose.
+
+    Its message is shown with control characters escaped (`printable`): a question or a path given by a user
+    cannot move a terminal's cursor, recolour it or end the line when the message is printed.
+    """
+
+    def __str__(self) -> str:
+        return printable(super().__str__())
 
 
 class UnsupportedModelError(KVRAGError):
@@ -50,6 +57,10 @@ class IndexLoadError(KVRAGError):
     """An index folder is missing, damaged, or was built with another model or embedder."""
 
 
+class LockTimeoutError(KVRAGError):
+    """An index folder's lock was held by another process for longer than the caller would wait."""
+
+
 class BusyError(KVRAGError):
     """The engine already has its bound of queries in flight (`max_in_flight`); retry later or raise the bound."""
 
@@ -59,3 +70,12 @@ def type_name(value: object) -> str:
     (`llama_index.core.schema.Document`), so an object of another framework is named unambiguously."""
     cls = type(value)
     return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+# Every C0 control, DEL and the C1 controls: what a terminal acts on instead of showing.
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)]}
+
+
+def printable(text: str) -> str:
+    """`text` with every control character written as an escape (`\\x1b`), so it prints as the one line it is."""
+    return text.translate(_CONTROL)

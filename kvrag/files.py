@@ -5,16 +5,51 @@ vectors, the tuned default, the lock file, the KV entries) is private to the use
 folders 0700, whatever the umask. The text of the documents is as sensitive as their KV. Processes of several users
 share an index through one account (or a service), not through group bits; a store shared between machines is a
 Redis store, keyed with a shared secret file (docs/reliability.md).
+
+Reading: `read_capped` is how kvrag reads a file it keeps or is given: a regular file only (never a FIFO's endless
+wait or a device's endless bytes), no more bytes than the caller says the file can hold (never a MemoryError).
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 from pathlib import Path
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
+
+
+class TooLarge(OSError):
+    """A file holds more bytes than the caller's bound on what it can be (a sparse file, a damaged size)."""
+
+
+def read_capped(path: Path, limit: int, *, follow_links: bool = False) -> bytes:
+    """The bytes of the regular file at `path`, at most `limit` of them.
+
+    Opened without blocking, so a FIFO, a device or a socket is an OSError ("not a regular file") at once, never a
+    hang; without following a link unless `follow_links` (ELOOP). A file larger than `limit` is `TooLarge` before
+    anything is read. FileNotFoundError when nothing is there.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow_links else getattr(os, "O_NOFOLLOW", 0))
+    fd = os.open(path, flags)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        if info.st_size > limit:
+            raise TooLarge(errno.EFBIG, f"{path} holds {info.st_size:,} bytes, more than the {limit:,} it can")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            blob = f.read(limit + 1)  # a file grown since fstat is still read no further than the bound
+        if len(blob) > limit:
+            raise TooLarge(errno.EFBIG, f"{path} holds more than the {limit:,} bytes it can")
+        return blob
+    finally:
+        os.close(fd)
 
 
 def make_dirs(path: Path) -> None:

@@ -3,7 +3,9 @@ base of the stores that keep serialized entries (a circuit breaker in front of a
 
 from __future__ import annotations
 
+import json
 import re
+import struct
 import time
 import warnings
 from abc import ABC, abstractmethod
@@ -19,6 +21,48 @@ from kvrag.errors import InvalidRequestError, StoreError
 # namespace "a" see the entries of namespace "a:b").
 NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 HEX_KEY = re.compile(r"[0-9a-f]{64}")
+
+# The largest entry a store reads unless told otherwise (`max_entry_bytes`): a 32k-token chunk of a 1.5B-parameter
+# model in float32 is about 2 GB. A larger one (a sparse file, a forged header) is refused as damaged, not read.
+MAX_ENTRY_BYTES = 1 << 32
+MAX_HEADER_BYTES = 1 << 20  # an entry's JSON header is under a kilobyte: anything near this is not kvrag's
+# What `_read` returns for an entry refused before it was read: bytes that decode to no entry, so the entry is
+# counted and reported as damaged (recomputed, replaced by `verify --repair`), as one whose bytes were read.
+DAMAGED = b""
+_WIDTH = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+_WIDTH.update({"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1})
+
+
+def header_length(head: bytes) -> int | None:
+    """The length of the JSON header an entry's first 8 bytes announce, None when it cannot be an entry's."""
+    if len(head) < 8:
+        return None
+    (length,) = struct.unpack("<Q", head[:8])
+    return length if 2 <= length <= MAX_HEADER_BYTES else None
+
+
+def entry_size(header: bytes) -> int | None:
+    """The bytes a whole entry holds by its JSON header (8 + header + tensors, each tensor's bytes checked against
+    its shape and dtype), None when the header is not one of a well-formed entry. What a read is capped at."""
+    try:
+        fields = json.loads(header)
+        end = 0
+        for name, tensor in fields.items():
+            if name == "__metadata__":
+                continue
+            start, stop = tensor["data_offsets"]
+            count = 1
+            for n in tensor["shape"]:
+                if not isinstance(n, int) or n < 0:
+                    return None
+                count *= n
+            width = _WIDTH[tensor["dtype"]]
+            if not (isinstance(start, int) and isinstance(stop, int)) or stop - start != count * width:
+                return None
+            end = max(end, stop)
+    except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
+        return None
+    return 8 + len(header) + end
 
 
 class StoreWarning(UserWarning):
@@ -134,9 +178,15 @@ class SerializedStore(KVStore):
 
     retry_after_s = 5.0
 
-    def __init__(self, storage_dtype: str = "float16") -> None:
+    def __init__(self, storage_dtype: str = "float16", max_entry_bytes: int | None = None) -> None:
         super().__init__()
         self.storage_dtype = check_storage_dtype(storage_dtype)
+        if max_entry_bytes is not None and (
+            isinstance(max_entry_bytes, bool) or not isinstance(max_entry_bytes, int) or max_entry_bytes < 1
+        ):
+            raise InvalidRequestError(f"max_entry_bytes must be a positive whole number, got {max_entry_bytes!r}")
+        # the most bytes one entry is read as: a larger one is refused as damaged (DAMAGED), never allocated
+        self.max_entry_bytes = max_entry_bytes or MAX_ENTRY_BYTES
         self._down_until = 0.0
         self._failure = ""
         self.read_only = False

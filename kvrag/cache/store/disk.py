@@ -1,8 +1,15 @@
-"""The disk store: one codec entry a file, written to a temporary file and renamed, private to the user."""
+"""The disk store: one codec entry a file, written to a temporary file and renamed, private to the user.
+
+Every read is capped: an entry file is read no further than its own header says it holds and never past the
+store's `max_entry_bytes`, so a sparse or forged file at a chunk's key is a damaged entry, never a MemoryError. The
+folder is made at the first write: opening a store, or an ingest refused before it wrote, creates nothing.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -10,9 +17,18 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from kvrag.cache.store.base import HEX_KEY, KVStore, SerializedStore, check_namespace
+from kvrag.cache.store.base import (
+    DAMAGED,
+    HEX_KEY,
+    MAX_HEADER_BYTES,
+    KVStore,
+    SerializedStore,
+    check_namespace,
+    entry_size,
+    header_length,
+)
 from kvrag.errors import InvalidRequestError, StoreError
-from kvrag.files import DIR_MODE, make_dirs
+from kvrag.files import make_dirs
 
 
 class DiskStore(SerializedStore):
@@ -21,7 +37,8 @@ class DiskStore(SerializedStore):
     Concurrent writers of one key each rename a complete file, so a reader never sees half an entry; a
     full disk raises StoreError and leaves every stored entry as it was. Nothing under `root` is reached
     through a symbolic link: a linked bucket folder or entry is refused (StoreError), never followed.
-    `read_only` opens an existing folder without creating, sweeping or writing anything.
+    `read_only` opens an existing folder without creating, sweeping or writing anything. `max_entry_bytes` caps what
+    one entry is read as (default `MAX_ENTRY_BYTES`): a larger file is a damaged entry, never read.
 
     `max_bytes` bounds the entries' bytes: past it, the least recently used entries are deleted (down to 90% of
     the bound, so the folder is rescanned once in a while, not at every write), never a `pin`ned one. Recency is
@@ -42,8 +59,9 @@ class DiskStore(SerializedStore):
         *,
         read_only: bool = False,
         max_bytes: int | None = None,
+        max_entry_bytes: int | None = None,
     ) -> None:
-        super().__init__(storage_dtype)
+        super().__init__(storage_dtype, max_entry_bytes)
         self.root = Path(root)
         self.read_only = read_only
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
@@ -56,11 +74,9 @@ class DiskStore(SerializedStore):
         self._bound_lock = threading.Lock()
         if read_only:
             return
-        try:
-            make_dirs(self.root)
-        except OSError as err:
-            raise StoreError(f"cannot create the KV store folder {self.root}: {err.strerror}") from err
-        self.sweep()
+        if self.root.is_symlink():
+            raise StoreError(f"{self.root} is a symbolic link: kvrag never follows links inside a KV store folder")
+        self.sweep()  # the folder itself is made at the first write
 
     def scoped(self, namespace: str) -> KVStore:
         root = self.root / f"ns-{check_namespace(namespace)}"
@@ -68,7 +84,13 @@ class DiskStore(SerializedStore):
             raise StoreError(
                 f"{root} is a symbolic link: kvrag never follows links inside a KV store folder; remove it"
             )
-        scoped = DiskStore(root, self.storage_dtype, read_only=self.read_only, max_bytes=self.max_bytes)
+        scoped = DiskStore(
+            root,
+            self.storage_dtype,
+            read_only=self.read_only,
+            max_bytes=self.max_bytes,
+            max_entry_bytes=self.max_entry_bytes,
+        )
         scoped.view, scoped.legacy = namespace, self
         return scoped
 
@@ -105,11 +127,9 @@ class DiskStore(SerializedStore):
         return path
 
     def _read(self, key: str) -> bytes | None:
-        from kvrag.engine.folder import read_regular
-
         path = self._path(key)
         try:
-            blob = read_regular(path)  # never through a link, never a FIFO's endless wait
+            blob = self._read_capped(path)  # never through a link, never a FIFO's endless wait
         except FileNotFoundError:
             return None
         except OSError as err:
@@ -122,11 +142,38 @@ class DiskStore(SerializedStore):
             self._used(key, path, len(blob))
         return blob
 
+    def _read_capped(self, path: Path) -> bytes:
+        """The entry file at `path`, read no further than its header says it holds; DAMAGED, unread, when that is
+        not a well-formed entry's header, or the file holds more (or fewer) bytes than the header says, or more than
+        `max_entry_bytes`."""
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise OSError(f"{path} is not a regular file")
+            if info.st_size > self.max_entry_bytes:
+                return DAMAGED
+            if hasattr(os, "set_blocking"):
+                os.set_blocking(fd, True)
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                head = f.read(8)
+                length = header_length(head)
+                if length is None or 8 + length > info.st_size:
+                    return DAMAGED
+                header = f.read(min(length, MAX_HEADER_BYTES))
+                size = entry_size(header)
+                if size is None or size != info.st_size:
+                    return DAMAGED
+                blob = head + header + f.read(size - len(head) - len(header))
+            return blob if len(blob) == size else DAMAGED  # a file cut short since fstat
+        finally:
+            os.close(fd)
+
     def _write(self, key: str, blob: bytes) -> None:
         path = self._path(key)
         tmp_name = None
         try:
-            path.parent.mkdir(mode=DIR_MODE, exist_ok=True)
+            make_dirs(path.parent)  # the store's folder too, at its first entry
             if path.parent.is_symlink():  # made a link since _path looked: never write through it
                 raise StoreError(f"{path.parent} is a symbolic link: kvrag never writes through one; remove it")
             fd, tmp_name = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=path.parent)
@@ -154,10 +201,16 @@ class DiskStore(SerializedStore):
     def delete(self, key: str) -> None:
         if self.read_only:
             raise StoreError(f"the KV store {self.root} is open read-only: nothing can be deleted")
+        path = self._path(key)
         try:
-            self._path(key).unlink()  # unlinks a link itself, never its target
+            if stat.S_ISDIR(path.lstat().st_mode):  # a folder at an entry's name: never an entry, never walked out of
+                shutil.rmtree(path)
+            else:
+                path.unlink()  # a link itself, never its target; a FIFO or a socket too
         except FileNotFoundError:
             pass
+        except OSError as err:
+            raise StoreError(f"cannot remove {path}: {err.strerror or err}") from err
         with self._bound_lock:
             if self._recent is not None and key in self._recent:
                 self._held -= self._recent.pop(key)
@@ -226,6 +279,16 @@ class DiskStore(SerializedStore):
             return False
         path = self._path(key)
         return not path.is_symlink() and path.is_file()
+
+    def irregular(self, key: str) -> bool:
+        """Whether something other than a regular file is at `key`'s entry (a link, a folder, a FIFO, a socket, a
+        device): never an entry kvrag wrote, never read, and for `verify` a damaged one (`delete` removes it)."""
+        try:
+            return not stat.S_ISREG(self._path(key).lstat().st_mode)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
 
     def _entries(self) -> Iterator[Path]:
         for path in self.root.glob(f"[0-9a-f][0-9a-f]/*{self.SUFFIX}"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Iterator
 
-from kvrag.cache.store.base import HEX_KEY, KVStore, SerializedStore, check_namespace
+from kvrag.cache.store.base import DAMAGED, HEX_KEY, KVStore, SerializedStore, check_namespace
 from kvrag.cache.store.urls import encode_userinfo, redact, url_secrets
 from kvrag.errors import StoreError
 
@@ -26,6 +26,8 @@ class RedisStore(SerializedStore):
             skipped (a miss, the chunk recomputed) for `retry_after_s` seconds instead of waited on again.
         retry_after_s: how long the circuit breaker stays open after a timeout or refused connection.
         read_only: never write or delete (what `kvrag ask` and `kvrag info` open).
+        max_entry_bytes: the most bytes of one entry read; a larger one is damaged, never fetched whole (default
+            `MAX_ENTRY_BYTES`).
     """
 
     def __init__(
@@ -43,8 +45,9 @@ class RedisStore(SerializedStore):
         socket_timeout: float = 5.0,
         retry_after_s: float = 5.0,
         read_only: bool = False,
+        max_entry_bytes: int | None = None,
     ) -> None:
-        super().__init__(storage_dtype)
+        super().__init__(storage_dtype, max_entry_bytes)
         import redis
 
         self.read_only, self.retry_after_s = read_only, float(retry_after_s)
@@ -117,7 +120,18 @@ class RedisStore(SerializedStore):
         self.ping()
 
     def _read(self, key: str) -> bytes | None:
-        return self._call("read an entry", self.client.get, self.prefix + key)
+        def capped() -> bytes | None:
+            # one round trip: whether the entry is there, and no more of it than an entry can be (GETRANGE's end is
+            # inclusive: one byte more than the bound tells a larger one, which is never read whole)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.exists(self.prefix + key)
+            pipe.getrange(self.prefix + key, 0, self.max_entry_bytes)
+            there, blob = pipe.execute()
+            if not there:
+                return None
+            return DAMAGED if len(blob) > self.max_entry_bytes else bytes(blob)
+
+        return self._call("read an entry", capped)
 
     def _write(self, key: str, blob: bytes) -> None:
         limit = self._entry_limit()
@@ -172,8 +186,7 @@ def _advice(err: BaseException) -> str:
     if said == "OOM" or "maxmemory" in str(err):
         return (
             "The server is out of memory (maxmemory): raise it, or let it evict (maxmemory-policy allkeys-lru); an "
-            "entry of this model is a few MB. Entries already written stay: `kvrag gc --index ...` removes those no "
-            "index holds."
+            "entry of this model is a few MB."
         )
     if said == "READONLY":
         return "The server is a read-only replica: point the URL at the primary."
