@@ -3,6 +3,8 @@ the framework's own validation so that a mistake reaches the user as kvrag's err
 LlamaIndex and LangChain integrations import these names from here only; anything deeper is kvrag's own.
 """
 
+from typing import Any, Mapping
+
 from kvrag.answer import last_answer
 from kvrag.engine.aio import in_thread, to_thread
 from kvrag.engine.embed import Embedder
@@ -15,6 +17,7 @@ from kvrag.run.generate import DRAFT_TOKENS
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "answered_by",
     "DRAFT_TOKENS",
     "EMBEDDED_WEIGHTS",
     "Embedder",
@@ -29,3 +32,16 @@ __all__ = [
     "to_thread",
     "type_name",
 ]
+
+
+def answered_by(answer: Mapping[str, Any]) -> dict[str, Any]:
+    """What every surface reports beside an answer's text, from its `Answer.to_dict()` form: the ids of the chunks
+    a prompt that answered held (`read`; the other sources were only retrieved), the plan that ran and why
+    (`plan`, `reason`: empty when the caller named the plan) and whether the answer abstained."""
+    stats = answer["stats"]
+    return {
+        "read": [s["id"] for s in answer["sources"] if s.get("read")],
+        "plan": stats["strategy"],
+        "reason": stats.get("reason", ""),
+        "abstained": bool(answer.get("abstained", False)),
+    }

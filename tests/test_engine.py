@@ -59,6 +59,44 @@ def test_reingesting_encodes_nothing_and_deleting_removes_everything(rag):
     assert all(not s.id.startswith(doc) for s in rag.retrieve("lighthouse Karsa", top_k=5))
 
 
+def test_the_sources_read_are_the_chunks_the_answering_prompt_held(rag):
+    question = "Who runs Velloria's harbour?"
+    one = rag.query(question, top_k=3, strategy="target_only", max_new_tokens=4)
+    assert len(one.stats.order) == 1 and [s.read for s in one.sources] == [i in one.stats.order for i in range(3)]
+    assert one.read == [one.sources[one.stats.order[0]]]
+    assert [s["read"] for s in one.to_dict()["sources"]] == [s.read for s in one.sources]
+    *_, streamed = rag.stream(question, top_k=3, strategy="target_only", max_new_tokens=4)
+    assert [s.read for s in streamed.sources] == [s.read for s in one.sources]
+    full = rag.query(question, top_k=3, strategy="full_prefill", max_new_tokens=4)
+    assert all(s.read for s in full.sources) and len(full.read) == 3
+    given = rag.answer(question, rag.retrieve(question, top_k=3), strategy="target_only", max_new_tokens=4)
+    assert [s.read for s in given.sources] == [s.read for s in one.sources]
+    both = "Who runs Velloria's harbour, and when does the river Tam flood?"
+    parts = rag.query(both, top_k=3, strategy="target_only", parts="auto", max_new_tokens=4)
+    assert len(parts.parts) == 2
+    for part in parts.parts:  # each part marked from its own order, on sources of its own
+        assert [s.read for s in part.sources] == [i in part.stats.order for i in range(len(part.sources))]
+    held = {p.sources[i].id for p in parts.parts for i in p.stats.order}
+    assert {s.id for s in parts.read} == held and all(s.read == (s.id in held) for s in parts.sources)
+
+
+def test_mark_read_takes_a_hop_parts_own_retrieval():
+    from kvrag.answer import Answer, AnswerStats, Source
+    from kvrag.engine.query import mark_read
+
+    def answer(sources, order, parts=()):
+        stats = AnswerStats.without_chunks("target_only", order=order)
+        return Answer("x", [], "eos", stats, sources=sources, parts=list(parts))
+
+    first = [Source("a#0", "A", 0.9), Source("b#0", "B", 0.5)]
+    hop = [Source("c#0", "C", 0.8), Source("b#0", "B", 0.7)]
+    whole = answer([*first, hop[0]], [1], [answer(list(first), [0]), answer(list(hop), [0])])
+    mark_read(whole)
+    assert [s.id for s in whole.read] == ["a#0", "c#0"]
+    assert [s.read for s in whole.parts[0].sources] == [True, False]
+    assert [s.read for s in whole.parts[1].sources] == [True, False] and not first[0].read  # new objects
+
+
 def test_retrieval_filters_apply_before_top_k(rag):
     hits = rag.retrieve("Who built it?", top_k=3, filters={"topic": "buildings", "lang": "en"})
     assert len(hits) == 2 and all(h.metadata["topic"] == "buildings" for h in hits)
@@ -76,7 +114,7 @@ def test_query_returns_sources_and_stats(rag):
     assert a.stats.store_hits == 3 and a.stats.chunks_encoded == 0 and a.stats.target == 0
     assert 0 < a.stats.retrieve_s < a.stats.ttft_s
     d = a.to_dict()
-    assert set(d) == {"text", "finish_reason", "sources", "stats"} and json.dumps(d)
+    assert set(d) == {"text", "finish_reason", "abstained", "sources", "stats"} and json.dumps(d)
     *pieces, final = list(rag.stream("Who runs Velloria's harbour?", top_k=3, max_new_tokens=6))
     assert isinstance(final, Answer) and "".join(pieces) == final.text == a.text
 
@@ -196,11 +234,14 @@ def test_files_and_bad_documents(rag, tmp_path):
     (folder / "skip.bin").write_bytes(b"\x00\x01")
     stats = rag.ingest(folder, progress=False)
     assert stats.documents == 2 and rag.retrieve("bell of Orrin", top_k=1)[0].metadata["source"].endswith("a.md")
+    assert [(s.path, s.reason.split(" (")[0]) for s in stats.skipped] == [(str(folder / "skip.bin"), "binary, or text not in UTF-8")]
     (folder / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
-    with pytest.raises(DocumentError, match="not UTF-8"):
+    with pytest.raises(DocumentError, match="nothing to ingest: every file was skipped: .*latin1.txt: not UTF-8"):
         rag.ingest(folder / "latin1.txt")
-    with pytest.raises(DocumentError, match="supported types"):
+    with pytest.raises(DocumentError, match="skip.bin: binary"):
         rag.ingest(folder / "skip.bin")
+    with pytest.raises(DocumentError, match="2 file.s. could not be read, and the ingest is strict"):
+        rag.ingest(folder, progress=False, strict=True)
     with pytest.raises(EmptyInputError, match="empty"):
         rag.ingest(["   "])
     with pytest.raises(InvalidRequestError, match="cannot ingest a int"):

@@ -50,6 +50,15 @@ def compile_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def secret_arg(parser: argparse.ArgumentParser) -> None:
+    """How a command opens an index: the secret it was built with, and how long to wait for its lock."""
+    parser.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the longest wait for the index's lock while another process holds it (default: 5 s to read, 30 s to "
+        "write), then an error naming that process",
+    )
     parser.add_argument(
         "--secret-file",
         type=Path,
@@ -64,6 +73,9 @@ def secret_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+MAX_SECRET_BYTES = 1 << 16  # a secret is tens of bytes: a larger file is not one
+
+
 def secret_of(args: argparse.Namespace) -> bytes | None:
     """The tenant secret in --secret-file (surrounding whitespace dropped), b"" with --no-secret, or None (the
     user's key)."""
@@ -74,10 +86,12 @@ def secret_of(args: argparse.Namespace) -> bytes | None:
         return b""
     if path is None:
         return None
-    try:
-        secret = path.read_bytes().strip()
+    from kvrag.files import read_capped
+
+    try:  # a link is followed (a mounted secret is one); a FIFO or a device is refused at once, never waited on
+        secret = read_capped(path, MAX_SECRET_BYTES, follow_links=True).strip()
     except OSError as err:
-        raise InvalidRequestError(f"cannot read the secret file {path}: {err.strerror}") from None
+        raise InvalidRequestError(f"cannot read the secret file {path}: {err.strerror or err}") from None
     if len(secret) < 16:
         raise InvalidRequestError(
             f"the secret file {path} holds {len(secret)} bytes: a secret needs at least 16 (`openssl rand -hex 32`)"
@@ -107,13 +121,11 @@ def open_index(args: argparse.Namespace, *, read_only: bool = True) -> Any:
     """The engine over an existing index folder; read-only unless the command writes (tune, gc)."""
     from kvrag.engine.folder import IndexFolder
     from kvrag.engine.rag import KVRAG
-    from kvrag.errors import IndexLoadError
 
     index_is_a_folder(args.index)
-    if not IndexFolder(args.index).exists():
-        raise IndexLoadError(
-            f"no kvrag index at {args.index}: create one with `kvrag ingest PATH --index {args.index}`"
-        )
+    folder = IndexFolder(args.index)
+    if not folder.exists():
+        raise folder.absent()  # no index, or one interrupted before its first commit (`kvrag gc` removes it)
     return KVRAG.load(
         args.index,
         device=args.device,
@@ -124,6 +136,7 @@ def open_index(args: argparse.Namespace, *, read_only: bool = True) -> Any:
         compile_decode=getattr(args, "compile_decode", False),
         decode_weights=getattr(args, "decode_weights", "model"),
         cpu_kernels=getattr(args, "cpu_kernels", True),
+        lock_timeout_s=getattr(args, "lock_timeout", None),
     )
 
 

@@ -74,4 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KVRAGError, OSError) as err:  # a user's mistake or the world's; anything else is a bug: a traceback
         print(f"kvrag: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while starting (loading a model, opening an index): nothing was written
+        print("kvrag: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports it
     return 0

@@ -147,6 +147,7 @@ class Querying:
             sources=sources,
             retrieve_s=retrieve_s,
         )
+        mark_read(answer)
         if answer.text:
             yield answer.text
         yield answer
@@ -175,7 +176,7 @@ class Querying:
     ) -> Iterator[str | Answer]:
         request.with_default(self.defaults)  # the index's tuned default; else the model's shipped one (pipeline)
         chunks = chunks if chunks is not None else self.source.chunks(request.chunks)
-        yield from pipeline.stream(
+        for item in pipeline.stream(
             self.kvmodel,
             request,
             chunks,
@@ -184,7 +185,8 @@ class Querying:
             phases=phases,
             sources=sources,
             retrieve_s=retrieve_s,
-        )
+        ):
+            yield mark_read(item) if isinstance(item, Answer) else item
 
     def query(self, question: str, *, parts: str | Sequence[str] | None = None, **kwargs: Any) -> Answer:
         """Retrieve and answer; the arguments are those of `stream` (`parts` too)."""
@@ -253,6 +255,23 @@ class Querying:
     def answer(self, question: str, chunks: Sequence[str | Source], **kwargs: Any) -> Answer:
         """Answer over caller-given chunk texts; the arguments are those of `stream_over`."""
         return last_answer(self.stream_over(question, chunks, **kwargs))
+
+
+def mark_read(answer: Answer) -> Answer:
+    """Mark each source of an answer read or only retrieved, from what its prompts held; returns the answer.
+
+    A source is read when the prompt that answered held it: the chunks of `stats.order` (every chunk given, for a
+    full prefill). An answer in parts reads what its parts read, each part marked from its own order (a hop's over
+    the chunks it retrieved itself). The sources are new objects: the parts' marks never leak into one another.
+    """
+    for part in answer.parts:
+        mark_read(part)
+    if answer.parts:  # the composed answer's stats are the first part's: its parts say what was read
+        held = {s.id for part in answer.parts for s in part.sources if s.read}
+    else:
+        held = {answer.sources[i].id for i in answer.stats.order if 0 <= i < len(answer.sources)}
+    answer.sources = [replace(s, read=s.id in held) for s in answer.sources]
+    return answer
 
 
 def _bm25_flag(bm25: bool, hybrid: bool | None) -> bool:
