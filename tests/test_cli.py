@@ -37,7 +37,7 @@ def test_ingest_ask_info(setup, capsys):
         capsys, "ask", "How many ships?", "--index", index, "--json", "--top-k", "2", "--max-new-tokens", "4"
     )
     answer = json.loads(out)
-    assert code == 0 and set(answer) == {"text", "finish_reason", "sources", "stats"}
+    assert code == 0 and set(answer) == {"text", "finish_reason", "abstained", "sources", "stats"}
     assert answer["stats"]["chunks_encoded"] == 0 and answer["stats"]["store_hits"] == 2
     assert answer["sources"][0]["text"].startswith("The harbour")
     code, out, _ = run(capsys, "ask", "How many ships?", "--index", index, "--stream", "--max-new-tokens", "4")
@@ -80,6 +80,51 @@ def test_user_mistakes_are_one_line_and_exit_2(setup, capsys, argv, message):
         run(capsys, "ingest", setup[2], "--index", root / "index", "--model", model, "--quiet")
     code, out, err = run(capsys, *[a.format(root=root, model=model) for a in argv])
     assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_footer_tells_the_chunks_read_from_those_only_retrieved_and_names_the_plan(setup, capsys):
+    root, model, docs = setup
+    if not (root / "index").exists():
+        run(capsys, "ingest", docs, "--index", root / "index", "--model", model, "--quiet")
+    argv = ["ask", "How many ships?", "--index", root / "index", "--top-k", "2", "--max-new-tokens", "4"]
+    code, out, _ = run(capsys, *argv, "--strategy", "target_only", "--json")
+    sources = json.loads(out)["sources"]
+    read = [s["id"] for s in sources if s["read"]]
+    unread = [s["id"] for s in sources if not s["read"]]
+    assert code == 0 and len(read) == 1 and len(unread) == 1
+    for mode in ([], ["--stream"]):  # streamed, the same footer follows the text
+        code, out, _ = run(capsys, *argv, "--strategy", "target_only", *mode)
+        footer = out.rstrip("\n").splitlines()[-3:]
+        assert code == 0 and footer[0].startswith("[target_only, ttft ")
+        assert footer[1:] == [f"read: {read[0]}", f"retrieved, not read: {unread[0]}"]
+    code, out, _ = run(capsys, *argv, "--strategy", "full_prefill")
+    assert code == 0 and out.rstrip("\n").splitlines()[-1] == f"read: {', '.join(s['id'] for s in sources)}"
+
+
+@pytest.mark.parametrize("command", [["ask", "How many ships?", "--max-new-tokens", "2"], ["info"], ["verify"],
+                                     ["gc", "--dry-run"], ["ingest", "{docs}", "--quiet"]])  # fmt: skip
+def test_every_command_takes_model_and_checks_it_against_the_index(setup, capsys, command):
+    root, model, docs = setup
+    if not (root / "index").exists():
+        run(capsys, "ingest", docs, "--index", root / "index", "--model", model, "--quiet")
+    argv = [a.format(docs=docs) for a in command] + ["--index", root / "index"]
+    code, _, err = run(capsys, *argv, "--model", model)
+    assert code == 0, err
+    code, _, err = run(capsys, *argv, "--model", "qwen2.5-coder-0.5b")
+    assert code == 2 and err.count("\n") == 1
+    assert f"--model qwen2.5-coder-0.5b conflicts with the index at {root / 'index'}, built with model" in err
+
+
+def test_model_names_the_embedded_default_and_models_takes_model(tmp_path, capsys):
+    from kvrag.cli.common import same_model
+
+    assert same_model("smollm2-135m", None) and same_model("SmolLM2-135M", None)
+    assert not same_model("qwen2.5-coder-0.5b", None) and same_model("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B")
+    assert not same_model(str(tmp_path), None) and same_model(str(tmp_path), str(tmp_path / "."))
+    code, out, err = run(capsys, "models", "--model", "qwen2.5-coder-0.5b", "--json")
+    assert code == 0 and [json.loads(line)["name"] for line in out.splitlines()] == ["qwen2.5-coder-0.5b"]
+    code, _, err = run(capsys, "models", "--model", "gpt-9")
+    assert code == 2 and "not a named model" in err
 
 
 def test_ask_with_parts_answers_each_part_over_the_same_chunks(setup, capsys):

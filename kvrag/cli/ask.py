@@ -1,4 +1,5 @@
-"""`kvrag ask`: a question over an index, in process or through vLLM."""
+"""`kvrag ask`: a question over an index, in process or through vLLM, and the footer under its answer (the plan
+that ran, the chunks read apart from those only retrieved). It never plans or answers itself: the engine does."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvrag.cli.common import compile_arg, import_vllm_kvrag, open_index, secret_arg
+from kvrag.answer import Answer
+from kvrag.cli.common import compile_arg, import_vllm_kvrag, index_model_arg, open_index, secret_arg
 from kvrag.errors import InvalidRequestError
 
 
@@ -40,10 +42,17 @@ def add_ask(sub: Any) -> None:
         "(the model lists the parts), or the parts separated by ';;' (a part holding {answer} takes the previous "
         "part's answer); default: as the default says (auto on the named models); printed whole, --stream aside",
     )
-    ask.add_argument("--stream", action="store_true", help="print the answer as it is decoded")
-    ask.add_argument("--json", action="store_true", help="print one JSON object: text, finish_reason, sources, stats")
+    ask.add_argument(
+        "--stream", action="store_true", help="print the answer as it is decoded, then the same footer as without"
+    )
+    ask.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: text, finish_reason, abstained, sources (each with read), stats",
+    )
     ask.add_argument("--redis", default=None, metavar="URL", help="read chunk KV from Redis (as given to ingest)")
     secret_arg(ask)
+    index_model_arg(ask)
     ask.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     ask.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     compile_arg(ask)
@@ -81,20 +90,38 @@ def _ask(args: argparse.Namespace) -> None:
         parts = args.parts if args.parts in ("auto", "model") else [p for p in args.parts.split(";;")]
         kwargs["parts"] = parts
     if args.stream and not args.json and args.parts is None:
+        answer = None
         for item in rag.stream(args.question, **kwargs):
             if isinstance(item, str):
                 print(item, end="", flush=True)
+            else:
+                answer = item
         print()
+        if answer is not None:
+            print("\n" + footer(answer))
         return
     answer = rag.query(args.question, **kwargs)
     if args.json:
         print(json.dumps(answer.to_dict(), ensure_ascii=False))
     else:
         print(answer.text.strip())
-        print(
-            f"\n[{answer.stats.strategy}, ttft {answer.stats.ttft_s:.3f} s, sources: "
-            f"{', '.join(s.id for s in answer.sources)}]"
-        )
+        print("\n" + footer(answer))
+
+
+def footer(answer: Answer) -> str:
+    """The lines under an answer: the plan that ran (and why, when the default chose it), the chunks a prompt that
+    answered held apart from those only retrieved, and a line when the answer abstained."""
+    from kvrag.adapters import answered_by  # imports the engine: not before a command runs
+
+    said = answered_by(answer.to_dict())
+    plan = said["plan"] + (f" ({said['reason']})" if said["reason"] else "")
+    unread = [s.id for s in answer.sources if not s.read]
+    lines = [f"[{plan}, ttft {answer.stats.ttft_s:.3f} s]", "read: " + (", ".join(said["read"]) or "none")]
+    if unread:
+        lines.append("retrieved, not read: " + ", ".join(unread))
+    if said["abstained"]:
+        lines.append("abstained: the chunks read do not answer this (--json keeps the model's draft)")
+    return "\n".join(lines)
 
 
 def _on_vllm(rag: Any, args: argparse.Namespace) -> None:

@@ -1,4 +1,5 @@
-"""What the command groups share: the model and store options, opening an index, interrupts."""
+"""What the command groups share: the model and store options, opening an index (checked against a --model given),
+interrupts. It never answers or ingests: the commands do."""
 
 from __future__ import annotations
 
@@ -21,6 +22,49 @@ def model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
     parser.add_argument("--cache-dir", default=None, help="where converted named models are kept")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+
+
+def index_model_arg(parser: argparse.ArgumentParser) -> None:
+    """--model on a command over an existing index: the index knows its model, so the flag is only checked."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the model the index was built with (the index knows it: a different one is an error; default: the "
+        "index's)",
+    )
+
+
+def same_model(given: str, built: str | None) -> bool:
+    """Whether a --model names the model an index was built with (`built`; None: the embedded default): the same
+    name, the same named model however written (`smollm2-135m` is the embedded default), or one folder."""
+    from kvrag.model.catalog import named
+
+    if given == built:
+        return True
+    if named(given) is not None and named(given) is named(built):
+        return not (built is not None and Path(built).exists())  # a local folder wins over a name it shares
+    if built is None:
+        return False
+    a, b = Path(given).expanduser(), Path(built).expanduser()
+    return a.is_dir() and b.is_dir() and a.resolve() == b.resolve()
+
+
+def check_index_model(args: argparse.Namespace) -> None:
+    """Refuse a --model other than the one the index at --index was built with, naming both."""
+    import shlex
+
+    from kvrag.engine.folder import IndexFolder
+
+    given = getattr(args, "model", None)
+    if given is None:
+        return
+    built = IndexFolder(args.index, read_only=True, secret=secret_of(args)).manifest().get("model")
+    if not same_model(given, built):
+        shown = "None (the embedded default)" if built is None else shlex.quote(str(built))
+        raise InvalidRequestError(
+            f"--model {shlex.quote(given)} conflicts with the index at {args.index}, built with model {shown}: drop "
+            "the flag (the index opens with its own model) or ingest into a new folder with it"
+        )
 
 
 def cpu_arg(parser: argparse.ArgumentParser) -> None:
@@ -126,6 +170,7 @@ def open_index(args: argparse.Namespace, *, read_only: bool = True) -> Any:
     folder = IndexFolder(args.index)
     if not folder.exists():
         raise folder.absent()  # no index, or one interrupted before its first commit (`kvrag gc` removes it)
+    check_index_model(args)
     return KVRAG.load(
         args.index,
         device=args.device,

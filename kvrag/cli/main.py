@@ -9,6 +9,7 @@ from typing import Sequence
 
 from kvrag import __version__
 from kvrag.cli import ask, bench, index, models, study
+from kvrag.cli.common import index_model_arg
 from kvrag.errors import InvalidRequestError, KVRAGError
 
 
@@ -32,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for add in adders:
         add(sub)
+    # Every command that loads a model takes --model; over an index it is checked against the index's. Not
+    # study-compare (it reads results, which name their models) nor bench-vllm (its options are its own).
+    for name, command in sub.choices.items():
+        if "--model" not in command._option_string_actions and name not in ("study-compare", "bench-vllm"):
+            index_model_arg(command)
     return parser
 
 

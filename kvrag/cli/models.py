@@ -23,6 +23,7 @@ def add_models(sub: Any) -> None:
     models = sub.add_parser("models", help="the models kvrag installs offline: size, installed or not, where, how")
     models.add_argument("--cache-dir", default=None, help="where converted named models are kept")
     models.add_argument("--json", action="store_true", help="one JSON object a model instead of a table")
+    models.add_argument("--model", default=None, help="show this named model only")
     models.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -42,9 +43,15 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _models(args: argparse.Namespace) -> None:
-    from kvrag.model.catalog import MODELS, status
+    from kvrag.errors import InvalidRequestError
+    from kvrag.model.catalog import MODELS, named, status
 
-    rows = [status(m, args.cache_dir) for m in MODELS.values()]
+    chosen = list(MODELS.values())
+    if args.model is not None:
+        if named(args.model) is None:
+            raise InvalidRequestError(f"--model {args.model!r} is not a named model: give one of {', '.join(MODELS)}")
+        chosen = [named(args.model)]
+    rows = [status(m, args.cache_dir) for m in chosen]
     if args.json:
         for row in rows:
             print(json.dumps(row))
