@@ -79,19 +79,24 @@ def test_empty_and_whitespace_documents_are_refused_and_nothing_is_ingested(rag,
 
 @pytest.mark.parametrize("content", [b"", b"   \n\t\n", "caf\xe9".encode("latin-1"), "text".encode("utf-16"),
                                      b"\xff\xfe\x00\x01binary"])  # fmt: skip
-def test_empty_and_non_utf8_files_through_the_api_and_the_cli(rag, tmp_path, capsys, content):
+def test_empty_and_non_utf8_files_are_skipped_and_named_through_the_api_and_the_cli(rag, tmp_path, capsys, content):
     folder = tmp_path / "docs"
     folder.mkdir()
     (folder / "good.md").write_text("The bell of Orrin rings at dawn.")
     (folder / "bad.txt").write_bytes(content)
-    error, phrase = (
-        (EmptyInputError, "empty or whitespace only") if not content.strip() else (DocumentError, "not UTF-8")
-    )
-    with pytest.raises(error, match=phrase):
-        rag.ingest(folder, progress=False)
-    assert len(rag.index) == len(FACTS)  # not even good.md: a batch is ingested whole or not at all
-    code, _, err = cli(capsys, "ingest", folder, "--index", rag.path, "--quiet")
+    phrase = "empty or whitespace only" if not content.strip() else "NUL bytes" if b"\x00" in content else "not UTF-8"
+    with pytest.raises(DocumentError, match=f"strict .nothing was ingested.: .*bad.txt: .*{phrase}"):
+        rag.ingest(folder, progress=False, strict=True)
+    assert len(rag.index) == len(FACTS)  # strict: not even good.md
+    code, _, err = cli(capsys, "ingest", folder, "--index", rag.path, "--quiet", "--strict")
     assert code == 2 and phrase in err and "bad.txt" in err and err.count("\n") == 1
+    code, out, err = cli(capsys, "ingest", folder, "--index", rag.path, "--quiet")
+    assert code == 0 and "1 documents" in out and len(rag.index) == len(FACTS)  # (this engine's view is older)
+    lines = err.splitlines()
+    assert lines[0] == "kvrag: skipped 1 file(s), not ingested (--strict refuses them):" and len(lines) == 2
+    assert lines[1].startswith(f"  {folder / 'bad.txt'}: ") and phrase in lines[1]
+    code, _, err = cli(capsys, "ingest", folder / "bad.txt", "--index", rag.path, "--quiet")
+    assert code == 2 and "nothing to ingest: every file was skipped" in err and err.count("\n") == 1
 
 
 def test_text_that_is_not_unicode_is_refused_everywhere(rag, capsys):

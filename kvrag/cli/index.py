@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -15,6 +16,7 @@ from kvrag.cli.common import (
     interruptible,
     model_args,
     open_index,
+    same_model,
     secret_arg,
     secret_of,
     store_of,
@@ -25,7 +27,13 @@ from kvrag.errors import InvalidRequestError
 def add_ingest(sub: Any) -> None:
     """`kvrag ingest`."""
     ingest = sub.add_parser("ingest", help="split, embed and encode documents into an index folder")
-    ingest.add_argument("paths", nargs="+", type=Path, help=".txt, .md or .rst files, or folders of them")
+    ingest.add_argument(
+        "paths",
+        nargs="+",
+        type=Path,
+        help="text files (.txt, .md, .rst, or any other that is UTF-8 text), or folders of them; a file that is not "
+        "text is skipped and named at the end",
+    )
     ingest.add_argument("--index", required=True, type=Path, help="the index folder (created if missing)")
     # The index flags default to None: a flag left out takes an existing index's value (or, for a fresh index,
     # the default its help states); one given must agree with the index (`_index_settings`).
@@ -45,7 +53,14 @@ def add_ingest(sub: Any) -> None:
     ingest.add_argument(
         "--follow-symlinks", action="store_true", help="read files and folders reached through symbolic links"
     )
-    ingest.add_argument("--max-file-mb", type=float, default=None, help="the largest input file read (default 64)")
+    ingest.add_argument(
+        "--max-file-mb", type=float, default=None, help="the largest input file read (default 64; larger: skipped)"
+    )
+    ingest.add_argument(
+        "--strict",
+        action="store_true",
+        help="ingest nothing when a file would be skipped (binary, not UTF-8, empty, too large): exit 2 naming them",
+    )
     ingest.add_argument(
         "--max-kv-gb",
         type=float,
@@ -118,6 +133,7 @@ def _ingest(args: argparse.Namespace) -> None:
 
     index_is_a_folder(args.index)
     fresh = not (args.index / MANIFEST).is_file()
+    made = not args.index.exists()  # a first ingest that fails removes what it made: no folder is left behind
     _index_settings(args)
     rag = KVRAG.from_defaults(
         args.index,
@@ -134,6 +150,7 @@ def _ingest(args: argparse.Namespace) -> None:
         cpu_kernels=args.cpu_kernels,
         require_store=True,
         secret=secret_of(args),
+        lock_timeout_s=args.lock_timeout,
     )
     if args.max_file_mb is not None and not 0 < args.max_file_mb <= 1 << 20:
         raise InvalidRequestError(f"--max-file-mb must be a positive number of megabytes, got {args.max_file_mb}")
@@ -141,23 +158,46 @@ def _ingest(args: argparse.Namespace) -> None:
     terminal = sys.stderr.isatty()
     limit = None if args.yes else BIG_INGEST_CHUNKS
     report = _Progress(rag, refuse_above=limit, lines=not terminal, quiet=args.quiet)
-    stats = interruptible(
-        lambda: rag.ingest(
-            list(args.paths),
-            progress=terminal and not args.quiet,
-            on_progress=report,
-            follow_symlinks=args.follow_symlinks,
-            max_file_bytes=max_bytes,
-            encode=not args.kv_on_demand,
-        ),
-        interrupted=f"kvrag: interrupted; the index at {args.index} is as last committed (the KV already encoded "
-        "is kept: ingesting again reuses it, `kvrag gc` removes it)",
-    )
+    if fresh:
+        interrupted = (
+            f"kvrag: interrupted before the first commit at {args.index} (the KV already encoded is kept: ingesting "
+            f"again reuses it, `kvrag gc --index {args.index}` removes it)"
+        )
+    else:
+        interrupted = (
+            f"kvrag: interrupted; the index at {args.index} is as last committed (the KV already encoded is kept: "
+            f"ingesting again reuses it, `kvrag gc --index {args.index}` removes it)"
+        )
+    try:
+        stats = interruptible(
+            lambda: rag.ingest(
+                list(args.paths),
+                progress=terminal and not args.quiet,
+                on_progress=report,
+                follow_symlinks=args.follow_symlinks,
+                max_file_bytes=max_bytes,
+                encode=not args.kv_on_demand,
+                strict=args.strict,
+            ),
+            interrupted=interrupted,
+        )
+    except Exception:
+        if made:  # nothing was committed: what this command made goes (the ingest removed its entries already)
+            from kvrag.engine.folder import IndexFolder
+
+            IndexFolder(args.index).remove_uncommitted()
+            with contextlib.suppress(OSError):
+                args.index.rmdir()  # made empty (only when nothing is in it)
+        raise
     print(
         f"{'created' if fresh else 'updated'} {args.index}: {stats.documents} documents, {stats.chunks} chunks "
         f"({stats.tokens} tokens); KV encoded for {stats.encoded}, already stored for {stats.store_hits}; "
         f"{stats.seconds:.1f} s"
     )
+    if stats.skipped:
+        print(f"kvrag: skipped {len(stats.skipped)} file(s), not ingested (--strict refuses them):", file=sys.stderr)
+        for skipped in stats.skipped:
+            print(f"  {skipped.path}: {skipped.reason}", file=sys.stderr)
 
 
 # More new chunks than this in one `kvrag ingest` is refused unless --yes: at the embedded model's ~3 chunks a second on
@@ -256,7 +296,7 @@ def _index_settings(args: argparse.Namespace) -> None:
         given, built = getattr(args, key), manifest.get(key, default)
         if key == "dtype" and given is not None:
             given = None if given == "auto" else str(resolve_dtype(given, args.device)).removeprefix("torch.")
-        same = given is None or given == built or (key == "model" and built is not None and _same_folder(given, built))
+        same = given is None or given == built or (key == "model" and same_model(given, built))
         if not same:
             shown = "None (the embedded default)" if built is None else shlex.quote(str(built))
             raise InvalidRequestError(
@@ -264,12 +304,6 @@ def _index_settings(args: argparse.Namespace) -> None:
                 f"{key} {shown}: drop the flag or ingest into a new folder"
             )
         setattr(args, key, built)
-
-
-def _same_folder(a: str, b: str) -> bool:
-    """Whether two model names are one local folder, written differently."""
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    return pa.is_dir() and pb.is_dir() and pa.resolve() == pb.resolve()
 
 
 def _info(args: argparse.Namespace) -> None:
@@ -291,6 +325,7 @@ def _verify(args: argparse.Namespace) -> None:
         f"{args.index}: checked {done['checked']} chunks' KV in {rag.info()['kv_store']}: {done['ok']} ok, "
         f"{done['damaged']} damaged, {done['missing']} not stored (computed when first read)"
         + (f", {done['repaired']} re-encoded and written back" if done["repaired"] else "")
+        + (f", {done['filled']} not stored encoded and stored" if done.get("filled") else "")
     )
     if done["damaged"] and not done["repaired"]:
         shown = ", ".join(done["damaged_chunks"][:10]) + (" ..." if done["damaged"] > 10 else "")
@@ -308,9 +343,21 @@ def _gc(args: argparse.Namespace) -> None:
             "--redis needs --exclusive: a Redis namespace may hold other indexes' entries, which this index would "
             "take for orphans. Pass --exclusive only if this index alone writes to it"
         )
+    from kvrag.engine.folder import IndexFolder
+
+    verb = "would remove" if args.dry_run else "removed"
+    index_is_a_folder(args.index)
+    folder = IndexFolder(args.index, lock_timeout_s=args.lock_timeout)
+    if folder.uncommitted():  # a first ingest interrupted or killed: nothing but what it wrote is there
+        entries, size = folder.remove_uncommitted(dry_run=args.dry_run)
+        gone = "" if args.dry_run or args.index.exists() else "; the folder is gone"
+        print(
+            f"{args.index}: interrupted before its first commit: {verb} {entries} KV entries ({size:,} bytes) and "
+            f"what else that ingest wrote{gone}"
+        )
+        return
     rag = open_index(args, read_only=args.dry_run)  # a dry run opens read-only: it sweeps nothing either
     done = rag.gc(dry_run=args.dry_run)
-    verb = "would remove" if args.dry_run else "removed"
     print(
         f"{args.index}: {verb} {done['orphan_entries']} orphan KV entries and {done['temp_files']} temporary files "
         f"from {rag.info()['kv_store']}"

@@ -1,16 +1,18 @@
-"""Ingestion: documents split, embedded, encoded and stored; a document's chunks deleted. The KVRAG engine's
-half that writes (`KVRAG` takes it in as a base class); committing the index is `kvrag.engine.rag`'s."""
+"""Ingestion: documents split, embedded, encoded and stored; a document's chunks deleted; the files passed over
+reported (`IngestStats.skipped`). The KVRAG engine's half that writes (`KVRAG` takes it in as a base class);
+committing the index is `kvrag.engine.rag`'s."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from kvrag.engine.documents import MAX_FILE_BYTES, Item, split_text, to_documents
+from kvrag.engine.documents import MAX_FILE_BYTES, Item, Skipped, named, split_text, to_documents
 from kvrag.engine.index import ChunkRecord
 from kvrag.errors import (
+    DocumentError,
     InvalidRequestError,
     StoreError,
 )
@@ -27,6 +29,7 @@ class IngestStats:
     store_hits: int  # chunks whose KV was already stored (nothing encoded)
     seconds: float  # wall time of the whole ingest
     encode_s: float  # of which encoding KV
+    skipped: list[Skipped] = field(default_factory=list)  # files passed over (binary, not UTF-8, empty), and why
 
 
 class Ingesting:
@@ -43,6 +46,7 @@ class Ingesting:
         follow_symlinks: bool = False,
         max_file_bytes: int = MAX_FILE_BYTES,
         encode: bool = True,
+        strict: bool = False,
     ) -> IngestStats:
         """Split, embed and index documents; encode and store each chunk's KV unless it is stored already.
 
@@ -55,14 +59,29 @@ class Ingesting:
             on_progress: called with (0, chunks to encode) before encoding starts (raising there stops the ingest
                 with nothing written) and with (chunks done, chunks to encode) after each encoding batch.
             follow_symlinks: read files and folders reached through symbolic links (refused by default).
-            max_file_bytes: the largest file read (default 64 MiB); a larger one is a DocumentError.
+            max_file_bytes: the largest file read (default 64 MiB); a larger one is skipped.
             encode: False indexes and embeds the chunks only: each chunk's KV is computed at its first retrieval and
                 stored then (KV on demand), so a corpus far larger than its store can be indexed (with a bounded
                 `DiskStore`, its least recently used KV is evicted and computed again when needed).
+            strict: refuse the whole ingest (DocumentError naming every one, nothing written) when a file is
+                skipped; by default the other files are ingested and the skipped ones listed in the stats.
+
+        A file whose content cannot be read as text (binary, not UTF-8, empty, over `max_file_bytes`; a hidden
+        file or folder under a given folder) is skipped and named in `IngestStats.skipped` with its reason; when
+        nothing is left to ingest the call raises DocumentError naming them. A link not followed, a FIFO or a
+        missing path is refused with a DocumentError.
         """
         t0 = time.perf_counter()
         self._check_writable("ingest")
-        docs = to_documents(items, metadata, follow_symlinks=follow_symlinks, max_file_bytes=max_file_bytes)
+        skipped: list[Skipped] = []
+        docs = to_documents(
+            items, metadata, follow_symlinks=follow_symlinks, max_file_bytes=max_file_bytes, skipped=skipped
+        )
+        if strict and skipped:
+            raise DocumentError(
+                f"{len(skipped)} file(s) could not be read, and the ingest is strict (nothing was ingested): "
+                f"{named(skipped)}"
+            )
         # Encoding takes the model's lock one group at a time and no folder lock: queries in this process and
         # readers in others go on meanwhile. Only the commit holds the locks.
         records, chunk_ids = self._chunk_records(docs, split)
@@ -118,6 +137,7 @@ class Ingesting:
             store_hits=sum(stored),
             seconds=time.perf_counter() - t0,
             encode_s=encode_s,
+            skipped=skipped,
         )
 
     def _remove_unindexed(self, keys: Sequence[str]) -> int:
