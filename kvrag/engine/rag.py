@@ -71,6 +71,8 @@ class KVRAG(Ingesting, Querying, Upkeep):
         read_only: never write: nothing stored, committed, deleted or created (what `kvrag ask` opens).
         max_in_flight: queries admitted at once (one runs on the model, the rest wait for it); one more
             raises BusyError at once instead of growing memory without bound.
+        lock_timeout_s: the longest wait for the index folder's lock held by another process, then
+            LockTimeoutError naming it; None (default): a few seconds to read, longer to write (`IndexFolder`).
 
     With a namespace the store is that namespace's view (`KVStore.scoped`): its own Redis key prefix or
     disk subfolder, so `info`, `keys()` and `gc` see this tenant's entries only.
@@ -97,6 +99,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         secret: bytes | str | None = None,
         read_only: bool = False,
         max_in_flight: int = 32,
+        lock_timeout_s: float | None = None,
     ) -> None:
         self.kvmodel = kv
         self.executor = executor or kv.executor  # what runs the plans: in-process by default
@@ -126,7 +129,9 @@ class KVRAG(Ingesting, Querying, Upkeep):
         self.source = ChunkSource(kv, self.store, self.namespace, self.secret, read_only=self.read_only)
         self.path = Path(path) if path is not None else None
         self.folder = (
-            IndexFolder(self.path, read_only=self.read_only, secret=self.secret) if self.path is not None else None
+            IndexFolder(self.path, read_only=self.read_only, secret=self.secret, lock_timeout_s=lock_timeout_s)
+            if self.path is not None
+            else None
         )
         dim = int(embedder.embed(["dimension probe"]).shape[1])
         self.index = index or ChunkIndex(dim)
@@ -165,6 +170,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         decode_weights: str = "model",
         cpu_kernels: bool = True,
         create: bool = True,
+        lock_timeout_s: float | None = None,
     ) -> KVRAG:
         """An engine on the embedded defaults (or the given model and embedder), loading `path` if it holds an index.
 
@@ -176,11 +182,13 @@ class KVRAG(Ingesting, Querying, Upkeep):
         folder, or a `KVModel` already loaded (the one a `KVRAGLLM` or `ChatKVRAG` holds: one copy of the weights
         serves both; an index at `path` must have been built with that model). `create=False` refuses a `path`
         that holds no index (IndexLoadError naming it) instead of starting a new, empty one there: for code that
-        only reads an index, where a mistyped path would otherwise answer from nothing.
+        only reads an index, where a mistyped path would otherwise answer from nothing. `lock_timeout_s` is `KVRAG`'s.
         """
         check_secret(secret)  # a bad secret or namespace is refused before the model loads or a folder is made
         if namespace:
             check_namespace(namespace)
+        if not create and path is not None and IndexFolder(path).uncommitted():
+            raise IndexFolder(path).absent()
         if not create and (path is None or not IndexFolder(path).exists()):
             raise IndexLoadError(
                 f"no kvrag index at {path}: check the path, or build one there with `kvrag ingest PATH --index {path}` "
@@ -201,6 +209,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
                 decode_weights=decode_weights,
                 cpu_kernels=cpu_kernels,
                 model=model if isinstance(model, KVModel) else None,
+                lock_timeout_s=lock_timeout_s,
             )
         if isinstance(model, KVModel):
             kv, source = model, model.loaded_from
@@ -233,6 +242,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
             namespace=namespace,
             require_store=require_store,
             secret=secret,
+            lock_timeout_s=lock_timeout_s,
         )
 
     @classmethod
@@ -253,6 +263,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         decode_weights: str = "model",
         cpu_kernels: bool = True,
         model: KVModel | None = None,
+        lock_timeout_s: float | None = None,
     ) -> KVRAG:
         """Open an index folder written by an engine with a path; the model and embedder are those it was built with.
 
@@ -261,13 +272,16 @@ class KVRAG(Ingesting, Querying, Upkeep):
         chunk recomputed for lack of stored KV is not stored). `max_kv_bytes` bounds its disk store (default: the
         bound it was built with, if any). `compile_decode`, `decode_weights` and `cpu_kernels` are those of `KVModel`;
         `model`, a `KVModel` already loaded with the index's model, is used instead of loading another copy
-        (refused, naming both, when its weights are not the index's).
+        (refused, naming both, when its weights are not the index's). `lock_timeout_s` is `KVRAG`'s.
         """
-        folder = IndexFolder(path, read_only=read_only, secret=None if secret is None else check_secret(secret))
+        folder = IndexFolder(
+            path,
+            read_only=read_only,
+            secret=None if secret is None else check_secret(secret),
+            lock_timeout_s=lock_timeout_s,
+        )
         if not folder.exists():
-            raise IndexLoadError(
-                f"no kvrag index at {folder.path}: create one with `kvrag ingest PATH --index {folder.path}`"
-            )
+            raise folder.absent()
         with folder.lock(shared=True):
             manifest = folder.manifest()
             if namespace is not None and namespace != manifest.get("namespace", ""):
@@ -319,6 +333,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
             generation=manifest["index"],
             secret=secret,
             read_only=read_only,
+            lock_timeout_s=lock_timeout_s,
         )
         engine.kv_on_demand = manifest.get("kv_on_demand") is True
         engine.source.read_only = not kv_writes

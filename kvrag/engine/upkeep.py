@@ -43,40 +43,51 @@ class Upkeep:
 
     def verify(self, *, repair: bool = False) -> dict[str, Any]:
         """Read every indexed chunk's stored KV and check it (its keyed checksum, and that it holds the chunk's own
-        tokens); with `repair`, re-encode each entry that fails and write it back.
+        tokens); with `repair`, re-encode each entry that fails and write it back, and store each one missing.
 
-        Returns the counts (`checked`, `ok`, `damaged`, `missing`: indexed, not stored, as in an index with KV on
-        demand or a bounded store that evicted it; recomputed when read, never an error) and `damaged_chunks`, the
-        chunk ids of the failed entries, and `repaired`. A store that cannot be read raises StoreError.
+        Something other than a regular file at a chunk's entry (a link, a folder, a FIFO) is damaged, as is an entry
+        larger than an entry can be (never read whole): `repair` removes it (a link itself, never its target) and
+        writes the entry. Returns the counts (`checked`, `ok`, `damaged`, `missing`: indexed, not stored; `repaired`:
+        damaged entries written again; `filled`: missing ones stored by `repair`, except in an index with KV on
+        demand or a bounded store, where a missing entry is how the index works and is computed when first read)
+        and `damaged_chunks`, the chunk ids of the failed entries. A store that cannot be read raises StoreError.
         """
         if repair:
             self._check_writable("repair entries")
         with self._lock:
             records = sorted(self.index.records.values(), key=lambda r: r.id)
-        ok, missing, damaged = 0, 0, []
+        disks = _disk_stores(self.store)
+        ok, damaged, missing, absent = 0, [], 0, []
         with warnings.catch_warnings():  # each failure is reported in the result, not warned about one by one
             warnings.simplefilter("ignore", StoreWarning)
             for record in records:
                 ids = self.kvmodel.chunk_ids(0, record.text)
-                if self.source.key(ids) != record.key or not self.source.holds(record.key):
+                if self.source.key(ids) != record.key:
                     missing += 1  # another model's or prefix's key cannot be read here: recomputed when used
+                elif any(d.irregular(record.key) for d in disks):
+                    damaged.append((record, ids))  # a link, folder or FIFO at its name: never read, never an entry
+                elif not self.source.holds(record.key):
+                    missing += 1
+                    absent.append((record, ids))
                 elif self.source.load(record.key, ids) is None:
                     damaged.append((record, ids))
                 else:
                     ok += 1
-        repaired = 0
-        if repair and damaged:
+        bounded = any(d.max_bytes is not None for d in disks)
+        fill = absent if repair and not (self.kv_on_demand or bounded) else []
+        if repair and (damaged or fill):
             with self._writing():
                 for record, _ in damaged:
                     self.store.delete(record.key)  # the bad entry goes first: a tier must not serve it again
-                self.source.encode_and_store([ids for _, ids in damaged], [r.key for r, _ in damaged])
-            repaired = len(damaged)
+                todo = {r.key: ids for r, ids in [*damaged, *fill]}  # one entry a key: chunks may share one
+                self.source.encode_and_store(list(todo.values()), list(todo))
         return {
             "checked": len(records),
             "ok": ok,
             "damaged": len(damaged),
             "missing": missing,
-            "repaired": repaired,
+            "repaired": len(damaged) if repair else 0,
+            "filled": len(fill),
             "damaged_chunks": [r.id for r, _ in damaged],
         }
 

@@ -20,6 +20,10 @@ from kvrag.compat import with_cache
 from kvrag.errors import InvalidRequestError
 
 DRAFT_TOKENS = cpu.MAX_TOKENS - 1  # prompt-lookup drafts a greedy step may feed beside its token
+# A temperature below this is greedy: logits divided by it overflow float32 (1e-40 makes every logit inf and the
+# softmax nan), and any such temperature puts all the probability on the top token anyway (vLLM draws the line here).
+GREEDY_BELOW = 1e-5
+MAX_TEMPERATURE = 1e6  # far past where sampling is uniform already; a larger one (an int of 400 digits) is refused
 
 
 @dataclass(slots=True)
@@ -27,7 +31,7 @@ class Sampling:
     """How to pick tokens. temperature 0 is greedy."""
 
     max_new_tokens: int = 256  # upper bound on generated tokens
-    temperature: float = 0.0  # 0: greedy; > 0: sample from softmax(logits / temperature)
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW, made 0): greedy; else sample from softmax(logits / it)
     top_p: float = 1.0  # nucleus: sample only from the smallest set whose probability reaches top_p
     seed: int | None = None  # seeds a private generator: same seed, same tokens
     stop: tuple[str, ...] = field(default_factory=tuple)  # generation ends before the first of these strings
@@ -57,10 +61,16 @@ class Sampling:
             )
         if self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if not 0 <= self.temperature < float("inf"):
-            raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequestError(
+                f"temperature must be a finite number >= 0 and <= {MAX_TEMPERATURE:g} (0 is greedy), got "
+                f"{self.temperature}"
+            )
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0  # greedy, which is what such a temperature samples, without its overflow
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)  # a numpy or Fraction value too
 
 
 def _check_number(name: str, value: Any, integer: bool = False) -> None:
@@ -73,7 +83,8 @@ def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     """One token id from [V] logits."""
     if sampling.temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    scaled = logits.float() / sampling.temperature  # finite for every temperature Sampling lets through
+    probs = torch.softmax(scaled - scaled.max(), dim=-1)
     if sampling.top_p < 1:
         sorted_probs, sorted_ids = torch.sort(probs, descending=True)
         # keep a token while the mass before it is under top_p (the first token is always kept)
