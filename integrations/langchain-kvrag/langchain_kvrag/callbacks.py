@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvrag import Answer
-from kvrag.adapters import DEFAULT_MODEL_NAME
+from kvrag.adapters import DEFAULT_MODEL_NAME, answered_by
 from langchain_core.callbacks import (
     AsyncCallbackManagerForChainRun,
     AsyncCallbackManagerForLLMRun,
@@ -61,7 +61,8 @@ def piece_chunk(piece: str) -> ChatGenerationChunk:
 
 
 def result_of(answer: Answer, model_name: str) -> LLMResult:
-    """The run's end: the answer as an AIMessage with usage and kvrag's stats, as a chat model reports it."""
+    """The run's end: the answer as an AIMessage with usage and kvrag's stats, as a chat model reports it; its
+    `response_metadata` also holds the chunks read, the plan that ran and why, and whether it abstained."""
     stats = answer.stats
     usage = UsageMetadata(
         input_tokens=stats.prompt_tokens,
@@ -73,6 +74,7 @@ def result_of(answer: Answer, model_name: str) -> LLMResult:
         "model_provider": PROVIDER,
         "finish_reason": answer.finish_reason,
         "kvrag": stats.to_dict(),
+        **answered_by(answer.to_dict()),
     }
     message = AIMessage(content=answer.text, usage_metadata=usage, response_metadata=response)
     generation = ChatGeneration(message=message, generation_info={"finish_reason": answer.finish_reason})

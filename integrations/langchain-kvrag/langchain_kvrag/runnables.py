@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence, Union
 
 from kvrag import KVRAG, NO_CONTEXT, Answer, EmptyInputError, InvalidRequestError, KVModel, Request, Source
-from kvrag.adapters import check_filters, check_options, check_top_k, last_answer, scores_of, type_name
+from kvrag.adapters import answered_by, check_filters, check_options, check_top_k, last_answer, scores_of, type_name
 from langchain_core.callbacks import AsyncCallbackManagerForChainRun, CallbackManagerForChainRun
 from langchain_core.documents import Document
 from langchain_core.prompt_values import PromptValue
@@ -70,14 +70,17 @@ class KVRAGRunnable(OpenedFromIndex, RunnableSerializable[KVRAGInput, KVRAGOutpu
           `kvrag.NO_CONTEXT` with `finish_reason` "no_context" and nothing is generated, in every mode.
 
     Output: the answer text, or with `return_dict=True`
-    `{"answer": text, "finish_reason": ..., "sources": [{"id", "text", "score", "metadata"}], "stats": {...}}`
-    (`kvrag.Answer.to_dict()`). `stream`/`astream` yield the text pieces as the engine decodes them; with
-    `return_dict=True` they yield `{"answer": piece}` chunks and then one
-    `{"finish_reason", "sources", "stats"}` chunk, so the chunks added up equal `invoke`'s dict.
+    `{"answer": text, "finish_reason": ..., "sources": [{"id", "text", "score", "metadata", "read"}], "stats": {...},
+    "read": [ids], "plan": ..., "reason": ..., "abstained": bool}` (`kvrag.Answer.to_dict()`; `read` lists the
+    chunks the answering prompt held, the other sources were only retrieved; `plan` and `reason` are the plan that
+    ran and why). `stream`/`astream` yield the text pieces as the engine decodes them; with `return_dict=True` they
+    yield `{"answer": piece}` chunks and then one chunk with the other keys, so the chunks added up equal
+    `invoke`'s dict.
 
     Callbacks: each call is a chain run, and its generation a child chat model run ("kvrag"): started with the
     context and the question, one `on_llm_new_token` a piece, ended with `usage_metadata` and kvrag's stats in
-    `response_metadata`, so tracers, `astream_events` (`on_chat_model_stream`) and token counters see it.
+    `response_metadata` (with `read`, `plan`, `reason` and `abstained`, as in the dict output), so tracers,
+    `astream_events` (`on_chat_model_stream`) and token counters see it.
 
     `strategy`, `budget` and `top_k` are configurable per call:
     `runnable.with_config(configurable={"strategy": "reuse", "budget": 0.1, "top_k": 3})`.
@@ -257,7 +260,13 @@ class KVRAGRunnable(OpenedFromIndex, RunnableSerializable[KVRAGInput, KVRAGOutpu
         if not self.return_dict:
             return answer.text
         d = answer.to_dict()
-        return {"answer": d["text"], "finish_reason": d["finish_reason"], "sources": d["sources"], "stats": d["stats"]}
+        return {
+            "answer": d["text"],
+            "finish_reason": d["finish_reason"],
+            "sources": d["sources"],
+            "stats": d["stats"],
+            **answered_by(d),
+        }
 
     def _chunks(self, item: str | Answer, streamed: bool) -> list[Any]:
         """What one item of the engine's stream becomes on the LangChain stream."""

@@ -13,6 +13,7 @@ from langchain_kvrag import KVRAGRetriever, KVRAGRunnable
 Q = "Who runs Velloria's harbour?"
 Q2 = "When does the river Tam flood?"
 GEN = {"top_k": 3, "max_new_tokens": 8}  # greedy by default
+SAID = ("read", "plan", "reason", "abstained")  # what every surface reports beside the text
 
 
 @pytest.fixture
@@ -72,7 +73,7 @@ def test_greedy_answer_equals_the_engines(rag, strategy):
 def test_dict_output_is_the_answers_json_form(rag):
     expected = rag.query(Q, **GEN)
     out = KVRAGRunnable(engine=rag, return_dict=True, **GEN).invoke(Q)
-    assert set(out) == {"answer", "finish_reason", "sources", "stats"} and json.dumps(out)
+    assert set(out) == {"answer", "finish_reason", "sources", "stats", *SAID} and json.dumps(out)
     assert out["answer"] == expected.text and out["finish_reason"] == expected.finish_reason
     assert [s["id"] for s in out["sources"]] == [s.id for s in expected.sources]
     assert out["stats"]["store_hits"] == 3 and out["stats"]["chunks_encoded"] == 0
@@ -84,7 +85,7 @@ def test_stream_yields_the_engines_pieces(rag, runnable):
     assert list(runnable.stream(Q)) == pieces and len(pieces) > 1
     chunks = list(KVRAGRunnable(engine=rag, return_dict=True, **GEN).stream(Q))
     assert chunks[:-1] == [{"answer": p} for p in pieces]
-    assert set(chunks[-1]) == {"finish_reason", "sources", "stats"}
+    assert set(chunks[-1]) == {"finish_reason", "sources", "stats", *SAID}
     total = chunks[0]
     for c in chunks[1:]:
         total = total + c  # AddableDicts: the chunks add up to invoke's dict
@@ -104,7 +105,7 @@ async def test_ainvoke_and_astream_match_sync(rag, runnable):
     as_dict = KVRAGRunnable(engine=rag, return_dict=True, **GEN)
     chunks = [c async for c in as_dict.astream(Q)]
     assert "".join(c.get("answer", "") for c in chunks) == runnable.invoke(Q)
-    assert set(chunks[-1]) == {"finish_reason", "sources", "stats"}
+    assert set(chunks[-1]) == {"finish_reason", "sources", "stats", *SAID}
 
 
 async def test_async_over_given_documents(rag, chain):
@@ -124,7 +125,7 @@ def test_lcel_dict_with_a_retriever_answers_over_its_documents(rag, chain):
     streamed = list(chain.stream(Q))  # over the retriever's documents, piece by piece
     pieces = [c["answer"] for c in streamed[:-1]]
     assert len(pieces) > 1 and "".join(pieces) == expected.text
-    assert set(streamed[-1]) == {"finish_reason", "sources", "stats"}
+    assert set(streamed[-1]) == {"finish_reason", "sources", "stats", *SAID}
     texts = chain | RunnableLambda(lambda d: d["answer"].upper())
     assert texts.invoke(Q) == expected.text.upper()
 
@@ -237,3 +238,15 @@ def test_a_bare_document_list_is_refused_with_the_fix(rag):
         bare.invoke(Q)
     with pytest.raises(InvalidRequestError, match="documents\\[0\\] is a int"):
         KVRAGRunnable(engine=rag).invoke({"question": Q, "documents": [3]})
+
+
+def test_the_output_and_callbacks_tell_the_chunks_read_and_the_plan_as_the_engine_does(rag):
+    runnable = KVRAGRunnable(engine=rag, strategy="target_only", return_dict=True, **GEN)
+    recorder = ModelRecorder()
+    out = runnable.invoke(Q, config={"callbacks": [recorder]})
+    core = rag.query(Q, strategy="target_only", **GEN)
+    assert out["read"] == [s.id for s in core.read] and len(out["read"]) == 1
+    assert [s["read"] for s in out["sources"]] == [s.read for s in core.sources]
+    assert out["plan"] == "target_only" and out["reason"] == core.stats.reason and out["abstained"] is False
+    metadata = recorder.ends[-1].generations[0][0].message.response_metadata
+    assert {k: metadata[k] for k in SAID} == {k: out[k] for k in SAID}

@@ -112,3 +112,26 @@ def test_one_model_serves_settings_llm_and_the_engine_and_reopens_its_index(mode
     other = KVModel.from_pretrained(save_tiny(tmp_path / "other", seed=1))
     with pytest.raises(IndexLoadError, match="built with another model"):
         KVRAG.from_defaults(tmp_path / "index", model=other)
+
+
+def test_the_response_tells_the_nodes_read_from_those_only_retrieved_and_names_the_plan(rag, vector_index):
+    retriever = vector_index.as_retriever(similarity_top_k=3)
+    engine = KVRAGQueryEngine(rag, retriever, strategy="target_only", max_new_tokens=4)
+    extra = NodeWithScore(node=TextNode(text="An extra node, listed only."), score=0.1)
+    response = engine.synthesize(QueryBundle(Q), engine.retrieve(QueryBundle(Q)), additional_source_nodes=[extra])
+    order = response.metadata["kvrag"]["order"]
+    marks = [n.node.metadata.get("kvrag_read") for n in response.source_nodes]
+    assert marks == [i in order for i in range(3)] + [None] and marks.count(True) == 1
+    assert response.metadata["plan"] == "target_only" and response.metadata["abstained"] is False
+    assert response.metadata["read"] == [response.metadata["sources"][i] for i in order]
+    read_node = response.source_nodes[order[0]].node
+    assert "kvrag_read" not in read_node.get_content(metadata_mode="llm")  # never shown to an LLM or embedder
+    assert all("kvrag_read" not in n.node.metadata for n in retriever.retrieve(Q))  # the stored nodes untouched
+    # the same nodes read and plan as the core API (and so the CLI) over the same chunks
+    core = rag.answer(Q, [n.node.get_content() for n in response.source_nodes[:3]],
+                      scores=[n.score for n in response.source_nodes[:3]], strategy="target_only", max_new_tokens=4)
+    assert [s.read for s in core.sources] == marks[:3]
+    streaming = KVRAGQueryEngine(rag, retriever, strategy="full_prefill", max_new_tokens=4, streaming=True).query(Q)
+    assert "".join(streaming.response_gen) is not None
+    assert [n.node.metadata["kvrag_read"] for n in streaming.source_nodes] == [True] * 3
+    assert streaming.metadata["plan"] == "full_prefill" and len(streaming.metadata["read"]) == 3

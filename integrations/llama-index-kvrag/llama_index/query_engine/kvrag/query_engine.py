@@ -29,7 +29,11 @@ from llama_index.llms.kvrag import KVRAGLLM
 from llama_index.retrievers.kvrag import KVRAGRetriever
 
 from kvrag import KVRAG, NO_CONTEXT, Answer, EmptyInputError, InvalidRequestError
-from kvrag.adapters import SAMPLING_FIELDS, check_options, check_top_k, scores_of, type_name
+from kvrag.adapters import SAMPLING_FIELDS, answered_by, check_options, check_top_k, scores_of, type_name
+
+# The key each answered-over node's metadata gets: whether the prompt that answered held it (kept out of the text
+# an LLM or an embedder sees).
+READ_KEY = "kvrag_read"
 
 __all__ = ["KVRAGAnswerEvent", "KVRAGQueryEngine", "NO_CONTEXT", "node_texts"]
 
@@ -120,7 +124,10 @@ class KVRAGQueryEngine(BaseQueryEngine):
             own retriever), synthesize, templating and llm events.
         generation: decoding arguments (max_new_tokens, temperature, top_p, seed, stop, prompt_lookup).
 
-    Each response's `metadata["kvrag"]` holds the answer's stats (filled when a stream ends). With no node
+    Each response's `metadata["kvrag"]` holds the answer's stats, `metadata["read"]` the ids of the chunks the
+    answering prompt held (the other sources were only retrieved), `metadata["plan"]` and `["reason"]` the plan
+    that ran and why, `metadata["abstained"]` whether it abstained; each source node's metadata `kvrag_read` says
+    whether it was read (all filled when a stream ends: the nodes are then replaced by marked copies). With no node
     retrieved the response text is `kvrag.NO_CONTEXT` and no generation runs, in every mode. The LLM events show
     the prompt over the nodes in retrieval order, as full prefill reads it; the stats' `order` is the one the
     strategy stitched.
@@ -303,9 +310,14 @@ class KVRAGQueryEngine(BaseQueryEngine):
         ids = kv.prompt_ids(question, [kv.chunk_ids(i, t) for i, t in enumerate(texts)], range(len(texts)))
         return kv.tokenizer.decode(ids)
 
-    def _record(self, answer: dict, metadata: dict) -> dict:
-        """Put an answer's stats (from `Answer.to_dict()`) in a response's metadata and send them as an event."""
+    def _record(self, answer: dict, metadata: dict, nodes: List[NodeWithScore] | None = None) -> dict:
+        """Put an answer's stats, the chunks it read and its plan (from `Answer.to_dict()`) in a response's metadata,
+        send the stats as an event, and replace each answered-over node by a copy marked read or not."""
         metadata.update({"kvrag": answer["stats"], "sources": [s["id"] for s in answer["sources"]]})
+        metadata.update(answered_by(answer))
+        given = answer["sources"]  # the nodes answered over, in order (additional source nodes follow them)
+        if nodes is not None and len(nodes) >= len(given):
+            nodes[: len(given)] = [_marked(n, bool(s.get("read"))) for n, s in zip(nodes, given)]
         dispatcher.event(KVRAGAnswerEvent(stats=metadata["kvrag"]))
         return metadata
 
@@ -323,10 +335,12 @@ class KVRAGQueryEngine(BaseQueryEngine):
             return AsyncStreamingResponse(response_gen=agen(), source_nodes=[], metadata=metadata)
         return StreamingResponse(response_gen=(t for t in [answer.text]), source_nodes=[], metadata=metadata)
 
-    def _pieces(self, chunks: Iterable[CompletionResponse], metadata: dict) -> Generator[str, None, None]:
+    def _pieces(
+        self, chunks: Iterable[CompletionResponse], metadata: dict, nodes: List[NodeWithScore]
+    ) -> Generator[str, None, None]:
         for r in chunks:
             if r.raw is not None:  # the last chunk: the answer, with its stats
-                self._record(r.raw, metadata)
+                self._record(r.raw, metadata, nodes)
             if r.delta:
                 yield r.delta
 
@@ -345,10 +359,12 @@ class KVRAGQueryEngine(BaseQueryEngine):
 
         if not self.streaming:
             done = self._llm.traced_answer(prompt, answers, False, **self.options)
-            return Response(response=done.text, source_nodes=nodes, metadata=self._record(done.raw, {}))
+            return Response(response=done.text, source_nodes=nodes, metadata=self._record(done.raw, {}, nodes))
         metadata: dict = {}
         chunks = self._llm.traced_answer(prompt, answers, True, **self.options)
-        return StreamingResponse(response_gen=self._pieces(chunks, metadata), source_nodes=nodes, metadata=metadata)
+        return StreamingResponse(
+            response_gen=self._pieces(chunks, metadata, nodes), source_nodes=nodes, metadata=metadata
+        )
 
     async def _arespond(self, question: str, nodes: List[NodeWithScore]) -> RESPONSE_TYPE:
         if not nodes:
@@ -360,14 +376,14 @@ class KVRAGQueryEngine(BaseQueryEngine):
 
         if not self.streaming:
             done = await self._llm.atraced_answer(prompt, answers, False, **self.options)
-            return Response(response=done.text, source_nodes=nodes, metadata=self._record(done.raw, {}))
+            return Response(response=done.text, source_nodes=nodes, metadata=self._record(done.raw, {}, nodes))
         metadata: dict = {}
         chunks = await self._llm.atraced_answer(prompt, answers, True, **self.options)
 
         async def pieces() -> AsyncGenerator[str, None]:
             async for r in chunks:
                 if r.raw is not None:
-                    self._record(r.raw, metadata)
+                    self._record(r.raw, metadata, nodes)
                 if r.delta:
                     yield r.delta
 
@@ -428,3 +444,15 @@ class KVRAGQueryEngine(BaseQueryEngine):
             response = await self.asynthesize(query_bundle, await self.aretrieve(query_bundle))
             query_event.on_end(payload={EventPayload.RESPONSE: response})
         return response
+
+
+def _marked(node: NodeWithScore, read: bool) -> NodeWithScore:
+    """A copy of a node whose metadata says whether the answering prompt held it (the stored node is untouched)."""
+    inner = node.node.model_copy(
+        update={
+            "metadata": {**node.node.metadata, READ_KEY: read},
+            "excluded_llm_metadata_keys": [*node.node.excluded_llm_metadata_keys, READ_KEY],
+            "excluded_embed_metadata_keys": [*node.node.excluded_embed_metadata_keys, READ_KEY],
+        }
+    )
+    return NodeWithScore(node=inner, score=node.score)
