@@ -287,3 +287,46 @@ def test_fuzz_answer(rag, question, chunks_and_scores, kw):
 
 def test_the_fuzz_runs_5000_examples():
     assert INGEST + DELETE + RETRIEVE + QUERY + ANSWER >= 5000
+
+
+# -- every numeric argument at its edges ----------------------------------------------------------------------------
+
+# The numbers at and past each argument's edges: zeros of both signs, the smallest subnormal and a temperature that
+# underflows (1e-40: logits divided by it were inf, the softmax nan, and torch raised a raw RuntimeError), the
+# greedy threshold, huge, nan and inf, ints past int64, and a bool.
+EDGES = [0, -0.0, 0.0, 5e-324, 1e-40, -1e-40, 1e-6, 1e-5, 0.5, 1, 1.0000001, 2, 1e6, 1e7, 1e308, -1, -1e308,
+         math.nan, math.inf, -math.inf, 2**63, -(2**63) - 1, 10**400, True]
+NUMERIC = ["temperature", "top_p", "seed", "max_new_tokens", "prompt_lookup", "top_k", "budget", "target"]
+EDGE_CALLS = 400
+
+
+@given(
+    question=st.sampled_from(QUESTIONS),
+    edges=st.dictionaries(st.sampled_from(NUMERIC), st.sampled_from(EDGES), min_size=1, max_size=3),
+    call=st.sampled_from(["query", "stream", "answer"]),
+)
+@settings(FUZZ, max_examples=EDGE_CALLS)
+def test_fuzz_every_numeric_argument_at_its_edges(rag, question, edges, call):
+    kw = {"max_new_tokens": 2, "strategy": "reuse", **edges}
+    if isinstance(kw["max_new_tokens"], (int, float)) and not isinstance(kw["max_new_tokens"], bool):
+        if kw["max_new_tokens"] > 3 and kw["max_new_tokens"] < 10**5:
+            kw["max_new_tokens"] = 3  # a valid count decodes a few tokens only
+    if call == "answer":
+        kw.pop("top_k", None)
+        result = outcome(lambda: rag.answer(question, FACT_TEXTS[:2], **kw))
+    elif call == "stream":
+        result = outcome(lambda: list(rag.stream(question, **kw)))
+        result = result[-1] if isinstance(result, list) else result
+    else:
+        result = outcome(lambda: rag.query(question, **kw))
+    check_answer(result, kw)
+
+
+def test_a_temperature_that_underflows_is_greedy(rag):
+    greedy = rag.query(QUESTIONS[0], max_new_tokens=4, strategy="reuse")
+    for temperature in (1e-40, 5e-324, 1e-6):  # before: RuntimeError "probability tensor contains inf, nan"
+        for call in (rag.query, lambda q, **kw: list(rag.stream(q, **kw))[-1]):
+            tiny = call(QUESTIONS[0], max_new_tokens=4, strategy="reuse", temperature=temperature, seed=1)
+            assert tiny.token_ids == greedy.token_ids
+        answered = rag.answer(QUESTIONS[0], FACT_TEXTS[:2], max_new_tokens=4, temperature=temperature)
+        assert answered.token_ids == rag.answer(QUESTIONS[0], FACT_TEXTS[:2], max_new_tokens=4).token_ids
