@@ -238,3 +238,22 @@ def test_ingest_plans_aloud_refuses_a_huge_run_unless_told_and_prints_lines_in_a
     assert main([*argv, "--yes"]) == 0  # stderr is captured here, not a terminal: progress lines, no bar
     err = capsys.readouterr().err
     assert "kvrag: encoding 12 new chunks" in err and "kvrag: encoded 12 of 12 chunks (100%)" in err
+
+
+def test_the_demo_runs_the_model_that_answers_and_the_135m_on_request(monkeypatch):
+    from kvrag.lab import demo
+
+    asked = []
+
+    class Loaded(Exception):
+        pass
+
+    def from_pretrained(**load):
+        asked.append(load["name_or_path"])
+        raise Loaded
+
+    monkeypatch.setattr(demo.KVModel, "from_pretrained", from_pretrained)
+    for argv in (["demo"], ["demo", "--model", "smollm2-135m"]):
+        with pytest.raises(Loaded):
+            main(argv)
+    assert asked == ["qwen2.5-coder-0.5b", "smollm2-135m"] and demo.DEMO_MODEL == "qwen2.5-coder-0.5b"

@@ -11,12 +11,12 @@ from typing import Any, Callable
 from kvrag.errors import InvalidRequestError
 
 
-def model_args(parser: argparse.ArgumentParser) -> None:
+def model_args(parser: argparse.ArgumentParser, default: str = "the embedded smollm2-135m") -> None:
     parser.add_argument(
         "--model",
         default=None,
         help="a named model (`kvrag models`: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), a Hugging Face "
-        "model id or a folder (default: the embedded smollm2-135m)",
+        f"model id or a folder (default: {default})",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
