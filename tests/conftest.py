@@ -36,6 +36,6 @@ def pytest_terminal_summary(terminalreporter):
     if shutil.which("redis-server") is None:
         terminalreporter.write_line(
             "kvrag: the Redis store tests were skipped: redis-server is not installed "
-            "(`apt-get install redis-server`, as .ci/run does)",
+            "(`make test` installs Debian's when run as root with apt-get; else `apt-get install redis-server`)",
             yellow=True,
         )

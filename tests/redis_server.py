@@ -1,4 +1,5 @@
-"""A real redis-server (Debian's package) on a free loopback port, started and stopped by the tests."""
+"""A real redis-server (Debian's package: `make test` installs it as root with apt-get, its `redis` target) on a
+free loopback port, started and stopped by the tests."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ class RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             if os.environ.get("CI"):
-                pytest.fail("redis-server is not installed: .ci/run must install Debian's redis-server")
-            pytest.skip("redis-server is not installed (apt-get install redis-server)")
+                pytest.fail("redis-server is not installed: `make test` installs Debian's as root (make redis)")
+            pytest.skip("redis-server is not installed (`make redis` as root, or apt-get install redis-server)")
         self.password = password
         started = start_redis(port, password)
         if started is None:
