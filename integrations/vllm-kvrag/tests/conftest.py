@@ -40,7 +40,7 @@ def llm(folder, store_root):
     from vllm import LLM
     from vllm_kvrag.executor import connector_config
 
-    return LLM(
+    engine = LLM(
         model=folder,
         dtype="float32",
         max_model_len=4096,
@@ -54,6 +54,10 @@ def llm(folder, store_root):
             {"store": "disk", "path": str(store_root), "storage_dtype": "float32", "unkeyed": True}
         ),
     )
+    yield engine
+    # Shut down here, while pytest still captures: left to the interpreter's exit, the engine's shutdown logs
+    # through vLLM's handler, which holds pytest's captured stdout, closed by then ("--- Logging error ---").
+    engine.llm_engine.engine_core.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -61,3 +65,17 @@ def executor(kv, llm, store):
     from vllm_kvrag.executor import VLLMExecutor
 
     return VLLMExecutor(kv, llm, store, logprobs=5)
+
+
+def pytest_unconfigure(config):
+    """vLLM's log handlers hold the stream they found when vLLM was first imported: pytest's captured stdout, which
+    pytest closes at its end. Whatever vLLM still logs at the interpreter's exit (an engine a test left running,
+    its worker's shutdown) goes to the real stderr instead of printing "--- Logging error ---"."""
+    import logging
+    import sys
+
+    for name in list(logging.root.manager.loggerDict):
+        logger = logging.getLogger(name) if name.startswith("vllm") else None
+        for handler in logger.handlers if logger is not None else ():
+            if type(handler) is logging.StreamHandler and handler.stream not in (sys.__stdout__, sys.__stderr__):
+                handler.setStream(sys.__stderr__)
