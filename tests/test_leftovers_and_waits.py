@@ -259,3 +259,23 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130(monkeypatch, capsys):
     monkeypatch.setattr(sys.modules["kvrag.cli.main"], "_run", interrupted)
     assert main(["info", "--index", "anywhere"]) == 130  # before: a KeyboardInterrupt traceback
     assert capsys.readouterr().err == "kvrag: interrupted\n"
+
+
+def test_a_redis_entry_larger_than_an_entry_can_be_is_damaged_never_fetched_whole():
+    from redis_server import RedisServer
+
+    from kvrag.cache.store import RedisStore
+
+    server = RedisServer()
+    try:
+        store = RedisStore(server.url, namespace="capped", max_entry_bytes=1000)
+        key = "ab" * 32
+        assert store._read(key) is None  # nothing there: a miss
+        store.client.set(store.prefix + key, b"x" * 5000)
+        assert store._read(key) == b""  # before: fetched whole, whatever its size
+        store.client.set(store.prefix + key, b"")
+        assert store._read(key) == b""
+        store.client.set(store.prefix + key, b"y" * 1000)
+        assert store._read(key) == b"y" * 1000
+    finally:
+        server.stop()

@@ -121,14 +121,11 @@ class RedisStore(SerializedStore):
 
     def _read(self, key: str) -> bytes | None:
         def capped() -> bytes | None:
-            # one round trip: whether the entry is there, and no more of it than an entry can be (GETRANGE's end is
-            # inclusive: one byte more than the bound tells a larger one, which is never read whole)
-            pipe = self.client.pipeline(transaction=False)
-            pipe.exists(self.prefix + key)
-            pipe.getrange(self.prefix + key, 0, self.max_entry_bytes)
-            there, blob = pipe.execute()
-            if not there:
-                return None
+            # no more of the entry than an entry can be (GETRANGE's end is inclusive: one byte more than the bound
+            # tells a larger one, which is never fetched whole); nothing back is a miss, or an empty (damaged) value
+            blob = self.client.getrange(self.prefix + key, 0, self.max_entry_bytes)
+            if not blob:
+                return DAMAGED if self.client.exists(self.prefix + key) else None
             return DAMAGED if len(blob) > self.max_entry_bytes else bytes(blob)
 
         return self._call("read an entry", capped)
