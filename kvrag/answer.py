@@ -12,6 +12,9 @@ from typing import Any, Iterable
 # The answer the framework adapters give when retrieval finds nothing: no generation runs (stock LlamaIndex
 # answers "Empty Response" the same way), in every call and streaming mode, with finish_reason "no_context".
 NO_CONTEXT = "No context was found for the question."
+# What an answer says when no retrieved chunk bears on the question (`Answer.abstained`; the model's text is kept
+# in `Answer.draft`).
+NOT_IN_DOCUMENTS = "The documents do not say."
 
 
 @dataclass(slots=True)
@@ -39,7 +42,8 @@ class AnswerStats:
     store_hits: int = 0  # chunks whose KV came from a store (retrieval engine)
     retrieve_s: float = 0.0  # seconds spent retrieving and loading chunk KV (retrieval engine; part of ttft_s)
     targets: list[int] | None = None  # every picked chunk, best first (a set picker's; else [target])
-    reason: str = ""  # why this plan answered (the default's choice by need; empty when the caller named the plan)
+    reason: str = ""  # why this plan answered (a plan chosen by need says what it saw; else empty)
+    signals: dict[str, float] = field(default_factory=dict)  # what was measured to choose the plan, by name
 
     @property
     def recomputed_fraction(self) -> float:

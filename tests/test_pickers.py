@@ -30,7 +30,7 @@ def test_pickers_and_their_errors(kv, enc):
     with pytest.raises(
         InvalidRequestError,
         match="unknown picker 'best': use one of attention, diverse2, fused, gap, lexical, likelihood, likelihood2, "
-        "oracle, retriever, top2, top3",
+        "likelihood_all, oracle, retriever, top2, top3",
     ):
         kv.answer(Q, enc, picker="best", max_new_tokens=1)
     with pytest.raises(InvalidRequestError, match="oracle picker needs the known target"):

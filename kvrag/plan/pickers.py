@@ -6,6 +6,7 @@
   question most likely (one batched pass of the suffix over those chunks' stored KV): the model itself reads
   "I adopted a dog" and "my neighbour has a dog" differently where an embedding may not, and the retriever
   rarely ranks the target below its first few, so the cost stays that of a few suffixes at any top-k.
+- `likelihood_all`: the same over every retrieved chunk (the `by_need` plan's picker: it reads them all anyway).
 - `gap`: the retriever's best when its score leads the second best's by more than GAP, else `likelihood`'s pick:
   the model's pass is paid only where the retriever is unsure.
 - `lexical`: the retriever's ranking fused with BM25 over the chunks' words (reciprocal rank).
@@ -56,6 +57,10 @@ def _attention(n: int, scores: Sequence[float] | None, target: int | None, probe
 
 def _likelihood(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> int:
     return int(probe.question_likelihood(best_first(n, scores)[:LIKELIHOOD_CANDIDATES]).argmax())
+
+
+def _likelihood_all(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> int:
+    return int(probe.question_likelihood().argmax())
 
 
 def _gap(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> int:
@@ -137,6 +142,7 @@ PICKERS: dict[str, Picker] = {
     "retriever": _retriever,
     "attention": _attention,
     "likelihood": _likelihood,
+    "likelihood_all": _likelihood_all,
     "gap": _gap,
     "lexical": _lexical,
     "fused": _fused,

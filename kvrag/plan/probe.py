@@ -112,6 +112,8 @@ class Probe:
         # the last question-likelihood pass: per scored chunk, (batch, row, [V] logits of the suffix's last token):
         # behind the prefix, that chunk's stored KV and the whole suffix, the prefill of `target_only` over it
         self.suffix_rows: dict[int, tuple[PaddedBatch, int, torch.Tensor]] = {}
+        self._likelihood: dict[tuple[int, ...], torch.Tensor] = {}  # question_likelihood's answers, by chunks scored
+        self._alone: float | None = None  # question_alone's answer
 
     @classmethod
     def of(cls, kvmodel: KVModel, chunks: Chunks, suffix_ids: Sequence[int], question: str) -> Probe:
@@ -222,6 +224,8 @@ class Probe:
                 out scores -inf.
         """
         scored = _candidates(self, candidates)
+        if tuple(scored) in self._likelihood:  # asked again (a picker, then a strategy): measured once
+            return self._likelihood[tuple(scored)].clone()
         out = torch.full((len(self._chunks),), float("-inf"))
         if len(self.suffix_ids) < 2:
             out[scored] = 0.0  # nothing to score: every candidate is as likely
@@ -240,7 +244,28 @@ class Probe:
         out[scored] = picked.mean(-1).cpu()
         last = logits[:, -1]
         self.suffix_rows = {c: (batch, b, last[b]) for b, c in enumerate(scored)}
+        self._likelihood[tuple(scored)] = out.clone()
         return out
+
+    @_measurement(reads=lambda self: [])
+    def question_alone(self) -> float:
+        """The mean log-probability of the suffix's tokens behind the prefix alone, no chunk: what the question's
+        likelihood behind a chunk is measured against (a chunk that says nothing of the question barely moves it).
+        Cost: the suffix through every layer, once."""
+        if self._alone is not None:
+            return self._alone
+        if len(self.suffix_ids) < 2:
+            self._alone = 0.0
+            return 0.0
+        p = self.chunk_prefix
+        empty = ChunkKV(p.token_ids[:0], p.keys[:, :, :0], p.values[:, :, :0], start=len(p), encoder=p.encoder)
+        suffix = torch.tensor(self.suffix_ids, device=p.keys.device)
+        batch = PaddedBatch.of_chunks(self.model, p, [empty], room=len(suffix))
+        logp = torch.log_softmax(batch.forward(suffix.view(1, -1), 0)[0, :-1], dim=-1)
+        self.extra_token_layers += len(suffix) * self.num_layers
+        self.extra_work.append(f"question alone: {len(suffix)} suffix tokens, {self.num_layers} layers")
+        self._alone = float(logp.gather(-1, suffix[1:].unsqueeze(-1)).mean())
+        return self._alone
 
     def suffix_pass(self, chunk: int, room: int) -> Prefill | None:
         """The prefill of the prefix, `chunk`'s stored KV and the suffix, taken from the last question-likelihood

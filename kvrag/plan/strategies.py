@@ -56,6 +56,10 @@ class Plan:
     # stored tokens are multiplied by it, in the prefill and in decoding alike (APE-style); recomputed tokens
     # and the prefix are never scaled
     key_scale: dict[int, float] = field(default_factory=dict)
+    # no chunk bears on the question: the answer says the documents do not say (the plan's answer is kept as a draft)
+    abstain: bool = False
+    reason: str = ""  # why this plan, in a line (a strategy that chooses by need says what it saw)
+    signals: dict[str, float] = field(default_factory=dict)  # what it measured to choose, by name
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,6 +398,7 @@ def _target_only(request: PlanRequest) -> Plan:
 
 # the strategies over a subset of the chunks (the top k, a picked set) register from their own module
 from kvrag.plan import subsets  # noqa: E402,F401
+from kvrag.plan import need  # noqa: E402,F401
 
 # The strategies kvrag ships, in registration order (what `kvrag bench` runs by default).
 BUILTIN_STRATEGIES = tuple(STRATEGIES)

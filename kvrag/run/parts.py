@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvrag import cpu
-from kvrag.answer import Answer, Source, last_answer
+from kvrag.answer import NOT_IN_DOCUMENTS, Answer, Source, last_answer
 from kvrag.cache.chunks import Chunks, ChunkSource
 from kvrag.plan.defaults import shipped_default
 from kvrag.plan.parts import SPLIT_INSTRUCTION, Part, composed, parsed
@@ -112,6 +112,8 @@ def answer_parts(
         judged = _judge(kvmodel, request, parts, answers, executor)
         answers.append(judged)
         text, how = judged.text, "model"
+    if all(a.abstained for a in answers):
+        text = NOT_IN_DOCUMENTS
     first = answers[0].stats
     stats = replace(
         first,
@@ -132,6 +134,7 @@ def answer_parts(
         sources=list(read.values()),
         parts=answers,
         composed=how,
+        abstained=all(a.abstained for a in answers),  # every part's documents were silent
     )
 
 
@@ -173,8 +176,10 @@ def _together(
     for sub, (run, started, out), detok, one in zip(subs, runs, detoks, decoded):
         detok.finish()
         stats = stats_of(sub, run, one.tokens, out - started, done - started, run.chunks.load_s)
-        answers.append(Answer(text=detok.text, token_ids=one.tokens, finish_reason=one.finish, stats=stats,
-                              sources=list(sources)))
+        abstain = run.decision.plan.abstain  # the part's draft is kept; its text says the documents do not say
+        answers.append(Answer(text=NOT_IN_DOCUMENTS if abstain else detok.text, token_ids=one.tokens,
+                              finish_reason=one.finish, stats=stats, sources=list(sources), abstained=abstain,
+                              draft=detok.text if abstain else None))
     return answers
 
 

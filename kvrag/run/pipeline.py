@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from kvrag import cpu
-from kvrag.answer import Answer, AnswerStats, Source
+from kvrag.answer import NOT_IN_DOCUMENTS, Answer, AnswerStats, Source
 from kvrag.cache.chunks import Chunks
 from kvrag.errors import ContextOverflowError
 from kvrag.plan.defaults import shipped_default
@@ -189,7 +189,17 @@ def stream(
     def stats(tokens: list[int], ttft: float, total: float) -> AnswerStats:
         return stats_of(request, run, tokens, ttft, total, retrieve_s + chunks.load_s)
 
-    yield from decode_answer(kvmodel, executor, run.prefill, request.sampling, started_at, stats, phases, sources)
+    yield from decode_answer(
+        kvmodel,
+        executor,
+        run.prefill,
+        request.sampling,
+        started_at,
+        stats,
+        phases,
+        sources,
+        abstain=run.decision.plan.abstain,
+    )
 
 
 def stats_of(
@@ -219,6 +229,8 @@ def stats_of(
         total_s=total,
         store_hits=run.chunks.store_hits,
         retrieve_s=retrieve_s,
+        reason=decision.plan.reason,
+        signals=dict(decision.plan.signals),
     )
 
 
@@ -231,8 +243,14 @@ def decode_answer(
     make_stats: Callable[[list[int], float, float], AnswerStats],
     phases: Phases | None = None,
     sources: Sequence[Source] = (),
+    *,
+    abstain: bool = False,
 ) -> Iterator[str | Answer]:
-    """Decode after a prefill: text pieces as they become final (stop strings honoured), then the Answer."""
+    """Decode after a prefill: text pieces as they become final (stop strings honoured), then the Answer.
+
+    `abstain`: the plan found no chunk that bears on the question; the decoded text is kept as the Answer's draft,
+    and its text (the one piece yielded) says the documents do not say.
+    """
     prefilled = time.perf_counter()
     detok = Detokenizer(kvmodel.tokenizer, sampling.stop)
     tokens: list[int] = []
@@ -251,7 +269,7 @@ def decode_answer(
                 break
             tokens.append(token)
             piece = detok.push(token)
-            if piece:
+            if piece and not abstain:
                 yield piece
             if detok.stopped:
                 finish = "stop"
@@ -260,12 +278,16 @@ def decode_answer(
         steps.close()  # type: ignore[attr-defined]  # a generator: closing ends its forwards at once
         executor.release(prefill)  # the cache dies with this call: its buffers serve the next
     tail = detok.finish()
-    if tail:
+    if tail and not abstain:
         yield tail
+    if abstain:
+        yield NOT_IN_DOCUMENTS
     yield Answer(
-        text=detok.text,
+        text=NOT_IN_DOCUMENTS if abstain else detok.text,
         token_ids=tokens,
         finish_reason=finish,
         stats=make_stats(tokens, ttft, time.perf_counter() - started_at),
         sources=list(sources),
+        abstained=abstain,
+        draft=detok.text if abstain else None,
     )

@@ -67,6 +67,9 @@ def whole_answers(
                     "answer_s": answer.stats.total_s,
                     "new_tokens": answer.stats.new_tokens,
                     "text": answer.text,
+                    "abstained": answer.abstained,
+                    "reason": answer.stats.reason,
+                    "order": answer.stats.order,
                 }
             )
         log(f"{n + 1}/{len(items)} items, {time.perf_counter() - t0:.0f} s")
@@ -104,7 +107,11 @@ def quantized(strategy: str) -> tuple[str, str]:
 
 
 def _strategy(name: str) -> dict[str, Any]:
-    return {} if name == "default" else {"strategy": name}
+    """The request's options of a bench name: "default", a strategy, or "strategy:picker"."""
+    if name == "default":
+        return {}
+    strategy, _, picker = name.partition(":")
+    return {"strategy": strategy, **({"picker": picker} if picker else {})}
 
 
 def summary(rows: Sequence[dict[str, Any]], strategies: Sequence[str]) -> dict[str, dict[str, dict[str, Any]]]:

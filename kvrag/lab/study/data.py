@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from kvrag.errors import DocumentError, InvalidRequestError
-from kvrag.lab.study.metrics import contains_answer, correct, normalize, token_f1
+from kvrag.lab.study.metrics import abstains, contains_answer, correct, normalize, token_f1
 from kvrag.lab.synthetic import dialogue, encyclopedia
 
 SINGLE = ("api_docs", "open_qa", "dialogue")  # one chunk, one fact
@@ -54,6 +54,7 @@ class StudyItem:
     targets: list[str] = field(default_factory=list)  # every chunk the answer needs; [] means [target]
     answers_all: list[list[str]] = field(default_factory=list)  # each part's alternatives, all needed; [] = [answers]
     excludes: list[str] = field(default_factory=list)  # an output holding any of these is wrong (a comparison's loser)
+    answerable: bool = True  # False: no chunk holds the answer; an output is right when it says so
 
     @property
     def target_index(self) -> int:
@@ -75,7 +76,10 @@ class StudyItem:
         return self.answers_all or [self.answers]
 
     def is_correct(self, output: str) -> bool:
-        """Every part present (any of its alternatives) and no excluded string."""
+        """Every part present (any of its alternatives) and no excluded string; for an item the documents cannot
+        answer, an output that says they do not."""
+        if not self.answerable:
+            return abstains(output)
         return all(correct(output, part) for part in self.parts) and not correct(output, self.excludes)
 
     def gold_text(self) -> str:
@@ -104,6 +108,8 @@ class StudyItem:
             row["answers_all"] = self.answers_all
         if self.excludes:
             row["excludes"] = self.excludes
+        if not self.answerable:
+            row["answerable"] = False
         return row
 
 
@@ -165,7 +171,10 @@ def parse_item(row: Any) -> StudyItem:
     for key in ("id", "family", "question"):
         if not isinstance(row.get(key), str) or not row[key].strip():
             raise ValueError(f"'{key}' must be a non-empty string")
-    answers, answers_all, excludes = _answer_fields(row)
+    answerable = row.get("answerable", True)
+    if not isinstance(answerable, bool):
+        raise ValueError("'answerable' must be true or false when given")
+    answers, answers_all, excludes = _answer_fields(row) if answerable else ([], [], [])
     chunks = row.get("chunks")
     if not isinstance(chunks, list) or not chunks:
         raise ValueError('\'chunks\' must be a non-empty list of {"id", "text"} objects')
@@ -179,6 +188,8 @@ def parse_item(row: Any) -> StudyItem:
     ids = [c.id for c in parsed]
     if len(set(ids)) != len(ids):
         raise ValueError("chunk ids repeat within the item")
+    if not answerable and "target" not in row and "targets" not in row:
+        row = {**row, "target": ids[0]}  # no chunk holds the answer: the first stands in where a row needs one
     target, targets = _target_fields(row, ids)
     for key in ("variant", "kind"):
         if not isinstance(row.get(key, ""), str):
@@ -195,6 +206,7 @@ def parse_item(row: Any) -> StudyItem:
         targets=targets,
         answers_all=answers_all if len(answers_all) > 1 else [],
         excludes=excludes,
+        answerable=answerable,
     )
 
 

@@ -1,6 +1,7 @@
 """Scoring answers and comparing strategies: pure functions over strings, numbers and tensors.
 
 - `contains_answer`: the normalized gold answer appears in the output as a whole-token run.
+- `abstains`: the output says the context does not hold the answer.
 - `token_f1`: SQuAD-style token F1 against the best gold answer.
 - `wilson`: a 95% interval for a proportion; `mcnemar`: the exact two-sided McNemar test on paired outcomes;
   `bootstrap_diff`: a paired bootstrap interval for a difference of means.
@@ -37,6 +38,20 @@ def contains_answer(output: str, answer: str) -> bool:
         return False
     n = len(gold)
     return any(out[i : i + n] == gold for i in range(len(out) - n + 1))
+
+
+# What an answer that declines says: kvrag's own abstention (kvrag.answer.NOT_IN_DOCUMENTS) or a model's words for it.
+_ABSTAINS = re.compile(
+    r"documents do not say|(does not|doesn't|do not|don't) (mention|say|state|specify|provide|contain|include)|"
+    r"no (information|mention)|not (mentioned|stated|specified|provided|given|found)|cannot (find|determine)|"
+    r"(isn't|is not) (mentioned|stated|specified|provided)",
+    re.IGNORECASE,
+)
+
+
+def abstains(output: str) -> bool:
+    """Whether an output says the context does not hold the answer."""
+    return bool(_ABSTAINS.search(output))
 
 
 def correct(output: str, answers: Sequence[str]) -> bool:

@@ -1,0 +1,86 @@
+"""The plan chosen by what a question needs: one chunk where the signals agree on it, several where they do not,
+and "the documents do not say" where no retrieved chunk bears on the question.
+
+The signals read how the model and the retriever see the chunks, never the question's words:
+- the retriever's ranking of every retrieved chunk;
+- the model's likelihood of the question behind each retrieved chunk's stored KV (one batched pass of the suffix,
+  every chunk: `Probe.question_likelihood`), against its likelihood behind no chunk (`Probe.question_alone`). The
+  best chunk's **lift** says how much any chunk bears on the question; its **margin** over the second best says
+  whether one chunk stands out.
+
+The plan: no lift -> abstain (the one-chunk answer is decoded as a draft, the answer says the documents do not
+say); the model's best chunk is the retriever's best, or leads the rest clearly -> that chunk alone (exactly a full
+prefill over it, at the cost of the suffix: its pass was the likelihood pass); else -> the best chunks by either
+ranking, stitched with the model's best next to the question and all but the first recomputed (exactly a full
+prefill over those chunks in that order). The thresholds are chosen on held-out sources (docs/study.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrag.plan.strategies import Plan, PlanRequest, _target, by_score, register_strategy
+
+# Below this lift (mean log-probability a question token, best chunk against no chunk) no chunk bears on the question.
+ABSTAIN_LIFT = 0.05
+# Above this margin (the model's best chunk against its second, the same units) the best chunk alone answers.
+ONE_CHUNK_MARGIN = 0.15
+SEVERAL = 3  # chunks read where the signals disagree
+
+
+def signals(request: PlanRequest) -> dict[str, float]:
+    """The measurements the plan is chosen on (the probe measures each once)."""
+    probe = request.probe
+    if probe is None:
+        raise ValueError("by_need measures the question behind each chunk: it needs the request's probe")
+    likelihood = probe.question_likelihood()
+    ranked = sorted(range(len(request.lengths)), key=lambda c: (-float(likelihood[c]), c))
+    best = ranked[0]
+    second = float(likelihood[ranked[1]]) if len(ranked) > 1 else float("-inf")
+    return {
+        "best": float(best),
+        "retriever_best": float(by_score(request)[0]),
+        "lift": float(likelihood[best]) - probe.question_alone(),
+        "margin": float(likelihood[best]) - second if len(ranked) > 1 else float("inf"),
+    }
+
+
+def several(request: PlanRequest, best: int, likelihood: torch.Tensor, k: int = SEVERAL) -> list[int]:
+    """The best `k` chunks by the model's and the retriever's rankings taken in turn, in the given order with
+    `best` moved last."""
+    by_model = sorted(range(len(request.lengths)), key=lambda c: (-float(likelihood[c]), c))
+    chosen: list[int] = []
+    for pair in zip(by_model, by_score(request)):
+        for c in pair:
+            if c not in chosen and len(chosen) < k:
+                chosen.append(c)
+    return [c for c in sorted(chosen) if c != best] + [best]
+
+
+@register_strategy(
+    "by_need",
+    needs_target=True,
+    picker="likelihood_all",
+    budgeted=False,
+    description="by what the question needs: the model's best chunk alone where it and the retriever agree, else the "
+    "best few stitched with it last (exact over them), and 'the documents do not say' where no chunk bears on it",
+)
+def _by_need(request: PlanRequest) -> Plan:
+    best = _target(request)
+    seen = signals(request)
+    lift, margin = seen["lift"], seen["margin"]
+    if lift < ABSTAIN_LIFT:
+        reason = f"no chunk bears on the question (lift {lift:.2f} < {ABSTAIN_LIFT})"
+        return Plan(order=[best], abstain=True, reason=reason, signals=seen)
+    if int(seen["retriever_best"]) == best or margin > ONE_CHUNK_MARGIN:
+        why = "the retriever's best too" if int(seen["retriever_best"]) == best else f"margin {margin:.2f}"
+        return Plan(order=[best], reason=f"one chunk: the model's best ({why})", signals=seen)
+    assert request.probe is not None
+    order = several(request, best, request.probe.question_likelihood())
+    reason = f"{len(order)} chunks: the model's best is not the retriever's and leads by {margin:.2f} only"
+    return Plan(
+        order=order,
+        recompute={c: torch.arange(request.lengths[c]) for c in order[1:]},
+        reason=reason,
+        signals=seen,
+    )

@@ -1,0 +1,90 @@
+"""The plan chosen by need (kvrag.plan.need): each of its three outcomes on a tiny model, exact where it says so,
+and what it reports (the reason, the signals, the chunks read, the abstention on every path)."""
+
+import pytest
+import torch
+from tiny import STRATEGY_CHUNKS as CHUNKS
+from tiny import STRATEGY_QUESTION as Q
+from tiny import byte_tokenizer, tiny_model
+
+from kvrag import KVModel
+from kvrag.answer import NOT_IN_DOCUMENTS, Answer
+from kvrag.plan import need
+
+SCORES = [0.1, 0.7, 0.2, 0.9, 0.3]
+
+
+@pytest.fixture(scope="module")
+def kv():
+    return KVModel(tiny_model("llama"), byte_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def enc(kv):
+    return kv.encode(CHUNKS)
+
+
+def measured(kv, enc):
+    """The signals by_need reads, as it reads them."""
+    return kv.answer(Q, enc, strategy="by_need", scores=SCORES, max_new_tokens=1).stats.signals
+
+
+def test_signals_are_the_likelihood_lift_and_margin_over_every_chunk(kv, enc):
+    run = kv.prefill(Q, enc, strategy="target_only", picker="likelihood_all", scores=SCORES)
+    seen = measured(kv, enc)
+    assert int(seen["best"]) == run.decision.target and int(seen["retriever_best"]) == 3
+    assert seen["margin"] >= 0 and set(seen) == {"best", "retriever_best", "lift", "margin"}
+    # every chunk is scored, in one pass, and the question alone once: a chunk past the retriever's top three counts
+    probe = kv.prefill(Q, enc, strategy="by_need", scores=SCORES).probe
+    assert sum("question likelihood" in w for w in probe.extra_work) == 1
+    assert any("5 chunks" in w for w in probe.extra_work) and any("question alone" in w for w in probe.extra_work)
+
+
+def test_one_chunk_is_exactly_that_chunk_alone(kv, enc, monkeypatch):
+    monkeypatch.setattr(need, "ABSTAIN_LIFT", float("-inf"))
+    monkeypatch.setattr(need, "ONE_CHUNK_MARGIN", float("-inf"))
+    a = kv.answer(Q, enc, strategy="by_need", scores=SCORES, max_new_tokens=6)
+    best = int(a.stats.signals["best"])
+    b = kv.answer(Q, enc, strategy="target_only", target=best, picker="oracle", max_new_tokens=6)
+    assert a.stats.order == [best] and a.token_ids == b.token_ids and not a.abstained
+    assert a.stats.reason.startswith("one chunk") and a.stats.recomputed_tokens == 0
+
+
+def test_several_chunks_are_exactly_full_prefill_over_them_with_the_best_last(kv, enc, monkeypatch):
+    monkeypatch.setattr(need, "ABSTAIN_LIFT", float("-inf"))
+    monkeypatch.setattr(need, "ONE_CHUNK_MARGIN", float("inf"))
+    scores = list(SCORES)
+    best = int(measured(kv, enc)["best"])
+    if best == 3:  # the retriever must disagree with the model for several chunks to be read
+        scores[3], scores[1] = scores[1], scores[3]
+        scores[best] = 0.0
+        scores[(best + 1) % 5] = 0.95
+    run = kv.prefill(Q, enc, strategy="by_need", scores=scores)
+    order = run.decision.plan.order
+    assert len(order) == need.SEVERAL and order[-1] == best and sorted(order[:-1]) == order[:-1]
+    ids = [c.token_ids.tolist() for c in enc]
+    with torch.inference_mode():
+        want = kv.model(input_ids=torch.tensor([kv.prompt_ids(Q, ids, order)]), logits_to_keep=1).logits[0, -1]
+    assert (run.prefill.logits[-1] - want.float()).abs().max() < 1e-4
+    assert run.decision.plan.reason.startswith(f"{need.SEVERAL} chunks")
+
+
+def test_abstaining_keeps_the_draft_and_says_so_on_every_path(kv, enc, monkeypatch):
+    monkeypatch.setattr(need, "ABSTAIN_LIFT", float("inf"))
+    a = kv.answer(Q, enc, strategy="by_need", scores=SCORES, max_new_tokens=6)
+    best = int(a.stats.signals["best"])
+    b = kv.answer(Q, enc, strategy="target_only", target=best, picker="oracle", max_new_tokens=6)
+    assert a.abstained and a.text == NOT_IN_DOCUMENTS and a.draft == b.text and a.token_ids == b.token_ids
+    assert a.to_dict()["abstained"] is True and a.to_dict()["draft"] == b.text
+    pieces = list(kv.stream(Q, enc, strategy="by_need", scores=SCORES, max_new_tokens=6))
+    assert [p for p in pieces if isinstance(p, str)] == [NOT_IN_DOCUMENTS]
+    assert isinstance(pieces[-1], Answer) and pieces[-1].abstained
+    # a question answered in parts abstains when every part does
+    parts = kv.answer(Q, enc, strategy="by_need", scores=SCORES, parts=[Q, Q + "?"], max_new_tokens=4)
+    assert parts.abstained and parts.text == NOT_IN_DOCUMENTS and all(p.abstained for p in parts.parts)
+
+
+def test_a_named_plan_never_abstains(kv, enc, monkeypatch):
+    monkeypatch.setattr(need, "ABSTAIN_LIFT", float("inf"))
+    a = kv.answer(Q, enc, strategy="target_recompute", scores=SCORES, max_new_tokens=4)
+    assert not a.abstained and a.draft is None and a.stats.reason == "" and a.to_dict()["abstained"] is False
