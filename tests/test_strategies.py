@@ -14,7 +14,7 @@ from kvrag.model.encode import stacked_kv
 from kvrag.plan.probe import Probe
 from kvrag.plan import need
 from kvrag.plan.strategies import BUILTIN_STRATEGIES, TEMPER_T, Plan
-from kvrag.run.recompute import full_prefill
+from kvrag.model.recompute import full_prefill
 
 STUDY = BUILTIN_STRATEGIES
 
@@ -44,6 +44,7 @@ def test_every_study_strategy_is_registered_and_runs(kv, enc):
             "top3_exact": 3,
             "top3_target_last": 3,
             "set_only": 1,  # the oracle's set of one
+            "best_few": need.SEVERAL,
         }.get(name, 5)  # they drop chunks
         if name == "by_need":  # one chunk or several, as its signals say
             kept = len(a.stats.order) if len(a.stats.order) in (1, need.SEVERAL) else -1

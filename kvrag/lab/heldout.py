@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import email.parser
 import importlib.metadata
+import json
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from kvrag.lab.study.data import Chunk, StudyItem, write_jsonl
 
@@ -697,11 +698,94 @@ def half(name: str, docs: list[Document], seed: int = 0) -> list[StudyItem]:
     return [s[i] for i in range(max(map(len, sets))) for s in sets if i < len(s)]
 
 
+# -- choosing and judging on the halves (over `kvrag bench-answers --out` files) --------------------------------
+
+
+def outcomes(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """strategy -> item -> its row, over one or more `kvrag bench-answers` results of the same items."""
+    by: dict[str, dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        for row in run["rows"]:
+            by.setdefault(row["strategy"], {})[row["item"]] = row
+    return by
+
+
+def need_choice(row: dict[str, Any], lift: float, agree: float, alone: float) -> str:
+    """What `by_need` chooses from its recorded signals under these thresholds: "abstain", "one" or "several"."""
+    seen = row["signals"]
+    if seen["lift"] < lift:
+        return "abstain"
+    same = int(seen["best"]) == int(seen["retriever_best"])
+    return "one" if (same and seen["margin"] > agree) or seen["margin"] > alone else "several"
+
+
+def need_right(item: dict[str, Any], choice: str, one: dict[str, Any], few: dict[str, Any]) -> bool:
+    """Whether that choice answers the item right: abstaining is right only where no chunk holds the answer."""
+    if choice == "abstain":
+        return item["family"].endswith("_absent")
+    return bool((one if choice == "one" else few)["correct"])
+
+
+def choose_thresholds(by: dict[str, dict[str, dict[str, Any]]], one: str, few: str) -> dict[str, float]:
+    """The thresholds under which `by_need` answers most items of these results right (ties: the fewest chunks read),
+    from its recorded signals and the answers of its two plans (`one`, `few`: their bench names)."""
+    need = by["by_need"]
+    lifts = sorted({round(r["signals"]["lift"], 3) for r in need.values()}) + [float("inf")]
+    margins = [0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, float("inf")]
+    best: tuple[Any, ...] = ()
+    for lift in [float("-inf"), *lifts]:
+        for agree in margins:
+            for alone in margins:
+                if alone < agree:
+                    continue
+                choices = {i: need_choice(r, lift, agree, alone) for i, r in need.items()}
+                right = sum(need_right(r, choices[i], by[one][i], by[few][i]) for i, r in need.items())
+                key = (right, sum(c != "several" for c in choices.values()), -lift)
+                if not best or key > best[0]:
+                    best = (key, {"lift": lift, "agree": agree, "alone": alone, "right": right, "items": len(need)})
+    return best[1]
+
+
+def table(by: dict[str, dict[str, dict[str, Any]]], strategies: list[str]) -> str:
+    """Right answers a family and strategy (with a 95% interval over every item) and median first token."""
+    import statistics
+
+    from kvrag.lab.study.metrics import wilson
+
+    families = sorted({r["family"] for rows in by.values() for r in rows.values()})
+    lines = ["| family | " + " | ".join(strategies) + " |", "|---|" + "---|" * len(strategies)]
+    for family in [*families, "all"]:
+        cells = []
+        for s in strategies:
+            rows = [r for r in by.get(s, {}).values() if family in ("all", r["family"])]
+            right = sum(r["correct"] for r in rows)
+            cell = f"{right}/{len(rows)}" if rows else "-"
+            if rows and family == "all":
+                lo, hi = wilson(right, len(rows))
+                cell += f" ({100 * right / len(rows):.0f}%, {100 * lo:.0f}-{100 * hi:.0f}), "
+                cell += f"{statistics.median(r['ttft_s'] for r in rows):.2f} s"
+            cells.append(cell)
+        lines.append(f"| {family} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "data" / "heldout"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--choose", nargs="*", type=Path, help="bench-answers results on the choose half: report and "
+                        "choose by_need's thresholds (writes nothing)")
+    parser.add_argument("--judge", nargs="*", type=Path, help="bench-answers results on the judge half: report")
     args = parser.parse_args(argv)
+    if args.choose or args.judge:
+        for name, files in (("choose", args.choose), ("judge", args.judge)):
+            if not files:
+                continue
+            by = outcomes([json.loads(f.read_text()) for f in files])
+            print(f"## {name}\n\n" + table(by, list(by)) + "\n")
+            if name == "choose" and "by_need" in by and {"target_only:likelihood_all", "best_few"} <= set(by):
+                print("by_need thresholds:", choose_thresholds(by, "target_only:likelihood_all", "best_few"))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, docs in (("choose", metadata_documents()), ("judge", dpkg_documents())):

@@ -57,6 +57,26 @@ def several(request: PlanRequest, best: int, likelihood: torch.Tensor, k: int = 
     return [c for c in sorted(chosen) if c != best] + [best]
 
 
+def _exact_over(order: list[int], request: PlanRequest) -> dict[int, torch.Tensor]:
+    """What makes a plan over `order` exactly a full prefill over it: every chunk but the first recomputed (the
+    first chunk's stored KV, encoded right behind the prefix, is its full-prefill KV)."""
+    return {c: torch.arange(request.lengths[c]) for c in order[1:]}
+
+
+@register_strategy(
+    "best_few",
+    needs_target=True,
+    picker="likelihood_all",
+    budgeted=False,
+    description=f"the {SEVERAL} best chunks by the model's likelihood of the question and the retriever's score taken "
+    "in turn, the model's best next to the question: exactly a full prefill over them (by_need's plan of several)",
+)
+def _best_few(request: PlanRequest) -> Plan:
+    assert request.probe is not None  # likelihood_all measured through it
+    order = several(request, _target(request), request.probe.question_likelihood())
+    return Plan(order=order, recompute=_exact_over(order, request))
+
+
 @register_strategy(
     "by_need",
     needs_target=True,
@@ -75,12 +95,7 @@ def _by_need(request: PlanRequest) -> Plan:
     if int(seen["retriever_best"]) == best or margin > ONE_CHUNK_MARGIN:
         why = "the retriever's best too" if int(seen["retriever_best"]) == best else f"margin {margin:.2f}"
         return Plan(order=[best], reason=f"one chunk: the model's best ({why})", signals=seen)
-    assert request.probe is not None
-    order = several(request, best, request.probe.question_likelihood())
-    reason = f"{len(order)} chunks: the model's best is not the retriever's and leads by {margin:.2f} only"
-    return Plan(
-        order=order,
-        recompute={c: torch.arange(request.lengths[c]) for c in order[1:]},
-        reason=reason,
-        signals=seen,
-    )
+    plan = _best_few(request)
+    plan.reason = f"{len(plan.order)} chunks: the model's best is not the retriever's and leads by {margin:.2f} only"
+    plan.signals = seen
+    return plan

@@ -69,6 +69,7 @@ def whole_answers(
                     "text": answer.text,
                     "abstained": answer.abstained,
                     "reason": answer.stats.reason,
+                    "signals": answer.stats.signals,
                     "order": answer.stats.order,
                 }
             )
