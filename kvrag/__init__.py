@@ -24,7 +24,7 @@ from kvrag.errors import (
     StoreError,
     UnsupportedModelError,
 )
-from kvrag.model.kvmodel import KVModel
+from kvrag.kvmodel import KVModel
 from kvrag.model.layout import PromptLayout
 from kvrag.model.loading import SUPPORTED_MODEL_TYPES, ModelFingerprint, check_architecture
 from kvrag.plan.pickers import PICKERS

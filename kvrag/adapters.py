@@ -13,7 +13,7 @@ from kvrag.errors import type_name
 from kvrag.model.loading import DEFAULT_MODEL_NAME, EMBEDDED_WEIGHTS
 from kvrag.plan.parts import split
 from kvrag.plan.request import SAMPLING_FIELDS, check_options, scores_of
-from kvrag.run.generate import DRAFT_TOKENS
+from kvrag.plan.sampling import DRAFT_TOKENS
 
 __all__ = [
     "DEFAULT_MODEL_NAME",

@@ -14,7 +14,7 @@ from kvrag.compat import with_cache
 from kvrag.cpu import cbf16
 from kvrag.cpu.attention import GQA_SDPA, use_gqa_sdpa
 from kvrag.model.kvmodel import KVModel
-from kvrag.run.recompute import causal_mask
+from kvrag.model.recompute import causal_mask
 
 
 def _copies_kv_heads(monkeypatch: pytest.MonkeyPatch) -> list[int]:

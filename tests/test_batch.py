@@ -1,4 +1,4 @@
-"""kvrag.run.batch: many prompts of different lengths as one left-padded batch decode and teacher-force as each
+"""kvrag.model.batch: many prompts of different lengths as one left-padded batch decode and teacher-force as each
 prompt alone."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import torch
 from tiny import FACTS, byte_tokenizer, tiny_model
 
 from kvrag.model.kvmodel import KVModel
-from kvrag.run.batch import PaddedBatch
-from kvrag.run.recompute import full_prefill
+from kvrag.model.batch import PaddedBatch
+from kvrag.model.recompute import full_prefill
 
 
 def stop_ids(kv: KVModel) -> set[int]:

@@ -9,7 +9,7 @@ from tiny import tiny_model
 
 from kvrag.cpu import cbf16, ckernel, cpaged
 from kvrag.cpu.decode import Room, decoder_of, native_decoding
-from kvrag.run.recompute import full_prefill
+from kvrag.model.recompute import full_prefill
 
 needs_kernel = pytest.mark.skipif(not ckernel.available(), reason="no C compiler here: the step keeps torch's")
 
@@ -200,7 +200,7 @@ def test_the_one_pass_stitch_writes_what_the_rotation_and_copies_write_and_nothi
 def test_a_stitched_prefill_is_the_same_through_the_one_pass_kernel_and_through_torch(dtype, monkeypatch):
     from kvrag.model.encode import encode_chunks, encode_prefix
     from kvrag.model.rope import Repositioner
-    from kvrag.run.recompute import recompute
+    from kvrag.model.recompute import recompute
 
     model = copy.deepcopy(tiny_model("llama")).to(dtype)  # the shared model stays as it is
     ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(5)).tolist()

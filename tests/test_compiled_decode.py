@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from kvrag.cpu import ckernel
 from kvrag.cpu.decode import BLOCK, Room, compile_decoding, decode_room, decoder_of, native_decoding
 from kvrag.run.generate import Sampling, decode
-from kvrag.run.recompute import full_prefill
+from kvrag.model.recompute import full_prefill
 
 NO_COMPILER = not any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 needs_compiler = pytest.mark.skipif(NO_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")

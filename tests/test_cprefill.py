@@ -18,7 +18,7 @@ from kvrag.cpu.norm import use_prefill_norms
 from kvrag.cpu.rotary import use_prefill_rotary
 from kvrag.model.encode import encode_chunks, encode_prefix
 from kvrag.model.rope import Repositioner
-from kvrag.run.recompute import recompute
+from kvrag.model.recompute import recompute
 
 needs_kernel = pytest.mark.skipif(not cbf16.prefill_layers_available(), reason="no AVX512-BF16 CPU or no compiler")
 

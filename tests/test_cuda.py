@@ -19,7 +19,7 @@ from kvrag.cache.kv import ChunkKV
 from kvrag.model.encode import encode_chunks, encode_prefix, stacked_kv
 from kvrag.model.rope import Repositioner
 from kvrag.run.generate import Sampling, decode
-from kvrag.run.recompute import full_prefill, recompute
+from kvrag.model.recompute import full_prefill, recompute
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

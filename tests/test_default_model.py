@@ -13,7 +13,7 @@ from kvrag.cache.kv import ChunkKV
 from kvrag.lab.demo import run_demo, sample_docs
 from kvrag.model.encode import stacked_kv
 from kvrag.plan.strategies import BUILTIN_STRATEGIES
-from kvrag.run.recompute import full_prefill, recompute
+from kvrag.model.recompute import full_prefill, recompute
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from tiny import ARCHS, FAST_DECODED, tiny_model
 from kvrag.cpu import ckernel
 from kvrag.cpu.decode import FastDecoder, Room, decoder_of, native_decoding, supports
 from kvrag.run.generate import Sampling, _forward, decode
-from kvrag.run.recompute import full_prefill
+from kvrag.model.recompute import full_prefill
 
 TAKEN = FAST_DECODED
 OTHERS = [name for name in ARCHS if name not in TAKEN]

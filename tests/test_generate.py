@@ -83,7 +83,7 @@ def test_bad_sampling_values_are_refused(kwargs, match):
 
 
 def _prefills(model, prompts):
-    from kvrag.run.recompute import full_prefill
+    from kvrag.model.recompute import full_prefill
 
     outs = [full_prefill(model, ids) for ids in prompts]
     return outs, [(o.cache, o.logits[-1], o.next_position) for o in outs]

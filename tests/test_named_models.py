@@ -14,7 +14,7 @@ from kvrag.cache.kv import ChunkKV
 from kvrag.model import catalog
 from kvrag.model.encode import stacked_kv
 from kvrag.run.generate import Sampling, decode
-from kvrag.run.recompute import full_prefill, recompute
+from kvrag.model.recompute import full_prefill, recompute
 
 pytestmark = [
     pytest.mark.slow,

@@ -252,4 +252,4 @@ def test_parts_by_the_model_run_its_own_generation_and_fall_back_to_whole(kv, mo
     assert got.token_ids == auto.token_ids  # the same parts as the built-in splitter's: the same answers
     monkeypatch.setattr(kv, "stream_prompt", reply("I cannot split that."))
     whole = kv.answer(question, STRATEGY_CHUNKS, parts="model", strategy="target_recompute", max_new_tokens=3)
-    assert whole.parts == [] and run_parts.model_parts(kv, question) is None
+    assert whole.parts == [] and run_parts.model_parts(kv, question, kv.stream_prompt) is None

@@ -13,7 +13,7 @@ from kvrag.cache.kv import ChunkKV
 from kvrag.run import pipeline
 from kvrag.run.executor import HFExecutor, Job, StoredChunk
 from kvrag.run.generate import decode
-from kvrag.run.recompute import full_prefill
+from kvrag.model.recompute import full_prefill
 
 TEXTS = [
     "The river Tam floods every spring.",

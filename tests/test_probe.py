@@ -10,7 +10,7 @@ from kvrag.cache.chunks import ChunkSource
 from kvrag.cache.kv import ChunkKV
 from kvrag.model.encode import stacked_kv
 from kvrag.plan.probe import Probe
-from kvrag.run.recompute import full_prefill
+from kvrag.model.recompute import full_prefill
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "gemma"])

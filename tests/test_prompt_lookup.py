@@ -12,7 +12,7 @@ from kvrag.cpu import ckernel
 from kvrag.cpu.decode import decoder_of, native_decoding
 from kvrag.errors import InvalidRequestError
 from kvrag.run.generate import PromptLookup, Sampling, decode
-from kvrag.run.recompute import full_prefill
+from kvrag.model.recompute import full_prefill
 
 TAKEN = FAST_DECODED
 needs_kernels = pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.cpu.ckernel")

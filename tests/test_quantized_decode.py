@@ -13,7 +13,7 @@ from tiny import FAST_DECODED, tiny_config, tiny_model
 from kvrag.cpu import ckernel, decode_weights
 from kvrag.cpu.cstep import INT8_GROUP, int4_rows, int8_rows
 from kvrag.cpu.decode import Room, decoder_of, native_decoding
-from kvrag.run.recompute import full_prefill
+from kvrag.model.recompute import full_prefill
 
 needs_c = pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.cpu.ckernel")
 

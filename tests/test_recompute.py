@@ -1,4 +1,4 @@
-"""kvrag.run.recompute: the stitched layout's positions and mask, and plain prefill continued from a shared prefix.
+"""kvrag.model.recompute: the stitched layout's positions and mask, and plain prefill continued from a shared prefix.
 (That stitching equals full prefill is proven in test_exactness.py.)"""
 
 import torch
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from tiny import FACTS, byte_tokenizer, tiny_model
 
 from kvrag.model.kvmodel import KVModel
-from kvrag.run.recompute import causal_mask, full_prefill, stitch_layout
+from kvrag.model.recompute import causal_mask, full_prefill, stitch_layout
 
 
 @given(st.data())

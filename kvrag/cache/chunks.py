@@ -1,7 +1,7 @@
 """From a request's chunks (texts or ChunkKV) to their token ids and, when asked, their KV: the one way to get it.
 
-`ChunkSource` binds a KVModel to an optional store and namespace; it owns the one chunk key (namespace
-included) that the engine, the study and the bench all use. `Chunks` is one request's set: token ids at
+`ChunkSource` binds a model runtime (`kvrag.model.runtime`; a KVModel is one) to an optional store and
+namespace; it owns the one chunk key (namespace included) that the engine, the study and the bench all use. `Chunks` is one request's set: token ids at
 once (checked), KV only for the chunks a plan or a picker reads, each fetched once: from the store, else
 encoded (and stored). It never plans and never runs a prefill.
 """
@@ -11,16 +11,12 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
-from kvrag.cache.kv import ChunkKey, ChunkKV
+from kvrag.cache.kv import ChunkKey, ChunkKV, StoredChunk
 from kvrag.cache.store import KVStore, StoreWarning
 from kvrag.errors import StoreError
-from kvrag.model.encode import encode_chunks
-from kvrag.run.executor import StoredChunk
-
-if TYPE_CHECKING:
-    from kvrag.model.kvmodel import KVModel
+from kvrag.model.runtime import ModelRuntime
 
 
 class ChunkSource:
@@ -36,7 +32,7 @@ class ChunkSource:
 
     def __init__(
         self,
-        kvmodel: KVModel,
+        kvmodel: ModelRuntime,
         store: KVStore | None = None,
         namespace: str = "",
         secret: bytes = b"",
@@ -115,14 +111,7 @@ class ChunkSource:
         model = self.kvmodel
         for group in _groups([len(i) for i in ids], max(model.batch_tokens, 1)):
             with model.lock:
-                kvs = encode_chunks(
-                    model.model,
-                    model.chunk_prefix,
-                    [ids[i] for i in group],
-                    batch_tokens=model.batch_tokens,
-                    on_batch=on_batch,
-                    encoder=model.encoder_id,
-                )
+                kvs = model.encode_ids([ids[i] for i in group], on_batch=on_batch)
             for i, kv in zip(group, kvs):
                 self.store.put(keys[i], kv)  # type: ignore[union-attr]
             del kvs
@@ -272,13 +261,7 @@ class Chunks:
         if not fresh:
             return
         t0 = time.perf_counter()
-        encoded = encode_chunks(
-            model.model,
-            model.chunk_prefix,
-            [self.ids[i] for i in fresh],
-            batch_tokens=model.batch_tokens,
-            encoder=model.encoder_id,
-        )
+        encoded = model.encode_ids([self.ids[i] for i in fresh])
         self.encode_s += time.perf_counter() - t0
         self.encoded += len(fresh)
         for i, kv in zip(fresh, encoded):

@@ -97,3 +97,15 @@ def _id_bytes(ids: Sequence[int]) -> bytes:
         return struct.pack(f"<{len(values)}I", *values)
     except struct.error as err:
         raise ValueError(f"token ids must be integers in [0, 2**32): {err}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredChunk:
+    """A reused chunk whose KV stays in the store: the executor reads it there itself (`Executor.reads_store`)."""
+
+    key: str  # the store key of its entry
+    start: int  # the position its KV was encoded at
+    length: int  # its tokens
+
+    def __len__(self) -> int:
+        return self.length

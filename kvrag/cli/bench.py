@@ -88,7 +88,7 @@ def add_bench(sub: Any) -> None:
 
 def _bench_ingest(args: argparse.Namespace) -> None:
     from kvrag.lab.bench.ttft import ingest_benchmark
-    from kvrag.model.kvmodel import KVModel
+    from kvrag.kvmodel import KVModel
 
     kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
     ingest_benchmark(kv, copies=args.copies, runs=args.runs)
@@ -96,7 +96,7 @@ def _bench_ingest(args: argparse.Namespace) -> None:
 
 def _bench_decode(args: argparse.Namespace) -> None:
     from kvrag.lab.bench.decode import decode_benchmark
-    from kvrag.model.kvmodel import KVModel
+    from kvrag.kvmodel import KVModel
 
     kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
@@ -107,7 +107,7 @@ def _bench_dtype(args: argparse.Namespace) -> None:
     import torch
 
     from kvrag.lab.bench.dtype import dtype_quality, markdown
-    from kvrag.model.kvmodel import KVModel
+    from kvrag.kvmodel import KVModel
     from kvrag.model.loading import resolve_dtype
 
     if resolve_dtype(args.dtype, args.device) == torch.float32:
@@ -130,7 +130,7 @@ def _bench_dtype(args: argparse.Namespace) -> None:
 
 def _bench_answers(args: argparse.Namespace) -> None:
     from kvrag.lab.bench.answers import markdown, quantized, whole_answers
-    from kvrag.model.kvmodel import KVModel
+    from kvrag.kvmodel import KVModel
     from kvrag.plan.strategies import get_strategy
 
     strategies = parse_csv(args.strategies, str, "--strategies")
@@ -158,7 +158,7 @@ def _bench_vllm(args: argparse.Namespace) -> None:
 
 def _bench(args: argparse.Namespace) -> None:
     from kvrag.lab.bench.report import run_bench
-    from kvrag.model.kvmodel import KVModel
+    from kvrag.kvmodel import KVModel
     from kvrag.plan.pickers import get_picker
     from kvrag.plan.strategies import BUILTIN_STRATEGIES, get_strategy
 

@@ -149,7 +149,7 @@ def _tune(args: argparse.Namespace) -> None:
 def _study(args: argparse.Namespace) -> None:
     from kvrag.lab.study import StudyConfig, load_items, run_study
     from kvrag.lab.study.rows import DEFAULT_STRATEGIES
-    from kvrag.model.kvmodel import KVModel
+    from kvrag.kvmodel import KVModel
     from kvrag.plan.request import check_budget
 
     if args.budget is not None and args.budgets is not None:

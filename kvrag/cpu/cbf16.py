@@ -176,7 +176,7 @@ def prefill_layers(
     call (`kernels/prefill_layers.c`): the last token's logits [V] bfloat16. Token i sits at logical position
     query_positions[i] with the rotary rows cos[i], sin[i] ([n, d] bfloat16), its key and value go to slot
     filled + i of each layer's keys and values ([H_kv, capacity, d] bfloat16, contiguous), and it sees the slots j
-    whose logical position key_positions[j] is at most its own (the mask `kvrag.run.recompute.causal_mask` makes; both
+    whose logical position key_positions[j] is at most its own (the mask `kvrag.model.recompute.causal_mask` makes; both
     int64, key_positions [filled + n]). None where it does not take the call (no kernel, another dtype or shape, a
     token outside the vocabulary, a cache of other layers or without room).
 

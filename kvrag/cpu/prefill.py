@@ -11,7 +11,7 @@ product, gate and up in another), so its logits and the cache it writes are the 
 (tested on llama, mistral, qwen2 and qwen3). It takes the call only where that holds: a llama, mistral, qwen2 or
 qwen3 model whose every module is the one kvrag made (any other, or a hook anywhere, and the model's forward
 runs), one prompt of two or more tokens, a cache with room for them, the last token's logits. It takes the tokens'
-logical positions where the model's forward takes kvrag's 4-D mask (`kvrag.run.recompute.causal_mask`, made from
+logical positions where the model's forward takes kvrag's 4-D mask (`kvrag.model.recompute.causal_mask`, made from
 the same positions): which keys each token sees is worked out once, in C, for every layer.
 """
 
@@ -42,12 +42,12 @@ def forward(
 ) -> torch.Tensor | None:
     """The last token's logits [1, V] float32 of the model's forward over `input_ids` ([1, n]) at the logical
     positions `query_positions` ([n]), each token seeing the keys whose logical position (`key_positions`,
-    [filled + n]) is at most its own (`kvrag.run.recompute.causal_mask`), with a cache whose layers' keys and values are
+    [filled + n]) is at most its own (`kvrag.model.recompute.causal_mask`), with a cache whose layers' keys and values are
     `keys[l]`, `values[l]` ([H_kv, capacity, d], the first `filled` slots filled), the tokens' keys and values
     written into slots filled.. as that forward writes them; None where this path does not take the call (then the
     caller runs the model's forward; the filled slots are as they were, the room past them may have been written).
 
-    `stitch`: the filled slots' stitch, not yet written (`kvrag.run.recompute.stitch_cache(deferred=True)`): the C call
+    `stitch`: the filled slots' stitch, not yet written (`kvrag.model.recompute.stitch_cache(deferred=True)`): the C call
     writes each layer's just before its attention (`cbf16.prefill_layers`); where it is not taken the caller
     writes it (`stitch.written` is False)."""
     taken = _step(model)

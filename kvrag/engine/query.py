@@ -110,13 +110,17 @@ class Querying:
 
             yield from self._answer_parts(request, split_parts, sources, t0, time.perf_counter() - t0, retrieve)
 
+    def _with_default(self, request: Request) -> Request:
+        """The one place an engine's request gets its default: the index's tuned one, else the model's shipped one."""
+        return request.with_default(self.defaults or shipped_default(self.kvmodel.fingerprint.weights))
+
     def _parts(self, question: str, parts: Any, options: Mapping[str, Any]) -> list[Part] | None:
         """The parts a question is answered in: the caller's, else the default's when no strategy is named."""
         if parts is None and options.get("strategy") in (None, "default"):  # the default may split questions
             parts = default_parts(self.defaults or shipped_default(self.kvmodel.fingerprint.weights))
         if parts is None:
             return None
-        return resolve_parts(question, parts, lambda q: run_parts.model_parts(self.kvmodel, q))
+        return resolve_parts(question, parts, lambda q: run_parts.model_parts(self.kvmodel, q, self.kvmodel.stream_prompt))
 
     def _answer_parts(
         self,
@@ -129,7 +133,8 @@ class Querying:
         given: Chunks | None = None,
     ) -> Iterator[str | Answer]:
         """The parts answered over the request's chunks, then their composed text as one piece and the Answer."""
-        request.with_default(self.defaults)
+        named = request.picker
+        self._with_default(request)
         vectors = torch.as_tensor(self.embedder.embed([str(t) for t in request.chunks or []]))
 
         def scores_of(part: str) -> list[float]:
@@ -146,6 +151,7 @@ class Querying:
             retrieve=retrieve,
             sources=sources,
             retrieve_s=retrieve_s,
+            named_picker=named,
         )
         mark_read(answer)
         if answer.text:
@@ -174,7 +180,7 @@ class Querying:
         phases: Phases | None,
         chunks: Chunks | None = None,
     ) -> Iterator[str | Answer]:
-        request.with_default(self.defaults)  # the index's tuned default; else the model's shipped one (pipeline)
+        self._with_default(request)
         chunks = chunks if chunks is not None else self.source.chunks(request.chunks)
         for item in pipeline.stream(
             self.kvmodel,

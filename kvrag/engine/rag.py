@@ -39,7 +39,7 @@ from kvrag.errors import (
     StoreError,
 )
 from kvrag.files import make_dirs
-from kvrag.model.kvmodel import KVModel
+from kvrag.kvmodel import KVModel
 from kvrag.plan.defaults import load_default
 from kvrag.run.executor import Executor
 

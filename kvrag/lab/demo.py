@@ -21,7 +21,7 @@ from kvrag.cache.store import MemoryStore
 from kvrag.engine.documents import Document
 from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
-from kvrag.model.kvmodel import KVModel
+from kvrag.kvmodel import KVModel
 from kvrag.plan.defaults import shipped_default
 
 COMPARED = ("target_recompute", "reuse", "full_prefill")  # shown beside the model's default

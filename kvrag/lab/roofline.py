@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.cpu import ckernel, hugepages
-from kvrag.model.kvmodel import KVModel
+from kvrag.kvmodel import KVModel
 
 
 @dataclass(slots=True)

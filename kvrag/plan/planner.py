@@ -30,6 +30,7 @@ class Decision:
     target: int | None  # the picked target (of a set picker's several chunks, the best)
     budget_tokens: int  # floor(budget x context tokens)
     targets: list[int] | None = None  # every picked chunk, best first (one for a picker of one target)
+    budget: float = 0.0  # the fraction of context tokens the plan may recompute (the request's, else the default)
 
 
 def default_picker(strategy: Strategy, picker: str | None, target: int | None) -> str:
@@ -43,7 +44,11 @@ def make_plan(request: Request, lengths: Sequence[int], probe: Probe | None) -> 
     `request` is valid (`kvrag.plan.request` checked it where it was made) and names its strategy and budget
     (`Request.with_default`); `lengths` are its chunks' token counts.
     """
-    strategy = get_strategy(request.strategy or "")
+    if request.strategy is None:
+        raise InvalidRequestError(
+            "the request names no strategy: its entry point applies a default first (Request.with_default)"
+        )
+    strategy = get_strategy(request.strategy)
     budget = request.budget if request.budget is not None else DEFAULT_BUDGET
     picker_name = default_picker(strategy, request.picker, request.target)
     picked, targets = None, None
@@ -63,7 +68,9 @@ def make_plan(request: Request, lengths: Sequence[int], probe: Probe | None) -> 
         probe=probe,
     )
     plan = check_plan(strategy.build(plan_request), lengths, strategy.name)
-    return Decision(plan, picker_name if strategy.needs_target else None, picked, plan_request.budget_tokens, targets)
+    return Decision(
+        plan, picker_name if strategy.needs_target else None, picked, plan_request.budget_tokens, targets, float(budget)
+    )
 
 
 def check_plan(plan: Plan, lengths: Sequence[int], name: str) -> Plan:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -21,13 +21,11 @@ from transformers import DynamicCache
 from kvrag.cache.chunks import Chunks
 from kvrag.cache.kv import ChunkKV
 from kvrag.compat import with_cache
+from kvrag.model.batch import PaddedBatch
 from kvrag.model.encode import stacked_kv
+from kvrag.model.recompute import Prefill, as_cache, full_prefill, recompute
 from kvrag.model.rope import Repositioner
-from kvrag.run.batch import PaddedBatch
-from kvrag.run.recompute import Prefill, as_cache, full_prefill, recompute
-
-if TYPE_CHECKING:
-    from kvrag.model.kvmodel import KVModel
+from kvrag.model.runtime import ModelRuntime
 
 
 Measured = TypeVar("Measured", bound=Callable[..., Any])
@@ -116,8 +114,8 @@ class Probe:
         self._alone: float | None = None  # question_alone's answer
 
     @classmethod
-    def of(cls, kvmodel: KVModel, chunks: Chunks, suffix_ids: Sequence[int], question: str) -> Probe:
-        """The probe of one request on a KVModel."""
+    def of(cls, kvmodel: ModelRuntime, chunks: Chunks, suffix_ids: Sequence[int], question: str) -> Probe:
+        """The probe of one request on a model runtime (a KVModel is one)."""
         return cls(
             kvmodel.model,
             kvmodel.repositioner,

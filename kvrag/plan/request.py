@@ -16,7 +16,7 @@ from kvrag.errors import EmptyInputError, InvalidRequestError
 from kvrag.model.layout import check_unicode
 from kvrag.plan.pickers import get_picker
 from kvrag.plan.strategies import get_strategy
-from kvrag.run.generate import Sampling
+from kvrag.plan.sampling import Sampling
 
 if TYPE_CHECKING:
     from kvrag.cache.kv import ChunkKV

@@ -1,6 +1,6 @@
 """Repair strategies as plans: where each chunk goes (the order) and which context tokens are recomputed (S).
 
-A strategy only decides; `kvrag.run.recompute` carries the plan out, and `kvrag.plan.probe` measures what a
+A strategy only decides; `kvrag.model.recompute` carries the plan out, and `kvrag.plan.probe` measures what a
 strategy asks of the model. Strategies live in a registry, so a user adds one with
 `@register_strategy("name")` without touching the engine.
 

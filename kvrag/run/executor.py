@@ -2,36 +2,22 @@
 
 Planning (`kvrag.plan.planner`) decides the order and the token set S; an executor carries a `Job` out and
 never decides anything. `HFExecutor` runs it in-process through the transformers forward (the one
-primitive, `kvrag.run.recompute`); another executor (a serving engine) implements the same three calls.
+primitive, `kvrag.model.recompute`); another executor (a serving engine) implements the same three calls.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import torch
 
-from kvrag.cache.kv import ChunkKV
-from kvrag.run.generate import Sampling, decode
-from kvrag.run.recompute import Prefill, Workspace, full_prefill, recompute
+from kvrag.cache.kv import ChunkKV, StoredChunk
+from kvrag.model.recompute import Prefill, Workspace, full_prefill, recompute
+from kvrag.model.runtime import ModelRuntime
+from kvrag.plan.sampling import Sampling
+from kvrag.run.generate import decode
 from kvrag.timing import Phases, phase
-
-if TYPE_CHECKING:
-    from kvrag.model.kvmodel import KVModel
-
-
-@dataclass(frozen=True, slots=True)
-class StoredChunk:
-    """A reused chunk whose KV stays in the store: the executor reads it there itself (`Executor.reads_store`)."""
-
-    key: str  # the store key of its entry
-    start: int  # the position its KV was encoded at
-    length: int  # its tokens
-
-    def __len__(self) -> int:
-        return self.length
-
 
 @dataclass(slots=True)
 class Job:
@@ -76,7 +62,7 @@ class Executor(Protocol):
 
 
 class HFExecutor:
-    """Runs jobs in-process on a KVModel's transformers model (callers hold the model's lock for `prefill`).
+    """Runs jobs in-process on a model runtime's transformers model (callers hold the model's lock for `prefill`).
 
     `pooled=True` writes the stitched cache into buffers reused from one answer to the next (give them back
     with `release`); a caller that keeps several prefills alive at once (the study) leaves it off.
@@ -84,14 +70,14 @@ class HFExecutor:
 
     reads_store = False
 
-    def __init__(self, kvmodel: KVModel) -> None:
-        self.kvmodel = kvmodel
+    def __init__(self, runtime: ModelRuntime) -> None:
+        self.kvmodel = runtime  # the model runtime it runs on (a KVModel is one)
         self.workspace = Workspace()
 
     def prefill(self, job: Job, *, phases: Phases | None = None, pooled: bool = False) -> Prefill:
         kv = self.kvmodel
         if job.full_prefill:
-            ids = [*kv.layout.prefix_ids, *(t for c in job.chunk_ids for t in c), *job.suffix_ids]
+            ids = kv.prompt_of(job.chunk_ids, job.suffix_ids)
             with phase(phases, "forward"):
                 out = full_prefill(kv.model, ids, logits_to_keep=job.logits_to_keep)
             out.recomputed_tokens = job.context_tokens

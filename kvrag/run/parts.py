@@ -9,33 +9,36 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from kvrag import cpu
 from kvrag.answer import NOT_IN_DOCUMENTS, Answer, Source, last_answer
 from kvrag.cache.chunks import Chunks, ChunkSource
-from kvrag.plan.defaults import shipped_default
+from kvrag.model.runtime import ModelRuntime
 from kvrag.plan.parts import SPLIT_INSTRUCTION, Part, composed, parsed
 from kvrag.plan.request import Request
 from kvrag.run.executor import Executor, HFExecutor
 from kvrag.run.generate import Detokenizer, decode_together
 from kvrag.run.pipeline import Prefilled, prefill, stats_of, stream
 
-if TYPE_CHECKING:
-    from kvrag.model.kvmodel import KVModel
 
-
-def model_parts(kvmodel: KVModel, question: str, max_new_tokens: int = 96) -> list[Part] | None:
+def model_parts(
+    kvmodel: ModelRuntime,
+    question: str,
+    generate: Callable[..., Iterator[str | Answer]],
+    max_new_tokens: int = 96,
+) -> list[Part] | None:
     """The parts the model itself lists for `question` (greedy, under its chat template, no chunks), or None
     when its reply does not list two to four questions about what the question names (`kvrag.plan.parts.parsed`):
-    the question is then answered whole. One short generation; only as good as the model."""
+    the question is then answered whole. One short generation through `generate` (a prompt's ids and `Sampling`'s
+    keywords to answer pieces: `KVModel.stream_prompt`); only as good as the model."""
     tokenizer = kvmodel.tokenizer
     message = [{"role": "user", "content": SPLIT_INSTRUCTION.format(question=question.strip())}]
     text = message[0]["content"] + "\n"
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    reply = last_answer(kvmodel.stream_prompt(ids, max_new_tokens=max_new_tokens))
+    reply = last_answer(generate(ids, max_new_tokens=max_new_tokens))
     return parsed(reply.text, question)
 
 
@@ -50,7 +53,7 @@ class Retrieved:
 
 
 def answer_parts(
-    kvmodel: KVModel,
+    kvmodel: ModelRuntime,
     request: Request,
     parts: Sequence[Part],
     chunks: Chunks,
@@ -61,6 +64,7 @@ def answer_parts(
     retrieve: Callable[[str], Retrieved | None] | None = None,
     sources: Sequence[Source] = (),
     retrieve_s: float = 0.0,
+    named_picker: str | None = None,
 ) -> Answer:
     """Each part answered as its own request over the same chunks (their KV read once, shared by every part),
     then one Answer: the parts' answers composed (`Answer.composed` says how), every part's own Answer in `parts`.
@@ -71,10 +75,10 @@ def answer_parts(
     part the same chunk. `retrieve(question)`: a hop's own retrieval, run with the previous part's answer in
     its question (chunks it shares with the first retrieval come from the store); None keeps the given chunks.
     A comparison whose answers state no single number each is decided by one short pass of the model over the
-    parts' questions and answers.
+    parts' questions and answers. `request` carries its default already (the entry point applied it);
+    `named_picker` is the picker the caller named before that.
     """
-    named = request.picker  # the caller's; else the default's where each part has its own scores
-    request.with_default(shipped_default(kvmodel.fingerprint.weights))
+    named = named_picker  # the caller's; else the default's where each part has its own scores
     answers: list[Answer] = []
     read = {s.id: s for s in sources}
     previous: str | None = None
@@ -139,7 +143,7 @@ def answer_parts(
 
 
 def _together(
-    kvmodel: KVModel, subs: Sequence[Request], chunks: Chunks, executor: HFExecutor, sources: Sequence[Source]
+    kvmodel: ModelRuntime, subs: Sequence[Request], chunks: Chunks, executor: HFExecutor, sources: Sequence[Source]
 ) -> list[Answer] | None:
     """The parts' answers, each part prefilled on its own cache, then all decoded side by side
     (`decode_together`: one pass over the weights a token for every part still going). Each part's tokens are
@@ -183,7 +187,7 @@ def _together(
     return answers
 
 
-def _judge(kvmodel: KVModel, request: Request, parts: Sequence[Part], answers: Sequence[Answer],
+def _judge(kvmodel: ModelRuntime, request: Request, parts: Sequence[Part], answers: Sequence[Answer],
            executor: Executor) -> Answer:
     """A comparison the parts' answers could not decide in code, asked whole over those answers alone: one short
     prompt (the parts' questions and answers as its one chunk, encoded here and never stored)."""

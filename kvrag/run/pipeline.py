@@ -2,31 +2,29 @@
 
 The seam: `plan` decides (picker, strategy, probe) and `job_of` turns the decision into an executor's
 `Job`; the executor (`kvrag.run.executor`) prefills and decodes. This module holds no model state of its own:
-KVModel and the engine call it with a `Request` that is already valid.
+KVModel and the engine call it with a `Request` that is already valid and carries its default (they apply it,
+once); it runs what it is handed.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from kvrag import cpu
 from kvrag.answer import NOT_IN_DOCUMENTS, Answer, AnswerStats, Source
 from kvrag.cache.chunks import Chunks
-from kvrag.errors import ContextOverflowError
-from kvrag.plan.defaults import shipped_default
+from kvrag.errors import ContextOverflowError, EmptyInputError
+from kvrag.model.recompute import Prefill, full_prefill
+from kvrag.model.runtime import ModelRuntime
 from kvrag.plan.planner import Decision, make_plan
 from kvrag.plan.probe import Probe
 from kvrag.plan.request import Request
+from kvrag.plan.sampling import Sampling
 from kvrag.run.executor import Executor, HFExecutor, Job
-from kvrag.run.generate import Detokenizer, Sampling
-from kvrag.run.recompute import Prefill
+from kvrag.run.generate import Detokenizer
 from kvrag.timing import Phases, phase
-
-if TYPE_CHECKING:
-    from kvrag.model.kvmodel import KVModel
-
 
 @dataclass(slots=True)
 class Prefilled:
@@ -47,7 +45,7 @@ class Prefilled:
         return self.chunks.encode_s
 
 
-def plan(kvmodel: KVModel, request: Request, chunks: Chunks, probe: Probe) -> Decision:
+def plan(kvmodel: ModelRuntime, request: Request, chunks: Chunks, probe: Probe) -> Decision:
     """The checked plan of a request (its strategy and picker run here, measuring through `probe`)."""
     return make_plan(request, chunks.lengths, probe)
 
@@ -90,7 +88,7 @@ def job_of(
 
 
 def prefill(
-    kvmodel: KVModel,
+    kvmodel: ModelRuntime,
     request: Request,
     chunks: Chunks,
     executor: Executor,
@@ -107,7 +105,6 @@ def prefill(
     class that measures for the picker and the strategy (the study passes one that keeps what it measured).
     `pooled`: see `HFExecutor`.
     """
-    request.with_default(shipped_default(kvmodel.fingerprint.weights))
     suffix = kvmodel.layout.suffix_ids(request.question)
     check_fits(kvmodel, chunks, suffix, room)
     with chunks.deferring():  # misses encoded under the lock are stored once it is released
@@ -116,7 +113,7 @@ def prefill(
             decision = plan(kvmodel, request, chunks, measure)
         passed = _picked_pass(kvmodel, executor, decision, measure, room) if logits_to_keep == 1 else None
         if passed is not None:  # the picker's pass over the winner was this prompt's prefill: no second forward
-            passed.prompt_ids = [*kvmodel.layout.prefix_ids, *chunks.ids[decision.plan.order[0]], *suffix]
+            passed.prompt_ids = kvmodel.prompt_of([chunks.ids[decision.plan.order[0]]], suffix)
             return Prefilled(passed, decision, measure, chunks, len(chunks.ids[decision.plan.order[0]]))
         if not executor.reads_store:
             with phase(phases, "store load"):  # outside the lock: a slow store holds up this request only
@@ -134,11 +131,11 @@ def prefill(
                 )
             out = executor.prefill(job, phases=phases, pooled=pooled)
     if out.prompt_ids is None:  # what decoding's prompt-lookup drafts are looked up in
-        out.prompt_ids = [*kvmodel.layout.prefix_ids, *(t for ids in job.chunk_ids for t in ids), *job.suffix_ids]
+        out.prompt_ids = kvmodel.prompt_of(job.chunk_ids, job.suffix_ids)
     return Prefilled(out, decision, measure, chunks, job.context_tokens)
 
 
-def _picked_pass(kvmodel: KVModel, executor: Executor, decision: Decision, measure: Probe, room: int) -> Prefill | None:
+def _picked_pass(kvmodel: ModelRuntime, executor: Executor, decision: Decision, measure: Probe, room: int) -> Prefill | None:
     """The prefill of a plan of one chunk's stored KV as is (`target_only`), when the question-likelihood picker's
     pass already ran the suffix behind that chunk (`Probe.suffix_pass`), for an in-process executor; else None."""
     plan_ = decision.plan
@@ -158,7 +155,7 @@ def _picked_pass(kvmodel: KVModel, executor: Executor, decision: Decision, measu
     return passed
 
 
-def check_fits(kvmodel: KVModel, chunks: Chunks, suffix: Sequence[int], max_new_tokens: int) -> None:
+def check_fits(kvmodel: ModelRuntime, chunks: Chunks, suffix: Sequence[int], max_new_tokens: int) -> None:
     """Refuse a prompt that, with the tokens to decode, would not fit the model's context."""
     total = len(kvmodel.prefix) + sum(chunks.lengths) + len(suffix)
     if total + max_new_tokens > kvmodel.max_positions:
@@ -170,7 +167,7 @@ def check_fits(kvmodel: KVModel, chunks: Chunks, suffix: Sequence[int], max_new_
 
 
 def stream(
-    kvmodel: KVModel,
+    kvmodel: ModelRuntime,
     request: Request,
     chunks: Chunks,
     executor: Executor,
@@ -202,6 +199,37 @@ def stream(
     )
 
 
+def stream_prompt(
+    kvmodel: ModelRuntime, executor: Executor, prompt: str | Sequence[int], **sampling: Any
+) -> Iterator[str | Answer]:
+    """Plain generation from a whole prompt (text, tokenized as is, or ids): full prefill, no chunks, no plan.
+
+    The keyword arguments are `Sampling`'s (max_new_tokens, temperature, top_p, seed, stop, prompt_lookup).
+    """
+    t0 = time.perf_counter()
+    decoding = Sampling(**sampling)
+    ids = (
+        list(kvmodel.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        if isinstance(prompt, str)
+        else list(prompt)
+    )
+    if not ids:
+        raise EmptyInputError("the prompt is empty: give it text")
+    if len(ids) + decoding.max_new_tokens > kvmodel.max_positions:
+        raise ContextOverflowError(
+            f"the prompt has {len(ids)} tokens and max_new_tokens is {decoding.max_new_tokens}: "
+            f"{len(ids) + decoding.max_new_tokens} > the model's {kvmodel.max_positions}-token context"
+        )
+    with kvmodel.lock:
+        out = full_prefill(kvmodel.model, ids)
+    out.prompt_ids = ids
+
+    def stats(tokens: list[int], ttft: float, total: float) -> AnswerStats:
+        return AnswerStats.of_prompt(len(ids), len(tokens), ttft, total)
+
+    yield from decode_answer(kvmodel, executor, out, decoding, t0, stats)
+
+
 def stats_of(
     request: Request, run: Prefilled, tokens: list[int], ttft: float, total: float, retrieve_s: float
 ) -> AnswerStats:
@@ -216,7 +244,7 @@ def stats_of(
         target_given=request.target,
         context_tokens=run.context_tokens,
         recomputed_tokens=recomputed,
-        budget=float(request.budget or 0.0),
+        budget=decision.budget,
         budget_tokens=decision.budget_tokens,
         overspend_tokens=0 if decision.plan.full_prefill else max(0, recomputed - decision.budget_tokens),
         extra_token_layers=run.probe.extra_token_layers,
@@ -235,7 +263,7 @@ def stats_of(
 
 
 def decode_answer(
-    kvmodel: KVModel,
+    kvmodel: ModelRuntime,
     executor: Executor,
     prefill: Prefill,
     sampling: Sampling,

@@ -406,7 +406,7 @@ int prefill_attention_seen_bf16(const uint16_t *q, long sq_h, long sq_n, const u
 }
 
 /* Which keys each token sees where token i sits at query_pos[i] and key j at key_pos[j]: key j is seen iff
- * key_pos[j] <= query_pos[i] (the mask kvrag.run.recompute.causal_mask makes, as bits): seen [n][ceil(T / KB)]. */
+ * key_pos[j] <= query_pos[i] (the mask kvrag.model.recompute.causal_mask makes, as bits): seen [n][ceil(T / KB)]. */
 void prefill_attention_position_bits(const long *key_pos, long T, const long *query_pos, long n, uint64_t *seen,
                                      int threads) {
     const long nb = (T + KB - 1) / KB;

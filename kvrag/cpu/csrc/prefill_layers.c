@@ -1,5 +1,5 @@
 /* A bfloat16 prefill of many tokens through a whole llama-family decoder, every layer and the output head, in one
- * call on CPUs with AVX512-BF16: kvrag.cpu.cbf16 builds this with the other prefill kernels, and kvrag.run.recompute
+ * call on CPUs with AVX512-BF16: kvrag.cpu.cbf16 builds this with the other prefill kernels, and kvrag.model.recompute
  * calls it for a stitched prefill's forward where the model's own forward would run those same kernels.
  *
  * The model's forward runs each layer as a dozen module calls from Python, a C kernel in most of them (norms,

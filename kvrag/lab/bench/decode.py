@@ -53,7 +53,7 @@ from kvrag.cpu.decode import (
 from kvrag.lab.bench.ttft import context_texts
 from kvrag.lab.demo import sample_docs
 from kvrag.lab.roofline import Machine, forward_cost
-from kvrag.model.kvmodel import KVModel
+from kvrag.kvmodel import KVModel
 from kvrag.run import pipeline
 from kvrag.run.generate import Sampling, decode
 

@@ -19,7 +19,7 @@ import torch
 
 from kvrag.lab.bench.storage import _kl, builtin_items
 from kvrag.lab.study.metrics import mcnemar, normalize, wilson
-from kvrag.model.kvmodel import KVModel
+from kvrag.kvmodel import KVModel
 
 STRATEGIES = ("full_prefill", "reuse", "target_recompute")
 

@@ -25,7 +25,7 @@ from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
 from kvrag.lab.bench.storage import start_redis
 from kvrag.lab.demo import sample_docs
-from kvrag.model.kvmodel import KVModel
+from kvrag.kvmodel import KVModel
 
 
 def hung_store_benchmark(

@@ -32,7 +32,7 @@ from kvrag.engine.rag import KVRAG
 from kvrag.lab.bench.ttft import _Context, context_texts
 from kvrag.lab.demo import sample_docs
 from kvrag.lab.roofline import Machine
-from kvrag.model.kvmodel import KVModel
+from kvrag.kvmodel import KVModel
 
 PARTS = ("attention", "linear")
 

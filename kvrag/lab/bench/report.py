@@ -40,7 +40,7 @@ from kvrag.lab.bench.ttft import (
     ingest_benchmark,
     ttft_benchmark,
 )
-from kvrag.model.kvmodel import KVModel
+from kvrag.kvmodel import KVModel
 from kvrag.plan.defaults import shipped_default
 from kvrag.plan.strategies import BUILTIN_STRATEGIES
 

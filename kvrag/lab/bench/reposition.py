@@ -26,7 +26,7 @@ from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
 from kvrag.lab.bench.ttft import _Context, context_texts
 from kvrag.lab.demo import sample_docs
-from kvrag.model.kvmodel import KVModel
+from kvrag.kvmodel import KVModel
 
 ARMS = ("one C stitch", "torch passes")
 

@@ -24,7 +24,7 @@ import torch
 from kvrag.cache.codec import STORAGE_DTYPES, decode_entry, encode_entry
 from kvrag.cache.kv import ChunkKV
 from kvrag.cache.store import DiskStore, KVStore, MemoryStore, RedisStore
-from kvrag.model.kvmodel import KVModel
+from kvrag.kvmodel import KVModel
 
 
 def start_redis(port: int | None = None, password: str | None = None) -> tuple[subprocess.Popen, int] | None:

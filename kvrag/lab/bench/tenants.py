@@ -22,7 +22,7 @@ from typing import Any
 from kvrag.cache.store import DiskStore
 from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
-from kvrag.model.kvmodel import KVModel
+from kvrag.kvmodel import KVModel
 
 QUESTION = "What does this function return?"
 

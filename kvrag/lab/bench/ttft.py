@@ -41,9 +41,9 @@ from kvrag.engine.rag import KVRAG
 from kvrag.lab.demo import sample_docs
 from kvrag.lab.roofline import Machine, forward_cost
 from kvrag.model.encode import _batches, encode_chunks, prefix_cache
-from kvrag.model.kvmodel import KVModel
+from kvrag.kvmodel import KVModel
 from kvrag.plan.strategies import BUILTIN_STRATEGIES
-from kvrag.run.recompute import stitch_cache, stitch_layout, stitched_forward
+from kvrag.model.recompute import stitch_cache, stitch_layout, stitched_forward
 from kvrag.timing import Phases
 
 DEFAULT_CONTEXTS = (1000, 2000, 4000, 8000)

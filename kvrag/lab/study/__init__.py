@@ -334,7 +334,7 @@ def _work(
 
     try:
         from kvrag.engine.embed import Embedder
-        from kvrag.model.kvmodel import KVModel
+        from kvrag.kvmodel import KVModel
 
         runner = StudyRunner(KVModel.from_pretrained(**model), Embedder(), config, cache, part=part)
         runner.run(iter(tasks.get, None), on_item=on_item)  # items until the end mark

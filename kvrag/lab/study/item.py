@@ -12,12 +12,12 @@ from kvrag.errors import ContextOverflowError
 from kvrag.lab.study.cache import Appender, digest
 from kvrag.lab.study.data import StudyItem
 from kvrag.lab.study.metrics import kl_topk, kv_distance, log_likelihood, normalize, token_f1, topk_logprobs
-from kvrag.model.kvmodel import KVModel
+from kvrag.kvmodel import KVModel
 from kvrag.plan.request import Request
-from kvrag.run.batch import PaddedBatch
-from kvrag.run.generate import Sampling
+from kvrag.model.batch import PaddedBatch
+from kvrag.plan.sampling import Sampling
 from kvrag.run.pipeline import Prefilled
-from kvrag.run.recompute import Prefill, full_prefill
+from kvrag.model.recompute import Prefill, full_prefill
 
 from kvrag.lab.study.rows import REFERENCE_FIELDS, Reference, Row, _common_prefix, _order_name, keeping_probe
 
@@ -95,7 +95,7 @@ class _ItemRun:
             budget=row.budget,
             sampling=sampling or Sampling(),
         )
-        return model, request
+        return model, model.with_default(request)
 
     def row(self, row: Row) -> tuple[Prefilled, float]:
         """One row's prefill (timed to its first token, as a user's ttft counts it); its order's reference."""
@@ -146,7 +146,7 @@ class _ItemRun:
         else:
             answer = answer_parts(
                 model, request, parts, chunks, model.executor, started_at=t0,
-                scores_of=lambda question: self.runner.scores(question, self.texts),
+                scores_of=lambda question: self.runner.scores(question, self.texts), named_picker=row.picker,
             )
             answers = answer.parts
         text = " ".join(answer.text.split())

@@ -29,8 +29,8 @@ from kvrag.cache.store import MemoryStore
 from kvrag.errors import ContextOverflowError, InvalidRequestError
 from kvrag.lab.study.cache import RECORDS, REFERENCES, Appender, digest, read_jsonl
 from kvrag.lab.study.data import StudyItem
-from kvrag.model.kvmodel import DEFAULT_LEAD, KVModel
-from kvrag.run.batch import PaddedBatch
+from kvrag.kvmodel import DEFAULT_LEAD, KVModel
+from kvrag.model.batch import PaddedBatch
 
 from kvrag.lab.study.item import _ItemRun
 from kvrag.lab.study.rows import Row, StudyConfig

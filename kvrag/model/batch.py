@@ -14,7 +14,7 @@ import torch
 
 from kvrag.cache.kv import ChunkKV
 from kvrag.compat import with_cache
-from kvrag.run.recompute import Prefill, StitchedCache
+from kvrag.model.recompute import Prefill, StitchedCache
 
 
 def crop(cache: Any, n: int) -> None:

@@ -1,0 +1,245 @@
+"""The model runtime: one causal LM made ready to encode chunks and to be stitched over.
+
+It owns the model and its tokenizer, the prompt layout, the prefix KV (and the chunk prefix a lead adds), the
+encoding set-up, the chunk key and the encoder id, the prompt's token ids, the checks a chunk passes, the eos ids,
+the model's lock and the CPU engine's state for it. cache/, plan/ and run/ build on it; it never plans, retrieves
+or answers (`kvrag.kvmodel.KVModel`, the facade, does that over it).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kvrag import cpu
+from kvrag.cache.kv import ChunkKey, ChunkKV, chunk_key, encoder_id
+from kvrag.errors import ContextOverflowError, InvalidRequestError, UnsupportedModelError
+from kvrag.model.catalog import named
+from kvrag.model.encode import DEFAULT_BATCH_TOKENS, encode_chunks, encode_prefix
+from kvrag.model.layout import PromptLayout
+from kvrag.model.loading import (
+    check_architecture,
+    fingerprint,
+    load_pretrained,
+    resolve_dtype,
+)
+from kvrag.model.loading import (
+    weights_id as default_weights_id,
+)
+from kvrag.model.rope import Repositioner
+
+# A neutral text for `KVModel(lead=...)`: what a chunk is encoded behind so that its first tokens do not act as
+# the opening of the context (an attention sink) once it is stitched behind other chunks.
+DEFAULT_LEAD = "The passages below come from several documents, one after another, each on its own topic."
+
+_MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+# Attention implementations that honour a custom 4-D additive mask (flash attention reads it as padding).
+MASK_ATTENTION = ("sdpa", cpu.GQA_SDPA, "eager", "flex_attention")
+
+
+def model_lock(model: Any) -> threading.RLock:
+    """The one lock of a model object, shared by every KVModel and engine built on it."""
+    with _MODEL_LOCKS_GUARD:
+        lock = _MODEL_LOCKS.get(model)
+        if lock is None:
+            lock = _MODEL_LOCKS[model] = threading.RLock()
+        return lock
+
+
+class ModelRuntime:
+    """A causal LM made ready for chunk KV: what every layer above reads of the model (`KVModel` is one).
+
+    Args:
+        model: a Hugging Face causal LM of a supported architecture (`kvrag.model.loading.SUPPORTED_MODEL_TYPES`).
+        tokenizer: its tokenizer.
+        weights_id: what identifies the weights in the fingerprint; by default found from where the model was
+            loaded (see `kvrag.model.loading.weights_id`).
+        layout: how prompts are split; by default the tokenizer's chat template.
+        batch_tokens: rows x padded length per encoding forward.
+        lead: text every chunk is encoded behind, after the prefix, and that never enters a prompt: a chunk's
+            KV then never believes it opens the context (see `DEFAULT_LEAD`). "" (the default) encodes each
+            chunk right behind the prefix. A chunk's KV, and its store key, depend on the lead.
+        compile_decode: decode through torch.compile'd layer steps (`kvrag.cpu.decode`): seconds of compiling at
+            the first decoded token, then faster tokens; worth it in a process that answers many questions.
+        decode_weights: what the C decode step reads: "model" (the default: the model's own weights, the tokens
+            of transformers' forward), or "int8" or "int4" copies of the weights (`kvrag.cpu.decode_weights`:
+            about half and a quarter of bfloat16's bytes a token, quantized once at load; the tokens may differ
+            from the model's own, docs/performance.md says how often). The prompt's prefill is unchanged. Where
+            the C step does not take the model it decodes over the model's own weights and warns.
+        cpu_kernels: let kvrag's CPU engine (`kvrag.cpu`: C kernels and module swaps, the same tokens) take this
+            model's work where it applies; False keeps the model as transformers made it (set once, per model).
+
+    Example:
+        >>> runtime = ModelRuntime.from_pretrained()            # the embedded default, offline
+        >>> chunks = runtime.encode(["Paris is the capital of France.", "Rome is in Italy."])
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        weights_id: str | None = None,
+        layout: PromptLayout | None = None,
+        batch_tokens: int = DEFAULT_BATCH_TOKENS,
+        lead: str = "",
+        compile_decode: bool = False,
+        decode_weights: str = "model",
+        cpu_kernels: bool = True,
+    ) -> None:
+        check_architecture(model.config)
+        attention = getattr(model.config, "_attn_implementation", "sdpa")
+        if attention not in MASK_ATTENTION:
+            raise UnsupportedModelError(
+                f"attention implementation '{attention}' does not take the 4-D position mask that stitching needs: "
+                f"load the model with attn_implementation= one of {', '.join(MASK_ATTENTION)}"
+            )
+        cpu.install(model, enabled=cpu_kernels)  # the CPU engine's prefill modules (`kvrag.cpu`), or none
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.layout = layout or PromptLayout(tokenizer)
+        self.repositioner = Repositioner(model)
+        self.fingerprint = fingerprint(model, weights_id or default_weights_id(model))
+        self.batch_tokens = batch_tokens
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.prefix = encode_prefix(model, self.layout.prefix_ids)
+        self.lead = lead
+        lead_ids = self.layout.chunk_ids(lead) if lead.strip() else []
+        # what every chunk is encoded behind: the prefix, then the lead's ids (the lead's KV is never stitched)
+        self.chunk_prefix_ids = [*self.layout.prefix_ids, *lead_ids]
+        self.chunk_prefix = encode_prefix(model, self.chunk_prefix_ids) if lead_ids else self.prefix
+        self.encoder_id = encoder_id(self.fingerprint.digest, self.chunk_prefix_ids)
+        eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
+        eos_list = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = sorted({int(e) for e in [*eos_list, tokenizer.eos_token_id] if e is not None})
+        self.loaded_from: str | None = None  # what `from_pretrained` loaded it from (an index's manifest records it)
+        self.lock = model_lock(model)  # one forward at a time on the one model, never held across a yield
+        if compile_decode:
+            cpu.compile_decoding(model)  # compiled at the first decoded token (`kvrag.cpu`)
+        if decode_weights != "model" and not cpu.decode_weights(model, decode_weights):  # quantized now, once
+            warnings.warn(f"decode_weights={decode_weights!r} is not taken for this model here (the C decode step "
+                          "does not take it: see kvrag.cpu.decode_weights); it decodes over its own weights",
+                          RuntimeWarning, stacklevel=2 if type(self) is ModelRuntime else 3)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype | None = "auto",
+        device: str = "cpu",
+        cache_dir: str | Path | None = None,
+        attn_implementation: str | None = None,
+        **kwargs: Any,
+    ) -> ModelRuntime:
+        """Load a named model (`kvrag models`: "smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"), a
+        Hugging Face id or a folder; None loads the embedded default (SmolLM2-135M-Instruct).
+
+        A named model is converted once from the GGUF in its registry packages to safetensors under `cache_dir`
+        (default: the user's cache directory, kvrag/); `dtype="auto"` then loads it in the dtype it was converted to
+        (bfloat16 for the Qwen models: float32 would double the memory for the same values). Nothing is downloaded.
+        """
+        cache = Path(cache_dir) if cache_dir is not None else None
+        if dtype in (None, "auto") and not Path(str(name_or_path)).exists() and (entry := named(name_or_path)):
+            dtype = entry.dtype
+        model, tokenizer, weights = load_pretrained(
+            name_or_path,
+            dtype=resolve_dtype(dtype, device),
+            device=device,
+            cache_dir=cache,
+            attn_implementation=attn_implementation,
+        )
+        kv = cls(model, tokenizer, weights_id=weights, **kwargs)
+        kv.loaded_from = str(name_or_path) if name_or_path is not None else None
+        return kv
+
+    def with_lead(self, lead: str = "") -> ModelRuntime:
+        """The same model, tokenizer and layout, with chunks encoded behind `lead` (see the class's Args)."""
+        if lead == self.lead:
+            return self
+        other = type(self)(
+            self.model,
+            self.tokenizer,
+            weights_id=self.fingerprint.weights,
+            layout=self.layout,
+            batch_tokens=self.batch_tokens,
+            lead=lead,
+            cpu_kernels=cpu.enabled(self.model),
+        )
+        other.loaded_from = self.loaded_from
+        return other
+
+    # -- encoding ---------------------------------------------------------------------------------------
+
+    def encode(self, texts: Sequence[str]) -> list[ChunkKV]:
+        """Encode chunk texts behind the prefix at the canonical start; one ChunkKV per text."""
+        ids = [self.chunk_ids(i, t) for i, t in enumerate(texts)]
+        with self.lock:
+            return self.encode_ids(ids)
+
+    def encode_ids(
+        self, ids: Sequence[Sequence[int]], *, on_batch: Callable[[int], None] | None = None
+    ) -> list[ChunkKV]:
+        """Encode chunks given as token ids behind the chunk prefix (the one encoding set-up); the caller holds
+        `lock`. `on_batch(n)` after each forward of n chunks."""
+        return encode_chunks(
+            self.model,
+            self.chunk_prefix,
+            ids,
+            batch_tokens=self.batch_tokens,
+            on_batch=on_batch,
+            encoder=self.encoder_id,
+        )
+
+    def chunk_key(self, chunk: ChunkKV | Sequence[int], *, namespace: str = "", secret: bytes = b"") -> ChunkKey:
+        """The store key of a chunk under this model, dtype, chunk prefix, `namespace` and `secret` (the one key
+        function)."""
+        ids = chunk.token_ids.tolist() if isinstance(chunk, ChunkKV) else list(chunk)
+        return chunk_key(self.fingerprint.digest, self.chunk_prefix_ids, ids, salt=namespace, secret=secret)
+
+    # -- prompts ----------------------------------------------------------------------------------------
+
+    def prompt_ids(self, question: str, chunk_ids: Sequence[Sequence[int]], order: Sequence[int]) -> list[int]:
+        """The stitched prompt's ids: prefix, chunks in `order`, suffix."""
+        return self.prompt_of([chunk_ids[c] for c in order], self.layout.suffix_ids(question))
+
+    def prompt_of(self, chunk_ids: Sequence[Sequence[int]], suffix_ids: Sequence[int]) -> list[int]:
+        """The prompt's ids from its chunks' ids, first to last, and its suffix ids: the one place a prompt is
+        assembled (prefix, chunks, suffix)."""
+        return [*self.layout.prefix_ids, *(t for ids in chunk_ids for t in ids), *suffix_ids]
+
+    # -- checks -----------------------------------------------------------------------------------------
+
+    def chunk_ids(self, i: int, chunk: str | ChunkKV) -> list[int]:
+        """Chunk `i`'s token ids, after checking that its text fits or that its KV came from this model and prefix."""
+        if isinstance(chunk, str):
+            ids = self.layout.chunk_ids(chunk)
+            limit = self.max_positions - len(self.prefix)
+            if len(ids) > limit:
+                raise ContextOverflowError(
+                    f"chunk {i} has {len(ids)} tokens, more than the {limit} that fit after the "
+                    f"{len(self.prefix)}-token prefix in the model's {self.max_positions}-token context: split it"
+                )
+            return ids
+        if not isinstance(chunk, ChunkKV):
+            raise InvalidRequestError(f"chunk {i} is a {type(chunk).__name__}: give a str or a ChunkKV from encode()")
+        if chunk.encoder != self.encoder_id:
+            raise InvalidRequestError(
+                f"chunk {i} was encoded by another model, dtype or prompt prefix (encoder "
+                f"{chunk.encoder[:12] or 'unknown'}, this model {self.encoder_id[:12]}): re-encode it with this one"
+            )
+        if any(
+            t.dtype != self.prefix.keys.dtype or t.device != self.prefix.keys.device for t in (chunk.keys, chunk.values)
+        ):
+            raise InvalidRequestError(
+                f"chunk {i} KV is {chunk.keys.dtype} on {chunk.keys.device}, the model runs "
+                f"{self.prefix.keys.dtype} on {self.prefix.keys.device}: re-encode it or move it with "
+                "chunk.to(device, dtype)"
+            )
+        return chunk.token_ids.tolist()
