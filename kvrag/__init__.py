@@ -5,6 +5,8 @@ by one RoPE rotation, repairs what matters most (by default: the target chunk, m
 and recomputed against the reused cache) and generates.
 """
 
+import logging
+
 from kvrag.answer import NO_CONTEXT, Answer, AnswerStats, Source
 from kvrag.cache.chunks import Chunks, ChunkSource
 from kvrag.cache.kv import ChunkKV, chunk_key
@@ -36,6 +38,8 @@ from kvrag.run.executor import Executor, HFExecutor, Job
 from kvrag.run.pipeline import Prefilled
 
 __version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())  # kvrag logs; the application decides where it goes
 
 __all__ = [
     "NO_CONTEXT",

@@ -21,3 +21,9 @@ def _cache_argument(model_class: type) -> str:
 def with_cache(model: Any, cache: Any) -> dict[str, Any]:
     """The keyword argument that hands `cache` to this model's forward: `{"cache": cache}` where it takes one."""
     return {_cache_argument(type(model)): cache}
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's RoPE settings as one flat dict (transformers 5 `rope_parameters`)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return dict(params)

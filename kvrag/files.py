@@ -81,3 +81,11 @@ def write_atomic(path: Path, blob: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def default_cache_dir() -> Path:
+    """Where kvrag caches what it makes once (converted weights, digests, built kernels): the user's cache
+    directory, under kvrag/."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kvrag"))

@@ -29,27 +29,11 @@ from kvrag.run.pipeline import Prefilled
 from kvrag.timing import Phases
 
 class KVModel(ModelRuntime):
-    """A causal LM wrapper that reuses per-chunk KV.
+    """A causal LM wrapper that reuses per-chunk KV: the model runtime (`ModelRuntime`: loading, encoding, chunk
+    keys) with the answering methods on top, and an in-process executor and chunk source of its own.
 
-    Args:
-        model: a Hugging Face causal LM of a supported architecture (`kvrag.model.loading.SUPPORTED_MODEL_TYPES`).
-        tokenizer: its tokenizer.
-        weights_id: what identifies the weights in the fingerprint; by default found from where the model was
-            loaded (see `kvrag.model.loading.weights_id`).
-        layout: how prompts are split; by default the tokenizer's chat template.
-        batch_tokens: rows x padded length per encoding forward.
-        lead: text every chunk is encoded behind, after the prefix, and that never enters a prompt: a chunk's
-            KV then never believes it opens the context (see `DEFAULT_LEAD`). "" (the default) encodes each
-            chunk right behind the prefix. A chunk's KV, and its store key, depend on the lead.
-        compile_decode: decode through torch.compile'd layer steps (`kvrag.cpu.decode`): seconds of compiling at
-            the first decoded token, then faster tokens; worth it in a process that answers many questions.
-        decode_weights: what the C decode step reads: "model" (the default: the model's own weights, the tokens
-            of transformers' forward), or "int8" or "int4" copies of the weights (`kvrag.cpu.decode_weights`:
-            about half and a quarter of bfloat16's bytes a token, quantized once at load; the tokens may differ
-            from the model's own, docs/performance.md says how often). The prompt's prefill is unchanged. Where
-            the C step does not take the model it decodes over the model's own weights and warns.
-        cpu_kernels: let kvrag's CPU engine (`kvrag.cpu`: C kernels and module swaps, the same tokens) take this
-            model's work where it applies; False keeps the model as transformers made it (set once, per model).
+    Args: those of `kvrag.model.runtime.ModelRuntime` (model, tokenizer, weights_id, layout, batch_tokens, lead,
+    compile_decode, decode_weights, cpu_kernels).
 
     Example:
         >>> kv = KVModel.from_pretrained()                      # the embedded default, offline

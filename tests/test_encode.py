@@ -4,7 +4,7 @@ import pytest
 import torch
 from tiny import VOCAB, tiny_model
 
-from kvrag.model.encode import _batches, encode_chunks, encode_prefix
+from kvrag.model.encode import length_batches, encode_chunks, encode_prefix
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "qwen3"])
@@ -28,7 +28,7 @@ def test_batched_encoding_equals_one_chunk_at_a_time(arch):
 
 def test_batches_respect_the_token_bound_and_cover_every_chunk():
     lengths = [5, 50, 7, 49, 3, 100]
-    groups = _batches(lengths, batch_tokens=100)
+    groups = length_batches(lengths, batch_tokens=100)
     assert sorted(i for g in groups for i in g) == list(range(6))
     for g in groups:
         assert len(g) == 1 or max(lengths[i] for i in g) * len(g) <= 100

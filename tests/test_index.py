@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from kvrag.engine.index import ChunkIndex, ChunkRecord, words
+from kvrag.engine.index import ChunkIndex, ChunkRecord
+from kvrag.rank import words
 from kvrag.errors import InvalidRequestError
 
 TEXTS = {

@@ -9,6 +9,7 @@ encoded (and stored). It never plans and never runs a prefill.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import warnings
 from typing import Callable, Iterable, Iterator, Sequence
@@ -17,6 +18,8 @@ from kvrag.cache.kv import ChunkKey, ChunkKV, StoredChunk
 from kvrag.cache.store import KVStore, StoreWarning
 from kvrag.errors import StoreError
 from kvrag.model.runtime import ModelRuntime
+
+logger = logging.getLogger(__name__)
 
 
 class ChunkSource:
@@ -247,6 +250,7 @@ class Chunks:
         self._tried[i] = True
         self.load_s += time.perf_counter() - t0
         self._hit[i] = self._kv[i] is not None
+        logger.debug("chunk %d: %s from the store (%s...)", i, "read" if self._hit[i] else "missed", key[:16])
 
     def _fetch(self, missing: list[int]) -> None:
         source, model = self.source, self.source.kvmodel
@@ -264,6 +268,7 @@ class Chunks:
         encoded = model.encode_ids([self.ids[i] for i in fresh])
         self.encode_s += time.perf_counter() - t0
         self.encoded += len(fresh)
+        logger.debug("chunks %s encoded (not stored: %s)", fresh, [i for i in fresh if i not in keys])
         for i, kv in zip(fresh, encoded):
             self._kv[i] = source.keep(keys[i], kv, later=self._writes) if i in keys else kv
 

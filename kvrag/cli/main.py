@@ -4,6 +4,7 @@ and exit 2, never a traceback."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Sequence
 
@@ -38,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name, command in sub.choices.items():
         if "--model" not in command._option_string_actions and name not in ("study-compare", "bench-vllm"):
             index_model_arg(command)
+        if name != "bench-vllm":
+            command.add_argument(
+                "-v", "--verbose", action="count", default=0,
+                help="log what kvrag does to stderr: -v the plan chosen and why, ingestion's skips; -vv also store "
+                "reads and writes and the chunks read",
+            )
     return parser
 
 
@@ -49,11 +56,24 @@ def _run(args: argparse.Namespace) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # weight-loading bars are noise on a command line
+    log_to_stderr(getattr(args, "verbose", 0))
     if args.threads is not None:
         if not 1 <= args.threads <= 1024:
             raise InvalidRequestError(f"--threads must be in 1..1024, got {args.threads}")
         torch.set_num_threads(args.threads)
     COMMANDS[args.command](args)
+
+
+def log_to_stderr(verbose: int) -> None:
+    """Show the `kvrag` logger's records on stderr: INFO with -v, DEBUG with -vv; nothing without."""
+    log = logging.getLogger("kvrag")
+    if not verbose or any(h.get_name() == "kvrag-cli" for h in log.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name("kvrag-cli")
+    handler.setFormatter(logging.Formatter("kvrag: %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
 
 
 def _redacted(argv: Sequence[str]) -> list[str]:

@@ -74,9 +74,9 @@ def install(model: Any, enabled: bool = True) -> bool:
 @functools.cache
 def bf16_prefill_kernels_preferred() -> bool:
     """Whether a bfloat16 prefill runs faster in kvrag's C kernels (the AVX512-BF16 dot product) than in torch's.
-    Not on a CPU with AMX-BF16: torch's bfloat16 matrix products run on its matrix unit there (oneDNN), and a
-    Qwen2.5-Coder-0.5B full prefill of 4,049 tokens took 4.4 s through torch against 19.2 s through the kernels
-    (docs/performance.md). There the prefill is left to torch; the decode step and the rotation stay kvrag's."""
+    Not on a CPU with AMX-BF16: torch's bfloat16 matrix products run on its matrix unit there (oneDNN), several times
+    faster than the kernels (the measurements: docs/performance.md). There the prefill is left to torch; the decode
+    step and the rotation stay kvrag's."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:

@@ -43,7 +43,7 @@ def build(name: str, sources: tuple[Path, ...]) -> ctypes.CDLL | None:
     headers = sorted(sources[0].parent.glob("*.h"))  # what the sources include
     source = b"".join(s.read_bytes() for s in (*sources, *headers))
     digest = hashlib.sha256(source + " ".join(COMPILE + LINK).encode() + _cpu_id().encode()).hexdigest()[:16]
-    from kvrag.model.catalog import default_cache_dir
+    from kvrag.files import default_cache_dir
 
     target = default_cache_dir() / "kernels" / f"{name}-{digest}.so"
     try:

@@ -57,13 +57,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvrag.compat import rope_parameters
 from kvrag.cpu import ckernel, cstep
 from kvrag.cpu.graphs import GraphSteps
 from kvrag.cpu.linear import PrefillLinear
 from kvrag.cpu.room import Room  # noqa: F401 - where callers find it (`kvrag.cpu.Room`)
-from kvrag.cpu.steps import BLOCK, _heads, _kernel_takes, _rms_norm, compiled, rope
-from kvrag.cpu.weights import Product, _arranged, _projections, _stacked_bias
-from kvrag.model.loading import rope_parameters
+from kvrag.cpu.steps import BLOCK, split_heads, kernel_takes, rms_norm, compiled, rope
+from kvrag.cpu.weights import Product, arranged, layer_projections, stacked_bias
 
 TAKEN = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 PLAIN_LINEARS = (torch.nn.Linear, PrefillLinear)  # the same product (`kvrag.cpu.linear`)
@@ -99,7 +99,7 @@ def supports(model: torch.nn.Module) -> str | None:
         return "partial rotary embeddings"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv, o, gate_up, down = _projections(layer)
+        qkv, o, gate_up, down = layer_projections(layer)
         linears = [*qkv, o, *gate_up, down]
         # plain float linears only: a quantized, adapted (LoRA), offloaded or hooked module computes something else
         if any(type(m) not in PLAIN_LINEARS or m._forward_hooks or m._forward_pre_hooks for m in linears):
@@ -135,7 +135,7 @@ class FastDecoder:
         self.norm = inner.norm.weight  # [D]
         self.threads = max(1, torch.get_num_threads())
         self.layers = [self._layer(layer, self.threads) for layer in inner.layers]
-        (head,) = _arranged([(model.lm_head,)])  # the embedding too, where the model ties them
+        (head,) = arranged([(model.lm_head,)])  # the embedding too, where the model ties them
         self.embed = inner.embed_tokens.weight  # [V, D]
         self.lm_head = Product(head, None, self.threads)  # [V, D]
         self.native = cstep.DecodeStep.of(self)  # the whole step in C, where the kernels built and take it
@@ -149,11 +149,11 @@ class FastDecoder:
         attn = layer.self_attn
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
-        projections, o_proj, gate_up_projs, down_proj = _projections(layer)
-        qkv, o, gate_up, down = _arranged([projections, (o_proj,), gate_up_projs, (down_proj,)])
+        projections, o_proj, gate_up_projs, down_proj = layer_projections(layer)
+        qkv, o, gate_up, down = arranged([projections, (o_proj,), gate_up_projs, (down_proj,)])
         return FastLayer(
             norm_in=layer.input_layernorm.weight,
-            qkv=Product(qkv, _stacked_bias(*projections), parts),
+            qkv=Product(qkv, stacked_bias(*projections), parts),
             q_norm=q_norm.weight if q_norm is not None else None,
             k_norm=k_norm.weight if k_norm is not None else None,
             o=Product(o, None, parts),
@@ -174,7 +174,7 @@ class FastDecoder:
         if inner.embed_tokens.weight is not self.embed or head.data_ptr() != self.lm_head.weight.data_ptr():
             return False
         for layer, fast in zip(inner.layers, self.layers):
-            qkv, o, gate_up, down = _projections(layer)
+            qkv, o, gate_up, down = layer_projections(layer)
             if (
                 qkv[0].weight.data_ptr() != fast.qkv.weight.data_ptr()
                 or gate_up[0].weight.data_ptr() != fast.gate_up.weight.data_ptr()
@@ -201,7 +201,7 @@ class FastDecoder:
         return cos[0], sin[0]
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, weight, self.eps)
+        return rms_norm(x, weight, self.eps)
 
     _rope = staticmethod(rope)
 
@@ -243,12 +243,12 @@ class FastDecoder:
         if torch.get_num_threads() != self.threads:  # one part a thread, as many as torch runs now
             self._resplit(max(1, torch.get_num_threads()))
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
-        kernel = _kernel_takes(keys, values, hq // hkv)
+        kernel = kernel_takes(keys, values, hq // hkv)
         scratch = torch.empty(ckernel.scratch_size(hkv, hq // hkv, d, filled + 1)) if kernel else None
         x = self.embed[token]  # [D]
         for i, layer in enumerate(self.layers):
             h = self._rms(x, layer.norm_in)
-            q, k, v = _heads(layer.qkv(h), hq, hkv, d, layer.q_norm, layer.k_norm, self.eps, cos, sin)
+            q, k, v = split_heads(layer.qkv(h), hq, hkv, d, layer.q_norm, layer.k_norm, self.eps, cos, sin)
             keys[i][:, filled] = k
             values[i][:, filled] = v
             if kernel:
@@ -286,7 +286,7 @@ class FastDecoder:
         for i, layer in enumerate(self.layers):
             h = self._rms(x, layer.norm_in)
             qkv = F.linear(h, layer.qkv.weight, layer.qkv.bias)
-            q, k, v = _heads(qkv, hq, hkv, d, layer.q_norm, layer.k_norm, self.eps, cos, sin)
+            q, k, v = split_heads(qkv, hq, hkv, d, layer.q_norm, layer.k_norm, self.eps, cos, sin)
             keys[i].index_copy_(1, slot, k[:, None])
             values[i].index_copy_(1, slot, v[:, None])
             scores = (q.view(hkv, hq // hkv, d) * self.scale) @ keys[i].transpose(1, 2)  # [H_kv, G, capacity]
@@ -319,7 +319,7 @@ class FastDecoder:
         x = self.embed[token]  # [D]
         # attention in the C kernel where it takes the cache (an opaque op inside the layer's graph, over the
         # whole buffer), else the graph's own over whole blocks
-        kernel = _kernel_takes(keys, values, self.heads // self.kv_heads)
+        kernel = kernel_takes(keys, values, self.heads // self.kv_heads)
         for i, layer in enumerate(self.layers):
             k, v = (keys[i], values[i]) if kernel else (keys[i][:, :span], values[i][:, :span])
             torch._dynamo.maybe_mark_dynamic(k, 1)  # (one block compiles apart: a dimension of 1 is static)

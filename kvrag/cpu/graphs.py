@@ -3,12 +3,9 @@ once per set of cache buffers and replayed, one launch a token."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from kvrag.cpu.decode import FastDecoder
 
 
 class GraphSteps:
@@ -25,7 +22,7 @@ class GraphSteps:
 
     KEPT = 2
 
-    def __init__(self, decoder: FastDecoder) -> None:
+    def __init__(self, decoder: Any) -> None:  # a kvrag.cpu.decode.FastDecoder (it imports this module)
         self.decoder = decoder
         self.graphs: dict[tuple[Any, ...], _Graph] = {}
         self.captures = 0  # graphs captured so far (a replay captures nothing)
@@ -56,7 +53,7 @@ class GraphSteps:
 class _Graph:
     """One captured step over one set of cache buffers, and its static inputs and output."""
 
-    def __init__(self, decoder: FastDecoder, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    def __init__(self, decoder: Any, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         device = keys[0].device
         self.decoder, self.keys, self.values = decoder, keys, values
         self.token = torch.zeros(1, dtype=torch.long, device=device)

@@ -14,7 +14,7 @@ from kvrag.cpu import ckernel
 BLOCK = 256  # cache slots an attention block of the compiled step reads (docs/performance.md, "Decoding")
 
 
-def _kernel_takes(keys: list[torch.Tensor], values: list[torch.Tensor], group: int) -> bool:
+def kernel_takes(keys: list[torch.Tensor], values: list[torch.Tensor], group: int) -> bool:
     """Whether the C kernel attends over this cache (its layers' buffers are alike: the first ones say)."""
     return ckernel.supports(keys[0], group) and ckernel.supports(values[0], group)
 
@@ -27,7 +27,7 @@ def _dot(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
     return out.to(x.dtype)
 
 
-def _heads(
+def split_heads(
     qkv: torch.Tensor,
     heads: int,
     kv_heads: int,
@@ -44,7 +44,7 @@ def _heads(
     k = qkv[heads * d : (heads + kv_heads) * d].view(kv_heads, d)
     v = qkv[(heads + kv_heads) * d :].view(kv_heads, d)
     if q_norm is not None:
-        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)  # type: ignore[arg-type]
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)  # type: ignore[arg-type]
     return rope(q, cos, sin), rope(k, cos, sin), v
 
 
@@ -55,7 +55,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As transformers' RMSNorm: in float32, then back to the input dtype before the weight."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -93,8 +93,8 @@ def _layer_step(
     blocks. Slots after `slot` may hold anything (they are masked out before any arithmetic reads them).
     """
     kv_heads, span, d = keys.shape
-    h = _rms_norm(x, norm_in, eps)
-    q, k, v = _heads(_dot(qkv_w, h, qkv_b), heads, kv_heads, d, q_norm, k_norm, eps, cos, sin)
+    h = rms_norm(x, norm_in, eps)
+    q, k, v = split_heads(_dot(qkv_w, h, qkv_b), heads, kv_heads, d, q_norm, k_norm, eps, cos, sin)
     if kernel:
         out = torch.ops.kvrag.decode_attention(q, k, v, keys, values, slot, scale)  # [H, d] float32
     else:
@@ -113,12 +113,12 @@ def _layer_step(
         rescale = torch.exp(top - top.amax(1, keepdim=True))  # [H_kv, S, G]
         out = (partial * rescale[..., None]).sum(1) / (mass * rescale).sum(1)[..., None]  # [H_kv, G, d]
     x = x + _dot(o_w, out.to(x.dtype).reshape(heads * d))
-    gate, up = _dot(gate_up_w, _rms_norm(x, norm_post, eps)).chunk(2)
+    gate, up = _dot(gate_up_w, rms_norm(x, norm_post, eps)).chunk(2)
     return x + _dot(down_w, F.silu(gate) * up)
 
 
 def _head_step(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
-    return _dot(lm_head, _rms_norm(x, norm, eps)).float()
+    return _dot(lm_head, rms_norm(x, norm, eps)).float()
 
 
 @functools.cache

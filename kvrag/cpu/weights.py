@@ -38,7 +38,7 @@ class Product:
         return torch.baddbmm(self.bias.view(self.parts, 1, -1), x, self.split).view(self.weight.shape[0])
 
 
-def _projections(layer: torch.nn.Module) -> tuple[tuple[Any, ...], Any, tuple[Any, ...], Any]:
+def layer_projections(layer: torch.nn.Module) -> tuple[tuple[Any, ...], Any, tuple[Any, ...], Any]:
     """A decoder layer's (q, k and v), o, (gate and up) and down linears: separate modules in llama, mistral and
     qwen, one stacked module each for q/k/v and gate/up in phi3 (the same products, in the same order).
     Missing modules are None (then `supports` refuses the model)."""
@@ -50,7 +50,7 @@ def _projections(layer: torch.nn.Module) -> tuple[tuple[Any, ...], Any, tuple[An
     return qkv, getattr(attn, "o_proj", None), gate_up, getattr(mlp, "down_proj", None)
 
 
-def _arranged(groups: list[tuple[torch.nn.Linear, ...]]) -> list[torch.Tensor]:
+def arranged(groups: list[tuple[torch.nn.Linear, ...]]) -> list[torch.Tensor]:
     """Each group's weights stacked by rows (q, k and v; gate and up), the groups one after the other in one
     buffer, in the order a step reads them, on huge pages where the CPU memory has them (`kvrag.cpu.hugepages`: a
     step streams its weights faster from there); the linears' own weights then view the buffer. One product a
@@ -75,7 +75,7 @@ def _arranged(groups: list[tuple[torch.nn.Linear, ...]]) -> list[torch.Tensor]:
     return fused
 
 
-def _stacked_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+def stacked_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
     """The linears' biases stacked the same way (a missing one as zeros); None when none has one."""
     if all(m.bias is None for m in linears):
         return None

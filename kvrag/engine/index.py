@@ -9,7 +9,6 @@ the KV store.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -18,6 +17,7 @@ import numpy as np
 
 from kvrag.errors import InvalidRequestError
 from kvrag.files import make_dirs, write_atomic
+from kvrag.rank import bm25, bm25_scores, fuse
 
 Filters = Mapping[str, Any]  # metadata key -> required value, or a list/tuple/set of accepted values
 
@@ -33,10 +33,6 @@ class ChunkRecord:
     key: str = ""  # the KV store key (kvrag.cache.kv.chunk_key)
     n_tokens: int = 0  # LM tokens of the chunk
     row: int = -1  # FAISS id
-
-
-def words(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
 
 
 SCALARS = (str, int, float, bool, type(None))
@@ -142,7 +138,7 @@ class ChunkIndex:
         """Top-k (record, score), best first, among the chunks that pass `filters`.
 
         Dense scores are cosine similarities. With `bm25`, the dense and BM25 rankings are fused by
-        reciprocal rank (score = sum of 1 / (60 + rank)).
+        reciprocal rank (`kvrag.rank.fuse`).
         """
         if top_k < 1:
             raise InvalidRequestError(f"top_k must be at least 1, got {top_k}")
@@ -163,24 +159,19 @@ class ChunkIndex:
         if not bm25:
             return dense[:k]
         lexical = self._bm25_rank(question, allowed)
-        fused: dict[str, float] = {}
-        for ranking in (dense, lexical):
-            for rank, (record, _) in enumerate(ranking):
-                fused[record.id] = fused.get(record.id, 0.0) + 1.0 / (60 + rank + 1)
+        fused = fuse([[record.id for record, _ in ranking] for ranking in (dense, lexical)])
         best = sorted(fused.items(), key=lambda item: -item[1])[:k]
         return [(self.records[rid], score) for rid, score in best]
 
     def _bm25_rank(self, question: str, allowed_rows: Iterable[int]) -> list[tuple[ChunkRecord, float]]:
-        from rank_bm25 import BM25Okapi
-
         ordered = sorted(self.records.values(), key=lambda r: r.row)
         if self._bm25 is None:
-            self._bm25 = (BM25Okapi([words(r.text) or ["<empty>"] for r in ordered]), ordered)
-        bm25, records = self._bm25
-        scores = bm25.get_scores(words(question))
+            self._bm25 = (bm25([r.text for r in ordered]), ordered)
+        index, records = self._bm25
+        scores = bm25_scores(index, question)
         allowed = set(allowed_rows)
         ranked = sorted((i for i, r in enumerate(records) if r.row in allowed), key=lambda i: -scores[i])
-        return [(records[i], float(scores[i])) for i in ranked]
+        return [(records[i], scores[i]) for i in ranked]
 
     # -- persistence ------------------------------------------------------------------------------------
 

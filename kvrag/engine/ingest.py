@@ -4,6 +4,7 @@ committing the index is `kvrag.engine.rag`'s."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,8 @@ from kvrag.errors import (
     InvalidRequestError,
     StoreError,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -77,6 +80,8 @@ class Ingesting:
         docs = to_documents(
             items, metadata, follow_symlinks=follow_symlinks, max_file_bytes=max_file_bytes, skipped=skipped
         )
+        for skip in skipped:
+            logger.info("ingest: skipped %s: %s", skip.path, skip.reason)
         if strict and skipped:
             raise DocumentError(
                 f"{len(skipped)} file(s) could not be read, and the ingest is strict (nothing was ingested): "
@@ -99,6 +104,7 @@ class Ingesting:
                 on_progress=on_progress,
             )
         except StoreError as err:  # a full disk, a Redis out of memory: what this ingest wrote goes again
+            logger.error("ingest: the store failed (%s); removing what this ingest wrote", err)
             left = self._remove_unindexed([records[i].key for i in missing])
             raise StoreError(
                 f"{err} (the index is as last committed; "
@@ -129,6 +135,10 @@ class Ingesting:
             except BaseException:
                 self.index = before  # nothing half-added: the index stays as committed
                 raise
+        logger.info(
+            "ingest: %d documents, %d chunks, %d encoded, %d already stored", len(docs), len(records), len(missing),
+            sum(stored),
+        )
         return IngestStats(
             documents=len(docs),
             chunks=len(records),

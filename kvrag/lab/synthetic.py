@@ -15,20 +15,20 @@ from typing import Callable
 from kvrag.errors import InvalidRequestError
 
 from kvrag.lab.words import (  # noqa: F401 - the word lists the generators draw from
-    _ONSETS,
-    _PLACE_ENDS,
-    _NAME_ENDS,
-    _RIVER_ENDS,
-    _GIVEN,
-    _GOODS,
-    _JOBS,
-    _WORK_ADJ,
-    _WORK_NOUN,
-    _FILLER,
-    _ANIMALS,
-    _RELATIONS,
-    _PETS,
-    _SMALL_TALK,
+    ONSETS,
+    PLACE_ENDS,
+    NAME_ENDS,
+    RIVER_ENDS,
+    GIVEN,
+    GOODS,
+    JOBS,
+    WORK_ADJ,
+    WORK_NOUN,
+    FILLER,
+    ANIMALS,
+    RELATIONS,
+    PETS,
+    SMALL_TALK,
 )
 
 
@@ -82,11 +82,11 @@ class _Fresh:
 
 
 def _place(ends: list[str]) -> Callable[[random.Random], str]:
-    return lambda r: r.choice(_ONSETS) + r.choice(ends)
+    return lambda r: r.choice(ONSETS) + r.choice(ends)
 
 
 def _person(r: random.Random) -> str:
-    return f"{r.choice(_GIVEN)} {r.choice(_ONSETS)}{r.choice(_NAME_ENDS)}"
+    return f"{r.choice(GIVEN)} {r.choice(ONSETS)}{r.choice(NAME_ENDS)}"
 
 
 def _pick(pool: list[str]) -> Callable[[random.Random], str]:
@@ -105,26 +105,26 @@ _SHIP_ENDS = ["ia", "ona", "ette", "ander"]
 _Fact = tuple[str, Callable[[random.Random], str], str, str, str]
 _KINDS: dict[str, tuple[Callable[[random.Random], str], str, list[_Fact]]] = {
     "town": (
-        _place(_PLACE_ENDS),
+        _place(PLACE_ENDS),
         "{N} remains a small town.",
         [
             ("province", _place(["shire", "land", "march"]), "province of", "{v}", "What"),
             ("founded", _YEAR, "founding year of", "{v}", "What"),
             ("founder", _person, "founder of", "{v}", "Who"),
             ("population", _number(2000, 90000, True), "population of", "{v}", "What"),
-            ("known_for", _pick(_GOODS), "best-known product of", "{v}", "What"),
+            ("known_for", _pick(GOODS), "best-known product of", "{v}", "What"),
             ("mayor", _person, "mayor of", "{v}", "Who"),
         ],
     ),
     "river": (
-        lambda r: "the " + r.choice(_ONSETS) + r.choice(_RIVER_ENDS),
+        lambda r: "the " + r.choice(ONSETS) + r.choice(RIVER_ENDS),
         "{N} is a long river of the region.",
         [
             ("length", _number(40, 990), "length of", "{v} kilometres", "What"),
             ("source", _place(["peak", "crag", "fell"]), "source of", "Mount {v}", "What"),
             ("mouth", _place(["water", "pool", "lough"]), "mouth of", "Lake {v}", "What"),
-            ("known_for", _pick(_GOODS), "best-known product of", "{v}", "What"),
-            ("town", _place(_PLACE_ENDS), "largest town on", "{v}", "What"),
+            ("known_for", _pick(GOODS), "best-known product of", "{v}", "What"),
+            ("town", _place(PLACE_ENDS), "largest town on", "{v}", "What"),
         ],
     ),
     "person": (
@@ -132,32 +132,32 @@ _KINDS: dict[str, tuple[Callable[[random.Random], str], str, list[_Fact]]] = {
         "{N} is remembered in many books.",
         [
             ("born_year", _YEAR, "birth year of", "{v}", "What"),
-            ("birthplace", _place(_PLACE_ENDS), "birthplace of", "the town of {v}", "What"),
-            ("job", _pick(_JOBS), "profession of", "{v}", "What"),
-            ("work", lambda r: f"{r.choice(_WORK_ADJ)} {r.choice(_WORK_NOUN)}", "best-known book of", "{v}", "What"),
+            ("birthplace", _place(PLACE_ENDS), "birthplace of", "the town of {v}", "What"),
+            ("job", _pick(JOBS), "profession of", "{v}", "What"),
+            ("work", lambda r: f"{r.choice(WORK_ADJ)} {r.choice(WORK_NOUN)}", "best-known book of", "{v}", "What"),
             ("spouse", _person, "spouse of", "{v}", "Who"),
             ("teacher", _person, "teacher of", "{v}", "Who"),
         ],
     ),
     "ship": (
-        lambda r: "the " + r.choice(_ONSETS) + r.choice(_SHIP_ENDS),
+        lambda r: "the " + r.choice(ONSETS) + r.choice(_SHIP_ENDS),
         "{N} was a trading ship.",
         [
             ("launched", _YEAR, "launch year of", "{v}", "What"),
             ("captain", _person, "first captain of", "{v}", "Who"),
             ("port", _place(["haven", "port", "quay"]), "home port of", "{v}", "What"),
-            ("cargo", _pick(_GOODS), "main cargo of", "{v}", "What"),
+            ("cargo", _pick(GOODS), "main cargo of", "{v}", "What"),
             ("builder", _person, "builder of", "{v}", "Who"),
         ],
     ),
     "company": (
-        lambda r: r.choice(_ONSETS) + r.choice(_NAME_ENDS) + " " + r.choice(["Works", "Trading", "Mills"]),
+        lambda r: r.choice(ONSETS) + r.choice(NAME_ENDS) + " " + r.choice(["Works", "Trading", "Mills"]),
         "{N} is still an active company.",
         [
             ("founder", _person, "founder of", "{v}", "Who"),
             ("founded", _YEAR, "founding year of", "{v}", "What"),
-            ("city", _place(_PLACE_ENDS), "home city of", "{v}", "What"),
-            ("product", _pick(_GOODS), "main product of", "{v}", "What"),
+            ("city", _place(PLACE_ENDS), "home city of", "{v}", "What"),
+            ("product", _pick(GOODS), "main product of", "{v}", "What"),
             ("staff", _number(100, 9000, True), "number of employees of", "{v}", "What"),
         ],
     ),
@@ -192,7 +192,7 @@ def encyclopedia(seed: int = 0, entities: int = 40) -> tuple[list[Article], list
                     f"q{len(questions):03d}", f"{wh} is the {noun} {name}?", [value], f"a{i:02d}", f"{kind}/{attribute}"
                 )
             )
-        lines = rng.sample(lines, len(lines)) + [f.format(n=name) for f in rng.sample(_FILLER, 3)]
+        lines = rng.sample(lines, len(lines)) + [f.format(n=name) for f in rng.sample(FILLER, 3)]
         lines.append(closing.format(n=name, N=cap))  # last: a small model copies a document's first sentence
         articles.append(Article(f"a{i:02d}", cap, " ".join(lines)))
     return articles, questions
@@ -206,7 +206,7 @@ _SLOTS = {
     "pet": ("{W} ha{ve} a {a} called {v}.", ""),
 }
 _USER = "user"  # the speaker; everyone else is "<relation> <given name>"
-_MAKERS = {"city": _place(_PLACE_ENDS), "job": _pick(_JOBS), "pet": _pick(_PETS)}
+_MAKERS = {"city": _place(PLACE_ENDS), "job": _pick(JOBS), "pet": _pick(PETS)}
 _MONTHS = [
     "January",
     "February",
@@ -242,7 +242,7 @@ def dialogue(seed: int = 0, sessions: int = 12) -> tuple[list[Session], list[Que
         raise InvalidRequestError(f"sessions must be an int of at least 1, got {sessions!r}")
     rng = random.Random(seed)
     fresh, starts = _Fresh(rng), set[str]()
-    people = [_USER] + [f"{rel} {fresh(_pick(_GIVEN))}" for rel in rng.sample(_RELATIONS, 4)]
+    people = [_USER] + [f"{rel} {fresh(_pick(GIVEN))}" for rel in rng.sample(RELATIONS, 4)]
     said: list[tuple[int, str]] = []  # (session index, one exchange stating a fact)
     questions: list[Question] = []
     for who in people:
@@ -251,7 +251,7 @@ def dialogue(seed: int = 0, sessions: int = 12) -> tuple[list[Session], list[Que
             if not user and rng.random() < 0.3:
                 continue
             count = 1 if slot == "pet" else min(sessions, rng.choice([2, 3] if user else [1, 1, 2]))
-            animal, value, at = rng.choice(_ANIMALS), "", 0
+            animal, value, at = rng.choice(ANIMALS), "", 0
             for at in sorted(rng.sample(range(sessions), count)):
                 old, value = value, fresh(_MAKERS[slot], starts)
                 line = (update if old else first).format(
@@ -283,7 +283,7 @@ def dialogue(seed: int = 0, sessions: int = 12) -> tuple[list[Session], list[Que
         facts = [text for at, text in said if at == n]
         talk = [
             f"User: {line}\nAssistant: {reply}"  # small talk pads sessions with few facts to a similar size
-            for line, reply in rng.sample(_SMALL_TALK, max(2, 4 - len(facts)))
+            for line, reply in rng.sample(SMALL_TALK, max(2, 4 - len(facts)))
         ]
         head = f"Session {n + 1}, {rng.randint(1, 28)} {_MONTHS[n % 12]}."
         out.append(Session(f"s{n:02d}", "\n".join([head, *talk[:1], *facts, *talk[1:]])))

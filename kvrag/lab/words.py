@@ -1,7 +1,7 @@
 """The word lists `kvrag.lab.synthetic` builds its invented worlds from: name parts, goods, jobs, pets, filler
 sentences and small talk. Plain data."""
 
-_ONSETS = [
+ONSETS = [
     "Vel",
     "Dor",
     "Kas",
@@ -55,10 +55,10 @@ _ONSETS = [
     "Zor",
     "Bax",
 ]
-_PLACE_ENDS = ["loria", "vane", "mouth", "hold", "wick", "stead", "ara", "ford", "mere", "by", "ton", "gard"]
-_NAME_ENDS = ["ek", "wyn", "ova", "sted", "hal", "ric", "ane", "ley", "orn", "ith"]
-_RIVER_ENDS = ["et", "ane", "ion", "uro", "essa", "wen"]
-_GIVEN = [
+PLACE_ENDS = ["loria", "vane", "mouth", "hold", "wick", "stead", "ara", "ford", "mere", "by", "ton", "gard"]
+NAME_ENDS = ["ek", "wyn", "ova", "sted", "hal", "ric", "ane", "ley", "orn", "ith"]
+RIVER_ENDS = ["et", "ane", "ion", "uro", "essa", "wen"]
+GIVEN = [
     "Marten",
     "Ilsa",
     "Tobin",
@@ -82,7 +82,7 @@ _GIVEN = [
     "Fenna",
     "Ivo",
 ]
-_GOODS = [
+GOODS = [
     "copper bells",
     "blue glass",
     "smoked eel",
@@ -132,7 +132,7 @@ _GOODS = [
     "sea sponges",
     "barley malt",
 ]
-_JOBS = [
+JOBS = [
     "glassblower",
     "cartographer",
     "beekeeper",
@@ -164,9 +164,9 @@ _JOBS = [
     "brewer",
     "potter",
 ]
-_WORK_ADJ = ["Silent", "Amber", "Crooked", "Hollow", "Northern", "Burning", "Patient", "Glass", "Drowned", "Last"]
-_WORK_NOUN = ["Harbour", "Orchard", "Lantern", "Meridian", "Garden", "Compass", "Winter", "Tower", "Ledger", "Bell"]
-_FILLER = [
+WORK_ADJ = ["Silent", "Amber", "Crooked", "Hollow", "Northern", "Burning", "Patient", "Glass", "Drowned", "Last"]
+WORK_NOUN = ["Harbour", "Orchard", "Lantern", "Meridian", "Garden", "Compass", "Winter", "Tower", "Ledger", "Bell"]
+FILLER = [
     "Much has been written about {n} over the years.",
     "Old records spell the name {n} in several ways.",
     "A small museum keeps letters and drawings about {n}.",
@@ -175,9 +175,9 @@ _FILLER = [
     "Some early dates in the history of {n} are disputed.",
     "Local historians still argue about the early years of {n}.",
 ]
-_ANIMALS = ["cat", "dog", "parrot", "rabbit", "tortoise", "hamster"]
-_RELATIONS = ["friend", "colleague", "neighbour", "cousin", "flatmate", "manager"]
-_PETS = [
+ANIMALS = ["cat", "dog", "parrot", "rabbit", "tortoise", "hamster"]
+RELATIONS = ["friend", "colleague", "neighbour", "cousin", "flatmate", "manager"]
+PETS = [
     "Biscuit",
     "Pepper",
     "Mochi",
@@ -195,7 +195,7 @@ _PETS = [
     "Quill",
     "Olive",
 ]
-_SMALL_TALK = [
+SMALL_TALK = [
     ("The weather has been grey and wet all week.", "Grey weeks are good for reading. Anything to read?"),
     ("I finally finished the book you suggested.", "Glad to hear it. Did the ending surprise you?"),
     ("Work was busy, so I slept most of Sunday.", "Rest is important. I hope you feel better now."),

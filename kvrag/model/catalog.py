@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kvrag.errors import ModelNotFoundError
+from kvrag.files import default_cache_dir
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,13 +177,6 @@ def named(name: str | os.PathLike[str] | None) -> NamedModel | None:
         return DEFAULT
     key = str(name).strip().lower()
     return MODELS.get(key)
-
-
-def default_cache_dir() -> Path:
-    """Where converted weights and digests live: the user's cache directory, under kvrag/."""
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("kvrag"))
 
 
 def file_sha256(path: Path) -> str:

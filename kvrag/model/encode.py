@@ -49,7 +49,7 @@ def encode_prefix(model: torch.nn.Module, prefix_ids: Sequence[int]) -> ChunkKV:
     return ChunkKV(token_ids=ids[0].clone(), keys=keys, values=values, start=0)
 
 
-def _batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     """Group chunk indices by length so that rows x longest row stays under `batch_tokens`."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches: list[list[int]] = []
@@ -89,7 +89,7 @@ def encode_chunks(
     start = len(prefix)
     lengths = [len(ids) for ids in chunk_ids]
     out: list[ChunkKV | None] = [None] * len(chunk_ids)
-    groups = _batches(lengths, batch_tokens) if batch_tokens > 0 else [[i] for i in range(len(chunk_ids))]
+    groups = length_batches(lengths, batch_tokens) if batch_tokens > 0 else [[i] for i in range(len(chunk_ids))]
     for group in groups:
         width = max(lengths[i] for i in group)
         ids = torch.zeros((len(group), width), dtype=torch.long, device=device)  # [B, T_max], right-padded

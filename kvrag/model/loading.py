@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvrag.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
+from kvrag.compat import rope_parameters
 from kvrag.model.catalog import DEFAULT, EMBEDDED_WEIGHTS, default_cache_dir, file_sha256, resolve
 
 __all__ = ["EMBEDDED_WEIGHTS", "default_cache_dir"]  # re-exported: the embedded default's weights id, the cache
@@ -42,12 +43,6 @@ _REFUSED_MODEL_TYPES = {
     "gemma3": "sliding-window layers",
     "gemma3_text": "sliding-window layers",
 }
-
-
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The config's RoPE settings as one flat dict (transformers 5 `rope_parameters`)."""
-    params = getattr(config, "rope_parameters", None) or {}
-    return dict(params)
 
 
 def check_architecture(config: Any) -> None:

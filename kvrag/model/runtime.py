@@ -12,7 +12,7 @@ import threading
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -41,6 +41,7 @@ _MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyD
 _MODEL_LOCKS_GUARD = threading.Lock()
 # Attention implementations that honour a custom 4-D additive mask (flash attention reads it as padding).
 MASK_ATTENTION = ("sdpa", cpu.GQA_SDPA, "eager", "flex_attention")
+Runtime = TypeVar("Runtime", bound="ModelRuntime")  # a ModelRuntime's own class (a KVModel's is KVModel)
 
 
 def model_lock(model: Any) -> threading.RLock:
@@ -129,7 +130,7 @@ class ModelRuntime:
 
     @classmethod
     def from_pretrained(
-        cls,
+        cls: type[Runtime],
         name_or_path: str | Path | None = None,
         *,
         dtype: str | torch.dtype | None = "auto",
@@ -137,7 +138,7 @@ class ModelRuntime:
         cache_dir: str | Path | None = None,
         attn_implementation: str | None = None,
         **kwargs: Any,
-    ) -> ModelRuntime:
+    ) -> Runtime:
         """Load a named model (`kvrag models`: "smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"), a
         Hugging Face id or a folder; None loads the embedded default (SmolLM2-135M-Instruct).
 
@@ -159,7 +160,7 @@ class ModelRuntime:
         kv.loaded_from = str(name_or_path) if name_or_path is not None else None
         return kv
 
-    def with_lead(self, lead: str = "") -> ModelRuntime:
+    def with_lead(self: Runtime, lead: str = "") -> Runtime:
         """The same model, tokenizer and layout, with chunks encoded behind `lead` (see the class's Args)."""
         if lead == self.lead:
             return self

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from kvrag.plan.strategies import Plan, PlanRequest, _target, by_score, register_strategy
+from kvrag.plan.strategies import Plan, PlanRequest, by_score, register_strategy
+from kvrag.plan.strategies import target_of as _target
 
 # Below this lift (mean log-probability a question token, best chunk against no chunk) no chunk bears on the question.
 ABSTAIN_LIFT = 0.05

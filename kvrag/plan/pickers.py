@@ -26,24 +26,21 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from kvrag.engine.index import words
 from kvrag.errors import InvalidRequestError
 from kvrag.plan.probe import Probe
 from kvrag.plan.strategies import best_first
+from kvrag.rank import bm25, bm25_scores, fuse, words
 
 # (chunks, scores, known target, probe) -> the target, or several chunks best first (a set picker)
 Picker = Callable[[int, "Sequence[float] | None", "int | None", Probe], "int | list[int]"]
-RRF_K = 60  # reciprocal-rank fusion constant, as in the engine's hybrid retrieval
 # Chunks the likelihood picker scores: the retriever's best few. On the built-in study sets the retriever's
 # best CANDIDATES held the target as often as all ten did for the likelihood picker (docs/study.md), at a
 # third of its cost.
 LIKELIHOOD_CANDIDATES = 3
 SET_CANDIDATES = 4  # chunks the set pickers choose among: the retriever's best few
-# The retrieval-score lead (cosine, kvrag's default embedder) above which `gap` trusts the retriever. Chosen on the
-# one-chunk families of the built-in studies at seeds 0 and 1 (48 items a model): every lead from 0.04 to 0.10
-# picked the target most often, on Qwen2.5-Coder-0.5B 46 of 48 (likelihood alone 45, the retriever 41) with the
-# retriever trusted on 73-79% of them, on SmolLM2-135M 44 (43, 41); 0.07 is that range's middle. Fused rank
-# scores (hybrid retrieval) lead by far less: there `gap` is `likelihood`.
+# The retrieval-score lead (cosine, kvrag's default embedder) above which `gap` trusts the retriever: the middle of
+# the leads that picked the target most often on the built-in studies (the measurements: docs/models.md, "gap").
+# Fused rank scores (hybrid retrieval) lead by far less: there `gap` is `likelihood`.
 GAP = 0.07
 
 
@@ -71,28 +68,19 @@ def _gap(n: int, scores: Sequence[float] | None, target: int | None, probe: Prob
     return _likelihood(n, scores, target, probe)
 
 
-def _ranks(values: Sequence[float]) -> list[int]:
-    """Rank of each entry, 0 for the highest (ties: the earlier chunk first)."""
-    order = sorted(range(len(values)), key=lambda i: (-values[i], i))
-    ranks = [0] * len(values)
-    for rank, i in enumerate(order):
-        ranks[i] = rank
-    return ranks
+def _best_first(values: Sequence[float]) -> list[int]:
+    """The chunks by value, highest first (ties: the earlier chunk first)."""
+    return sorted(range(len(values)), key=lambda i: (-values[i], i))
 
 
 def _bm25(probe: Probe) -> list[float]:
-    from rank_bm25 import BM25Okapi
-
-    chunks = [words(t) or ["<empty>"] for t in probe.texts]
-    return [float(s) for s in BM25Okapi(chunks).get_scores(words(probe.question))]
+    return bm25_scores(bm25(probe.texts), probe.question)
 
 
 def _fuse(rankings: Sequence[Sequence[float]]) -> int:
-    fused = [0.0] * len(rankings[0])
-    for values in rankings:
-        for i, rank in enumerate(_ranks(values)):
-            fused[i] += 1.0 / (RRF_K + rank + 1)
-    return max(range(len(fused)), key=lambda i: (fused[i], -i))
+    """The chunk the rankings' reciprocal-rank fusion puts first (ties: the earlier chunk)."""
+    fused = fuse(_best_first(values) for values in rankings)
+    return max(range(len(rankings[0])), key=lambda i: (fused[i], -i))
 
 
 def _lexical(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> int:

@@ -16,7 +16,7 @@ makes strict target_recompute a pure move of the target (0 recomputed, shown in 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -76,6 +76,7 @@ class Strategy:
 
 
 STRATEGIES: dict[str, Strategy] = {}
+_SHIPPED: list[str] = []  # names registered by kvrag's own modules, first registration first
 # Attention temperature on reused chunks for the tempered strategies: their keys are multiplied by 1 / T.
 # T < 1 sharpens the question's attention on stored chunks (APE reports T near 0.9 on Llama-3-8B).
 TEMPER_T = 0.9
@@ -103,6 +104,8 @@ def register_strategy(
         STRATEGIES[name] = Strategy(
             name, build, needs_target, description or (build.__doc__ or "").strip(), picker, budgeted, reads_kv
         )
+        if build.__module__.startswith("kvrag.") and name not in _SHIPPED:
+            _SHIPPED.append(name)
         return build
 
     return add
@@ -124,7 +127,7 @@ def given_order(request: PlanRequest) -> list[int]:
 
 
 def target_last(request: PlanRequest) -> list[int]:
-    target = _target(request)
+    target = target_of(request)
     return [i for i in range(len(request.lengths)) if i != target] + [target]
 
 
@@ -138,7 +141,8 @@ def by_score(request: PlanRequest) -> list[int]:
     return best_first(len(request.lengths), request.scores)
 
 
-def _target(request: PlanRequest) -> int:
+def target_of(request: PlanRequest) -> int:
+    """The picked target of a strategy registered with needs_target=True."""
     if request.target is None:
         raise InvalidRequestError("this strategy needs a target: register it with needs_target=True")
     return request.target
@@ -178,7 +182,7 @@ def top_deviation(
 
 
 def _target_tokens(request: PlanRequest) -> torch.Tensor:
-    target = _target(request)
+    target = target_of(request)
     length = request.lengths[target]
     return torch.arange(min(length, request.budget_tokens) if request.strict else length)
 
@@ -218,7 +222,7 @@ def _reorder(request: PlanRequest) -> Plan:
 )
 def _insert_full_kv(request: PlanRequest) -> Plan:
     order = target_last(request)
-    target = _target(request)
+    target = target_of(request)
     return Plan(order=order, replace={target: _probe(request).full_prefill_kv(order, target)})
 
 
@@ -226,7 +230,7 @@ def _insert_full_kv(request: PlanRequest) -> Plan:
     "spread", needs_target=True, description="the budget split evenly over the first tokens of every non-target chunk"
 )
 def _spread(request: PlanRequest) -> Plan:
-    target = _target(request)
+    target = target_of(request)
     distractors = [i for i in range(len(request.lengths)) if i != target]
     if not distractors:
         return Plan(order=given_order(request))
@@ -245,7 +249,7 @@ def _spread(request: PlanRequest) -> Plan:
     description="whole distractor chunks within the budget, best-scored (or nearest the question) first",
 )
 def _spread_chunks(request: PlanRequest) -> Plan:
-    target = _target(request)
+    target = target_of(request)
     distractors = [i for i in range(len(request.lengths)) if i != target]
     if request.scores is not None:
         distractors.sort(key=lambda i: -request.scores[i])  # type: ignore[index]
@@ -266,7 +270,7 @@ def _spread_chunks(request: PlanRequest) -> Plan:
     description="move the picked target next to the question and recompute it against the reused cache",
 )
 def _target_recompute(request: PlanRequest) -> Plan:
-    return Plan(order=target_last(request), recompute={_target(request): _target_tokens(request)})
+    return Plan(order=target_last(request), recompute={target_of(request): _target_tokens(request)})
 
 
 @register_strategy(
@@ -296,7 +300,7 @@ def _token_select(request: PlanRequest) -> Plan:
 )
 def _hybrid(request: PlanRequest) -> Plan:
     order = target_last(request)
-    target = _target(request)
+    target = target_of(request)
     target_tokens = _target_tokens(request)
     left = request.budget_tokens - int(target_tokens.numel())
     recompute = top_deviation(request, order, left, exclude=[target])
@@ -314,7 +318,7 @@ def _hybrid(request: PlanRequest) -> Plan:
     description="recompute the picked target where it stands (no move) against the reused cache",
 )
 def _target_in_place(request: PlanRequest) -> Plan:
-    return Plan(order=given_order(request), recompute={_target(request): _target_tokens(request)})
+    return Plan(order=given_order(request), recompute={target_of(request): _target_tokens(request)})
 
 
 @register_strategy(
@@ -324,7 +328,7 @@ def _target_in_place(request: PlanRequest) -> Plan:
     description="move the picked target first, right after the prefix, and recompute it",
 )
 def _target_first(request: PlanRequest) -> Plan:
-    target = _target(request)
+    target = target_of(request)
     order = [target] + [i for i in range(len(request.lengths)) if i != target]
     return Plan(order=order, recompute={target: _target_tokens(request)})
 
@@ -337,7 +341,7 @@ def _target_first(request: PlanRequest) -> Plan:
 def _target_spread(request: PlanRequest) -> Plan:
     plan = _spread(request)  # the budget on the distractors' first tokens, where a lone chunk's false sink sits
     plan.order = target_last(request)
-    plan.recompute[_target(request)] = _target_tokens(request)
+    plan.recompute[target_of(request)] = _target_tokens(request)
     return plan
 
 
@@ -348,7 +352,7 @@ def _target_spread(request: PlanRequest) -> Plan:
     description="the picked target and the next best-scored chunk moved next to the question, both recomputed",
 )
 def _top2_recompute(request: PlanRequest) -> Plan:
-    target = _target(request)
+    target = target_of(request)
     second = next((i for i in by_score(request) if i != target), None)
     if second is None:
         return _target_recompute(request)
@@ -382,7 +386,7 @@ def _tempered_reuse(request: PlanRequest) -> Plan:
     description=f"target_recompute, with an attention temperature T={TEMPER_T} on the other chunks' stored KV",
 )
 def _target_tempered(request: PlanRequest) -> Plan:
-    return _tempered(_target_recompute(request), len(request.lengths), skip=_target(request))
+    return _tempered(_target_recompute(request), len(request.lengths), skip=target_of(request))
 
 
 @register_strategy(
@@ -393,12 +397,10 @@ def _target_tempered(request: PlanRequest) -> Plan:
     "one chunk, at the cost of the suffix",
 )
 def _target_only(request: PlanRequest) -> Plan:
-    return Plan(order=[_target(request)])  # a lone chunk's KV, encoded behind the prefix, is its full-prefill KV
+    return Plan(order=[target_of(request)])  # a lone chunk's KV, encoded behind the prefix, is its full-prefill KV
 
 
-# the strategies over a subset of the chunks (the top k, a picked set) register from their own module
-from kvrag.plan import subsets  # noqa: E402,F401
-from kvrag.plan import need  # noqa: E402,F401
-
-# The strategies kvrag ships, in registration order (what `kvrag bench` runs by default).
-BUILTIN_STRATEGIES = tuple(STRATEGIES)
+def __getattr__(name: str) -> Any:
+    if name == "BUILTIN_STRATEGIES":  # the strategies kvrag ships, in registration order (`kvrag bench`'s default):
+        return tuple(_SHIPPED)  # those of this module, then `kvrag.plan.subsets` and `kvrag.plan.need` (plan/__init__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

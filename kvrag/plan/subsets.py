@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrag.plan.strategies import Plan, PlanRequest, _target, by_score, register_strategy
+from kvrag.plan.strategies import Plan, PlanRequest, by_score, register_strategy, target_of
 
 
 def _top_k_full_prefill(request: PlanRequest, k: int) -> Plan:
@@ -55,7 +55,7 @@ def _top3_exact(request: PlanRequest) -> Plan:
     "first chunk's stored KV as is and the other two recomputed: exactly full prefill over those three in that order",
 )
 def _top3_target_last(request: PlanRequest) -> Plan:
-    target = _target(request)
+    target = target_of(request)
     others = set([i for i in by_score(request) if i != target][:2])
     order = [*(i for i in range(len(request.lengths)) if i in others), target]
     return Plan(order=order, recompute={c: torch.arange(request.lengths[c]) for c in order[1:]})
@@ -66,7 +66,7 @@ def _top3_target_last(request: PlanRequest) -> Plan:
 
 def _targets(request: PlanRequest) -> list[int]:
     """The picked set, in the given order (a set's chunks keep the order the retriever's list gave them)."""
-    return sorted(request.targets or [_target(request)])
+    return sorted(request.targets or [target_of(request)])
 
 
 @register_strategy(

@@ -7,9 +7,8 @@ lower, so decoding needs no mask. This module never builds a prompt or a cache.
 from __future__ import annotations
 
 import contextlib
-import numbers
-from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -17,7 +16,6 @@ from transformers import DynamicCache
 
 from kvrag import cpu
 from kvrag.compat import with_cache
-from kvrag.errors import InvalidRequestError
 from kvrag.plan.sampling import DRAFT_TOKENS, Sampling  # noqa: F401 - where decoding reads them
 
 def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:

@@ -8,6 +8,7 @@ once); it runs what it is handed.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -25,6 +26,8 @@ from kvrag.plan.sampling import Sampling
 from kvrag.run.executor import Executor, HFExecutor, Job
 from kvrag.run.generate import Detokenizer
 from kvrag.timing import Phases, phase
+
+logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Prefilled:
@@ -48,6 +51,24 @@ class Prefilled:
 def plan(kvmodel: ModelRuntime, request: Request, chunks: Chunks, probe: Probe) -> Decision:
     """The checked plan of a request (its strategy and picker run here, measuring through `probe`)."""
     return make_plan(request, chunks.lengths, probe)
+
+
+def log_plan(request: Request, decision: Decision) -> None:
+    """The plan chosen and why, at INFO under `kvrag.run.pipeline` (`kvrag -v` shows it)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    plan_ = decision.plan
+    recomputed = "all (full prefill)" if plan_.full_prefill else sum(len(s) for s in plan_.recompute.values())
+    logger.info(
+        "plan: strategy %s, picker %s, target %s, order %s, recomputed tokens %s, budget %s tokens%s",
+        request.strategy,
+        decision.picker,
+        decision.target,
+        list(plan_.order),
+        recomputed,
+        decision.budget_tokens,
+        f"; {plan_.reason}" if plan_.reason else "",
+    )
 
 
 def reused(decision: Decision) -> list[int]:
@@ -111,6 +132,7 @@ def prefill(
         with phase(phases, "plan"):  # outside the lock: a measurement takes it, reading the chunk KV it needs
             measure = probe.of(kvmodel, chunks, suffix, request.question)
             decision = plan(kvmodel, request, chunks, measure)
+        log_plan(request, decision)
         passed = _picked_pass(kvmodel, executor, decision, measure, room) if logits_to_keep == 1 else None
         if passed is not None:  # the picker's pass over the winner was this prompt's prefill: no second forward
             passed.prompt_ids = kvmodel.prompt_of([chunks.ids[decision.plan.order[0]]], suffix)

@@ -308,7 +308,7 @@ def test_a_request_resumed_after_preemption_is_loaded_again_into_its_new_blocks(
 def test_a_store_that_fails_while_the_worker_reads_is_a_miss_not_a_dead_worker(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from vllm_kvrag.connector import KVRAGConnector, KVRAGLoadWarning, _Load
+    from vllm_kvrag.connector import KVRAGConnector, KVRAGLoadWarning, Load
     from vllm_kvrag.plan import Piece, TransferPlan
 
     from kvrag.cache.store import DiskStore
@@ -323,7 +323,7 @@ def test_a_store_that_fails_while_the_worker_reads_is_a_miss_not_a_dead_worker(t
     connector._reader, connector._block_size, connector._buffers = ThreadPoolExecutor(2), 32, {}
     plan = TransferPlan((Piece("ab" * 32, 0, 0, 40), Piece("cd" * 32, 8, 40, 24)), "encoder")
     with pytest.warns(KVRAGLoadWarning, match="the disk went away"):
-        assert connector._fill(_Load(plan, [0, 1], 0, 63, list(range(63))), layers=[]) == 0  # vLLM computes it all
+        assert connector._fill(Load(plan, [0, 1], 0, 63, list(range(63))), layers=[]) == 0  # vLLM computes it all
 
 
 def test_an_entry_holding_other_tokens_than_the_prompts_is_never_written(tmp_path):
@@ -333,7 +333,7 @@ def test_an_entry_holding_other_tokens_than_the_prompts_is_never_written(tmp_pat
     from types import SimpleNamespace
 
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    from vllm_kvrag.connector import KVRAGConnector, KVRAGLoadWarning, _Load
+    from vllm_kvrag.connector import KVRAGConnector, KVRAGLoadWarning, Load
     from vllm_kvrag.plan import Piece, TransferPlan
 
     from kvrag.cache.kv import ChunkKV
@@ -352,9 +352,9 @@ def test_an_entry_holding_other_tokens_than_the_prompts_is_never_written(tmp_pat
     plan = TransferPlan((Piece("ab" * 32, 0, 0, 40),), "encoder")
     forged = [*ids.tolist()[:39], 7]
     with pytest.warns(KVRAGLoadWarning, match="other tokens than the prompt's"):
-        assert connector._fill(_Load(plan, [2, 3], 0, 40, forged), layers) == 0
+        assert connector._fill(Load(plan, [2, 3], 0, 40, forged), layers) == 0
     assert all(not cache.any() for _, _, cache in layers)  # nothing written
-    assert connector._fill(_Load(plan, [2, 3], 0, 40, ids.tolist()), layers) == 40
+    assert connector._fill(Load(plan, [2, 3], 0, 40, ids.tolist()), layers) == 40
     for i, _, cache in layers:  # into blocks 2 and 3 only, each layer its own entry's keys and values (whatever
         assert not cache[:2].any()  # the layout inside a block: the values written are the entry's, all of them)
         written, stored = cache[cache != 0].sort().values, torch.cat([entry.keys[i], entry.values[i]]).flatten()

@@ -203,7 +203,7 @@ def test_layer_by_layer_writes_a_gpu_layout_cache_as_the_whole_step_load_does(tm
     for bit as the whole-step load does; a piece whose entry holds other tokens stops it there, the pieces before it
     written, its blocks and the rest load errors."""
     from vllm_kvrag import layered
-    from vllm_kvrag.connector import KVRAGLoadWarning, _Load
+    from vllm_kvrag.connector import KVRAGLoadWarning, Load
     from vllm_kvrag.plan import Piece, TransferPlan
 
     from kvrag.cache.kv import ChunkKV
@@ -229,8 +229,8 @@ def test_layer_by_layer_writes_a_gpu_layout_cache_as_the_whole_step_load_does(tm
 
     whole, piped = caches(), caches()
     connector = _bare_connector(store)
-    assert connector._fill(_Load(plan, blocks, 0, 75, prompt), whole) == 75
-    pipeline = layered.start(connector, [_Load(plan, blocks, 0, 75, prompt)], piped)
+    assert connector._fill(Load(plan, blocks, 0, 75, prompt), whole) == 75
+    pipeline = layered.start(connector, [Load(plan, blocks, 0, 75, prompt)], piped)
     for i in (0, 1):
         pipeline.wait(i)
     layered.finish(connector, pipeline, [])
@@ -240,7 +240,7 @@ def test_layer_by_layer_writes_a_gpu_layout_cache_as_the_whole_step_load_does(tm
     forged = prompt[:30] + [7] + prompt[31:]  # the second piece (tokens 20..45) is not what its entry holds
     piped = caches()
     with pytest.warns(KVRAGLoadWarning, match="other tokens than the prompt's"):
-        pipeline = layered.start(connector, [_Load(plan, blocks, 0, 75, forged)], piped)
+        pipeline = layered.start(connector, [Load(plan, blocks, 0, 75, forged)], piped)
         layered.finish(connector, pipeline, [])
     assert connector._errors == {blocks[1], blocks[2], blocks[3], blocks[4]}  # tokens 20.. : blocks 1 to 4
     first = [b * 16 + t % 16 for t in range(20) for b in [blocks[t // 16]]]

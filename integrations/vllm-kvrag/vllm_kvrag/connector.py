@@ -82,7 +82,7 @@ _READERS = 2  # threads reading and verifying entries, and rotating their keys
 
 
 @dataclass(slots=True)
-class _Load:
+class Load:
     """One request's tokens [begin, end) to fill from the store, into its blocks."""
 
     plan: TransferPlan
@@ -92,12 +92,12 @@ class _Load:
     token_ids: list[int]  # the prompt's ids [begin, end): an entry holding other tokens is never written
 
 
-_Span = tuple[Piece, int, int, list[int]]  # a piece, the tokens [lo, hi) of it to load, the prompt's ids there
+Span = tuple[Piece, int, int, list[int]]  # a piece, the tokens [lo, hi) of it to load, the prompt's ids there
 
 
-def _groups(spans: list[_Span]) -> list[list[_Span]]:
+def _groups(spans: list[Span]) -> list[list[Span]]:
     """Consecutive spans in groups of about _GROUP_TOKENS tokens (a piece is never split; one at least a group)."""
-    groups: list[list[_Span]] = []
+    groups: list[list[Span]] = []
     total = _GROUP_TOKENS
     for span in spans:
         if total >= _GROUP_TOKENS:
@@ -118,7 +118,53 @@ def _layerwise_setting(extra: dict[str, Any]) -> bool | None:
 
 @dataclass
 class KVRAGConnectorMetadata(KVConnectorMetadata):
-    loads: list[_Load] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+
+
+class LoadSeam:
+    """The worker side as the connector's write paths (`direct`, `layered`) see it: what they read (the block size,
+    the dtype, the reader threads, the repositioner, the checked cache layouts, a load's spans, an entry, a worker's
+    kv heads, a shift's angles) and the one thing they change (the step's load errors). Read when used: nothing of
+    the connector is copied."""
+
+    def __init__(self, connector: KVRAGConnector) -> None:
+        self._connector = connector
+
+    @property
+    def block_size(self) -> int:
+        return self._connector._block_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._connector._dtype
+
+    @property
+    def reader(self) -> ThreadPoolExecutor:
+        return self._connector._reader
+
+    @property
+    def repositioner(self) -> Repositioner | None:
+        return self._connector._repositioner
+
+    @property
+    def layouts(self) -> dict[tuple[Any, ...], bool | None]:
+        return self._connector._layouts  # a cache layout -> keys transposed, or None (checked once a layout)
+
+    def spans(self, load: Load) -> list[Span]:
+        return self._connector._spans(load)
+
+    def entry(self, piece: Piece, lo: int, hi: int, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | str:
+        return self._connector._entry(piece, lo, hi, ids)
+
+    def heads(self, stored: int, held: int) -> slice:
+        return self._connector._heads(stored, held)
+
+    def angles(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._connector._angles(delta)
+
+    def load_errors(self, blocks: set[int]) -> None:
+        """Blocks whose KV could not be loaded this step (vLLM computes them)."""
+        self._connector._errors |= blocks
 
 
 class KVRAGConnector(KVConnectorBase_V1):
@@ -148,8 +194,13 @@ class KVRAGConnector(KVConnectorBase_V1):
             self._refused: set[str] = set()  # layouts refused so far (each said once)
             self._tp = tensor_parallel()  # (rank, size): which kv heads of an entry this worker writes
             self._layerwise = _layerwise_setting(self._kv_transfer_config.kv_connector_extra_config or {})
-            self._pipeline: tuple[LayerPipeline, list[_Load]] | None = None  # this step's layer-by-layer load
+            self._pipeline: tuple[LayerPipeline, list[Load]] | None = None  # this step's layer-by-layer load
             self._layer_of: dict[str, int | None] = {}  # attention layer name -> its decoder layer's index
+
+    @property
+    def seam(self) -> LoadSeam:
+        """What the write paths (`direct`, `layered`) read of this worker and may change."""
+        return LoadSeam(self)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -187,7 +238,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._pending:
                 plan, begin, end, ids = self._pending.pop(new.req_id)
-                meta.loads.append(_Load(plan, list(new.block_ids[0]), begin, end, ids))
+                meta.loads.append(Load(plan, list(new.block_ids[0]), begin, end, ids))
                 self._loading[new.req_id] = (list(new.block_ids[0]), begin, end)
         # A request vLLM preempted is matched again when it resumes (its KV was freed): it comes back among the
         # cached requests, with every block it now holds, and is loaded again like a new one.
@@ -195,7 +246,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         for i, req_id in enumerate(cached.req_ids):
             if req_id in self._pending and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
                 plan, begin, end, ids = self._pending.pop(req_id)
-                meta.loads.append(_Load(plan, list(cached.new_block_ids[i][0]), begin, end, ids))
+                meta.loads.append(Load(plan, list(cached.new_block_ids[i][0]), begin, end, ids))
                 self._loading[req_id] = (list(cached.new_block_ids[i][0]), begin, end)
                 self._computed_from.pop(req_id, None)  # loaded again: only this load's failure counts
         self._pending.clear()  # matched but not scheduled this step: matched afresh when it is
@@ -245,7 +296,7 @@ class KVRAGConnector(KVConnectorBase_V1):
             # vLLM recomputes from the first failed block on: the pieces before it stay loaded.
             self._errors |= {load.block_ids[t // self._block_size] for t in range(filled, load.end)}
 
-    def _fill(self, load: _Load, layers: list[tuple[int, Any, torch.Tensor]]) -> int:
+    def _fill(self, load: Load, layers: list[tuple[int, Any, torch.Tensor]]) -> int:
         """Write tokens [begin, end) into the request's blocks, a group of pieces at a time, one write per layer
         each; return where the filling stopped (`end`, or the first token of a piece whose entry is missing or
         damaged).
@@ -272,7 +323,7 @@ class KVRAGConnector(KVConnectorBase_V1):
                 read.cancel()
             wait(reads)
 
-    def _spans(self, load: _Load) -> list[_Span]:
+    def _spans(self, load: Load) -> list[Span]:
         """The load's pieces, each with the tokens [lo, hi) of it to load and the prompt's ids there; the store bound
         to read their entries as stored (a memory tier then holds float16, not float32)."""
         self._store.bind(encoder=load.plan.encoder, dtype=None, device="cpu")
@@ -282,7 +333,7 @@ class KVRAGConnector(KVConnectorBase_V1):
             if (lo := max(load.begin, p.position)) < (hi := min(load.end, p.position + p.length))
         ]
 
-    def _read(self, group: list[_Span], layers: list[tuple[int, Any, torch.Tensor]], slot: int) -> list[Future]:
+    def _read(self, group: list[Span], layers: list[tuple[int, Any, torch.Tensor]], slot: int) -> list[Future]:
         """Start reading a group's pieces into buffer `slot` (each piece its own run of tokens of it)."""
         keys, values = self._buffer(slot, layers, sum(hi - lo for _, lo, hi, _ in group))
         at, reads = 0, []
@@ -297,7 +348,7 @@ class KVRAGConnector(KVConnectorBase_V1):
         return reads
 
     def _write_group(
-        self, load: _Load, group: list[_Span], layers: list[tuple[int, Any, torch.Tensor]], slot: int
+        self, load: Load, group: list[Span], layers: list[tuple[int, Any, torch.Tensor]], slot: int
     ) -> None:
         """Write a group's pieces (read into buffer `slot`) into the request's blocks: one write per layer."""
         if not group:

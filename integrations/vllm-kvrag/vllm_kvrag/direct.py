@@ -16,10 +16,10 @@ from vllm_kvrag.paged import _cache_views, _missed, _write
 from vllm_kvrag.plan import Piece
 
 if TYPE_CHECKING:
-    from vllm_kvrag.connector import KVRAGConnector, _Load
+    from vllm_kvrag.connector import KVRAGConnector, Load, LoadSeam
 
 
-def fill(connector: KVRAGConnector, load: _Load, layers: list[tuple[int, Any, torch.Tensor]]) -> int | None:
+def fill(connector: KVRAGConnector, load: Load, layers: list[tuple[int, Any, torch.Tensor]]) -> int | None:
     """The connector's `_fill`, each entry written straight into the request's blocks by kvrag's paged-write
     kernel, in the reader threads, every piece at once; None (nothing written) where that kernel does not write
     what vLLM's write op writes for these caches, so the caller fills through the op."""
@@ -32,16 +32,17 @@ def fill(connector: KVRAGConnector, load: _Load, layers: list[tuple[int, Any, to
         return None
     if any(layout(connector, layer, cache) is not transposed for _, layer, cache in layers):
         return None
+    seam = connector.seam
     views = [_cache_views(cache) for _, _, cache in layers]
     caches = ([k for k, _ in views], [v for _, v in views])
-    spans = connector._spans(load)
-    bs = connector._block_size
+    spans = seam.spans(load)
+    bs = seam.block_size
     blocks = torch.tensor(load.block_ids, dtype=torch.int64)
     writes = []
     for piece, lo, hi, ids in spans:
         tokens = torch.arange(lo, hi)
         slots = blocks[tokens // bs] * bs + tokens % bs
-        write = connector._reader.submit(_placed, connector, piece, lo, hi, ids, slots, caches, first, transposed)
+        write = seam.reader.submit(_placed, seam, piece, lo, hi, ids, slots, caches, first, transposed)
         writes.append(write)
     try:
         for (piece, lo, _, _), write in zip(spans, writes):
@@ -58,7 +59,7 @@ def fill(connector: KVRAGConnector, load: _Load, layers: list[tuple[int, Any, to
 
 @torch.inference_mode()
 def _placed(
-    connector: KVRAGConnector,
+    seam: LoadSeam,
     piece: Piece,
     lo: int,
     hi: int,
@@ -70,17 +71,17 @@ def _placed(
 ) -> str | None:
     """Write a piece's tokens [lo, hi) into its slots of this worker's layers (the entry's layers from `first`
     on); None, or why it could not (`_entry`'s reasons). Runs in a reader thread, on one core."""
-    found = connector._entry(piece, lo, hi, ids)
+    found = seam.entry(piece, lo, hi, ids)
     if isinstance(found, str):
         return found
     n = len(caches[0])
-    heads = connector._heads(found[0].shape[1], caches[0][0].shape[1])
+    heads = seam.heads(found[0].shape[1], caches[0][0].shape[1])
     keys, values = found[0][first : first + n, heads], found[1][first : first + n, heads]
     if len(keys) != n or keys.shape[1] != caches[0][0].shape[1] or keys.shape[3] != caches[0][0].shape[3]:
         return f" (its KV is {tuple(found[0].shape)}, this worker's cache takes layers {first}.. of {n})"
     cos = sin = None
     if piece.position != piece.start:
-        cos, sin = connector._angles(piece.position - piece.start)
+        cos, sin = seam.angles(piece.position - piece.start)
     if not cpu.paged_write(
         keys, values, *caches, slots, keys_transposed=transposed, cos=cos, sin=sin, threads=1
     ):
@@ -96,11 +97,12 @@ def layout(connector: KVRAGConnector, layer: Any, cache: torch.Tensor) -> bool |
     scale = (getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0))
     kv_dtype = getattr(getattr(layer, "impl", None), "kv_cache_dtype", "auto")
     key = (getattr(layer, "isa", None), kv_dtype, scale, cache.dtype, tuple(cache.shape[1:]), cache.stride()[1:])
-    if key in connector._layouts:
-        return connector._layouts[key]
+    seam = connector.seam
+    if key in seam.layouts:
+        return seam.layouts[key]
     found: bool | None = None
     if key[0] is not None and cache.dim() == 4 and kv_dtype == "auto" and scale == (1.0, 1.0):
-        bs = connector._block_size
+        bs = seam.block_size
         slots = torch.arange(40) + max(0, bs - 10)  # across a block's end
         scratch = torch.zeros((int(slots[-1]) // bs + 1, *cache.shape[1:]), dtype=cache.dtype)
         heads, d = cache.shape[1], cache.shape[3] // 2  # a head's block row holds a key's and a value's D
@@ -115,5 +117,5 @@ def layout(connector: KVRAGConnector, layer: Any, cache: torch.Tensor) -> bool |
             if written and torch.equal(mine, scratch):
                 found = transposed
                 break
-    connector._layouts[key] = found
+    seam.layouts[key] = found
     return found

@@ -28,7 +28,7 @@ from kvrag.timing import Phases
 from vllm_kvrag.plan import Piece, TransferPlan
 
 if TYPE_CHECKING:
-    from kvrag.model.kvmodel import KVModel
+    from kvrag.kvmodel import KVModel
 
 _ids = itertools.count()
 
@@ -84,7 +84,7 @@ class PlannedRequests:
 
     def _prefill(self, job: Job) -> VLLMPrefill:
         kv = self.kvmodel
-        ids = [*kv.layout.prefix_ids, *(t for c in job.chunk_ids for t in c), *job.suffix_ids]
+        ids = kv.prompt_of(job.chunk_ids, job.suffix_ids)
         if job.full_prefill:
             return VLLMPrefill(ids, None, len(ids), job.context_tokens, job.context_tokens)
         reused = _reused_head(job)

@@ -21,7 +21,7 @@ from vllm_kvrag.layerwise import LayerPipeline
 from vllm_kvrag.paged import KVRAGLoadWarning, _missed, _use_worker_cpus, _write
 
 if TYPE_CHECKING:
-    from vllm_kvrag.connector import KVRAGConnector, _Load
+    from vllm_kvrag.connector import KVRAGConnector, Load, LoadSeam
 
 
 @dataclass
@@ -34,44 +34,45 @@ class _Staged:
     heads: slice  # the kv heads of an entry this worker holds
 
 
-def start(connector: KVRAGConnector, loads: list[_Load], layers: list[tuple[int, Any, torch.Tensor]]) -> LayerPipeline:
-    """Start writing `loads` into `layers` a layer at a time; the connector's `_errors` get each load's blocks from
+def start(connector: KVRAGConnector, loads: list[Load], layers: list[tuple[int, Any, torch.Tensor]]) -> LayerPipeline:
+    """Start writing `loads` into `layers` a layer at a time; the step's load errors (`LoadSeam.load_errors`) get each load's blocks from
     its first missing or damaged piece on (when the pipeline has prepared, before layer 0 is ready)."""
     layers = sorted(layers, key=lambda x: x[0])
     by_index = {i: (layer, cache) for i, layer, cache in layers}
     device = layers[0][2].device
     pipeline = LayerPipeline([i for i, _, _ in layers], device)
     staged: list[_Staged] = []
+    seam = connector.seam
 
     def prepare() -> None:
         _use_worker_cpus()
         for load in loads:
-            found = _read(connector, load, layers, device)
+            found = _read(seam, load, layers, device)
             if found is not None:
                 staged.append(found)
 
     def write(i: int) -> None:
         layer, cache = by_index[i]
         for load in staged:
-            _write_layer(connector, load, i, layer, cache)
+            _write_layer(seam, load, i, layer, cache)
 
     pipeline.start(write, prepare)
     return pipeline
 
 
 def _read(
-    connector: KVRAGConnector, load: _Load, layers: list[tuple[int, Any, torch.Tensor]], device: torch.device
+    seam: LoadSeam, load: Load, layers: list[tuple[int, Any, torch.Tensor]], device: torch.device
 ) -> _Staged | None:
     """Read and check a load's pieces in the reader threads; stage those up to the first that fails."""
-    spans = connector._spans(load)
-    found = list(connector._reader.map(lambda s: connector._entry(*s), spans))
+    spans = seam.spans(load)
+    found = list(seam.reader.map(lambda s: seam.entry(*s), spans))
     cache = layers[-1][2]
     need, held, width = layers[-1][0] + 1, cache.shape[1], cache.shape[-1] // 2
     entries, shifts, tokens = [], [], []
     filled, at = load.end, 0
     for (piece, lo, hi, _), entry in zip(spans, found):
         if not isinstance(entry, str):
-            heads = connector._heads(entry[0].shape[1], held)
+            heads = seam.heads(entry[0].shape[1], held)
             keys = entry[0][:, heads]
             if len(keys) < need or keys.shape[1] != held or keys.shape[-1] != width:
                 entry = f" (its KV is {tuple(entry[0].shape)}; this worker takes {need} layers of {held} x {width})"
@@ -81,38 +82,38 @@ def _read(
             break
         angles = None
         if piece.position != piece.start:
-            cos, sin = connector._angles(piece.position - piece.start)
+            cos, sin = seam.angles(piece.position - piece.start)
             angles = (cos.to(device), sin.to(device))
         entries.append(entry)
         shifts.append((at, at + hi - lo, angles))
         at += hi - lo
         tokens.append(torch.arange(lo, hi))
-    bs = connector._block_size
-    connector._errors |= {load.block_ids[t // bs] for t in range(filled, load.end)}
+    bs = seam.block_size
+    seam.load_errors({load.block_ids[t // bs] for t in range(filled, load.end)})
     if not entries:
         return None
     blocks = torch.tensor(load.block_ids, dtype=torch.int64)
     where = torch.cat(tokens)
     slots = (blocks[where // bs] * bs + where % bs).to(device)
-    return _Staged(entries, shifts, slots, connector._heads(entries[0][0].shape[1], held))
+    return _Staged(entries, shifts, slots, seam.heads(entries[0][0].shape[1], held))
 
 
-def _write_layer(connector: KVRAGConnector, load: _Staged, i: int, layer: Any, cache: torch.Tensor) -> None:
+def _write_layer(seam: LoadSeam, load: _Staged, i: int, layer: Any, cache: torch.Tensor) -> None:
     """Write layer `i` of a staged load: one copy of its stored keys and values to the cache's device, the keys
     rotated there in float32, one write into the blocks."""
     keys = torch.cat([k[i, load.heads] for k, _ in load.entries], dim=1).to(cache.device)  # [H_kv, T, D], as stored
     values = torch.cat([v[i, load.heads] for _, v in load.entries], dim=1).to(cache.device)
-    out = torch.empty(keys.shape, dtype=connector._dtype, device=cache.device)
+    out = torch.empty(keys.shape, dtype=seam.dtype, device=cache.device)
     for a, b, angles in load.shifts:
         if angles is None:
             out[:, a:b].copy_(keys[:, a:b])
         else:
-            assert connector._repositioner is not None
-            connector._repositioner.rotate_into(out[None, :, a:b], keys[None, :, a:b], *angles)
-    _write(layer, cache, out.transpose(0, 1), values.to(connector._dtype).transpose(0, 1), load.slots)
+            assert seam.repositioner is not None
+            seam.repositioner.rotate_into(out[None, :, a:b], keys[None, :, a:b], *angles)
+    _write(layer, cache, out.transpose(0, 1), values.to(seam.dtype).transpose(0, 1), load.slots)
 
 
-def finish(connector: KVRAGConnector, pipeline: LayerPipeline, loads: list[_Load]) -> None:
+def finish(connector: KVRAGConnector, pipeline: LayerPipeline, loads: list[Load]) -> None:
     """Wait for a step's layer-by-layer load; where it failed, every block it was to fill is a load error."""
     error = pipeline.join()
     if error is None:
@@ -123,6 +124,6 @@ def finish(connector: KVRAGConnector, pipeline: LayerPipeline, loads: list[_Load
         KVRAGLoadWarning,
         stacklevel=2,
     )
-    bs = connector._block_size
+    seam, bs = connector.seam, connector.seam.block_size
     for load in loads:
-        connector._errors |= {load.block_ids[t // bs] for t in range(load.begin, load.end)}
+        seam.load_errors({load.block_ids[t // bs] for t in range(load.begin, load.end)})

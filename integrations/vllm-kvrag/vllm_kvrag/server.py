@@ -19,7 +19,7 @@ from kvrag.run.generate import Sampling
 from vllm_kvrag.executor import PlannedRequests, VLLMPrefill, count_cached
 
 if TYPE_CHECKING:
-    from kvrag.model.kvmodel import KVModel
+    from kvrag.kvmodel import KVModel
 
 
 class VLLMServerExecutor(PlannedRequests):

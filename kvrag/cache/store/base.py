@@ -4,6 +4,7 @@ base of the stores that keep serialized entries (a circuit breaker in front of a
 from __future__ import annotations
 
 import json
+import logging
 import re
 import struct
 import time
@@ -16,6 +17,8 @@ import torch
 from kvrag.cache.codec import check_storage_dtype, decode_entry, encode_entry
 from kvrag.cache.kv import ChunkKV
 from kvrag.errors import InvalidRequestError, StoreError
+
+logger = logging.getLogger(__name__)
 
 # A namespace is part of a key prefix and of a SCAN pattern: no glob characters and no ':' (which would let
 # namespace "a" see the entries of namespace "a:b").
@@ -142,6 +145,7 @@ class KVStore(ABC):
             self.misses += 1
         else:
             self.hits += 1
+        logger.debug("%s: %s %s...", type(self).__name__, "hit" if kv is not None else "miss", key[:16])
         return kv
 
     @abstractmethod
@@ -235,6 +239,7 @@ class SerializedStore(KVStore):
         if self.read_only:
             return  # opened to read (`kvrag ask`, `kvrag info`): a recomputed chunk is not written back
         self._guarded(self._write, key, encode_entry(kv, key=key, dtype=self.storage_dtype, secret=self.secret))
+        logger.debug("%s: wrote %s... (%d tokens)", type(self).__name__, key[:16], len(kv))
 
     def as_stored(self, kv: ChunkKV) -> ChunkKV:
         back = decode_entry(

@@ -23,7 +23,8 @@ from kvrag.cache.store import MemoryStore
 from kvrag.cpu import decode_weights
 from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
-from kvrag.lab.study import _model_name, load_items
+from kvrag.lab.study import load_items
+from kvrag.lab.study import model_name as _model_name
 from kvrag.model.kvmodel import KVModel
 
 STRATEGIES = ("full_prefill_top1", "full_prefill_top3", "default")
@@ -108,11 +109,13 @@ def quantized(strategy: str) -> tuple[str, str]:
 
 
 def _strategy(name: str) -> dict[str, Any]:
-    """The request's options of a bench name: "default", a strategy, or "strategy:picker"."""
+    """The request's options of a bench name: "default", a strategy, "strategy:picker", either with "+parts" (the
+    question split by kvrag's splitter, as a default with `"parts": "auto"` does)."""
+    name, parts = (name.removesuffix("+parts"), {"parts": "auto"}) if name.endswith("+parts") else (name, {})
     if name == "default":
-        return {}
+        return parts
     strategy, _, picker = name.partition(":")
-    return {"strategy": strategy, **({"picker": picker} if picker else {})}
+    return {"strategy": strategy, **({"picker": picker} if picker else {}), **parts}
 
 
 def summary(rows: Sequence[dict[str, Any]], strategies: Sequence[str]) -> dict[str, dict[str, dict[str, Any]]]:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvrag.lab.bench.storage import _kl, builtin_items
+from kvrag.lab.bench.storage import kl_divergence, builtin_items
 from kvrag.lab.study.metrics import mcnemar, normalize, wilson
 from kvrag.kvmodel import KVModel
 
@@ -61,7 +61,7 @@ def dtype_quality(
                     stop=("\n",),
                 )
                 answers.setdefault(side, {})[strategy] = answer.text
-            out["first_token_kl"] = _kl(logits["reference"].float(), logits["low"].float())
+            out["first_token_kl"] = kl_divergence(logits["reference"].float(), logits["low"].float())
             out["same_answer"] = normalize(answers["low"][strategy]) == normalize(answers["reference"][strategy])
             row["strategies"][strategy] = out
         if "full_prefill" in strategies:

@@ -29,7 +29,7 @@ from kvrag.cpu.linear import PrefillLinear
 from kvrag.cpu.norm import is_prefill_norm
 from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
-from kvrag.lab.bench.ttft import _Context, context_texts
+from kvrag.lab.bench.ttft import Context, context_texts
 from kvrag.lab.demo import sample_docs
 from kvrag.lab.roofline import Machine
 from kvrag.kvmodel import KVModel
@@ -104,7 +104,7 @@ def forward_benchmark(
     machine = Machine.calibrate(kv.prefix.keys.dtype, kv.prefix.keys.device)
     rag = KVRAG(kv, embedder=Embedder(), store=MemoryStore(8 << 30))
     _, questions = sample_docs()
-    ctx = _Context(kv, rag, context_texts(kv, context, 200), questions[0]["question"])
+    ctx = Context(kv, rag, context_texts(kv, context, 200), questions[0]["question"])
     timed = _Timed()
     attention = ALL_ATTENTION_FUNCTIONS[GQA_SDPA]
     forward, prefill_forward = torch.nn.Linear.forward, PrefillLinear.forward

@@ -24,7 +24,7 @@ from kvrag.cache.store import MemoryStore
 from kvrag.cpu import ckernel
 from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
-from kvrag.lab.bench.ttft import _Context, context_texts
+from kvrag.lab.bench.ttft import Context, context_texts
 from kvrag.lab.demo import sample_docs
 from kvrag.kvmodel import KVModel
 
@@ -51,7 +51,7 @@ def reposition_benchmark(
     the forward, and the median whole time of a `tokens`-token answer (s)."""
     rag = KVRAG(kv, embedder=Embedder(), store=MemoryStore(8 << 30))
     _, questions = sample_docs()
-    ctx = _Context(kv, rag, context_texts(kv, context, 200), questions[0]["question"])
+    ctx = Context(kv, rag, context_texts(kv, context, 200), questions[0]["question"])
     timed: dict[str, list[tuple[float, dict[str, float]]]] = {arm: [] for arm in ARMS}
     whole: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for _ in range(runs + 1):  # the first round warms up and is dropped

@@ -121,7 +121,7 @@ def read_bandwidth(
     return out
 
 
-def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     """KL(p || q) of the softmax distributions, in nats."""
     p = torch.log_softmax(p_logits.double(), dim=-1)
     q = torch.log_softmax(q_logits.double(), dim=-1)
@@ -186,7 +186,7 @@ def int8_error(
             logits = {
                 d: kv.prefill(question, stored[d], strategy=strategy, target=target).prefill.logits[-1] for d in stored
             }
-            kls[strategy].append(_kl(logits["float16"], logits["int8"]))
+            kls[strategy].append(kl_divergence(logits["float16"], logits["int8"]))
     return {
         "items": len(items),
         "source": source,

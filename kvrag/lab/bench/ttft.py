@@ -40,7 +40,7 @@ from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
 from kvrag.lab.demo import sample_docs
 from kvrag.lab.roofline import Machine, forward_cost
-from kvrag.model.encode import _batches, encode_chunks, prefix_cache
+from kvrag.model.encode import length_batches, encode_chunks, prefix_cache
 from kvrag.kvmodel import KVModel
 from kvrag.plan.strategies import BUILTIN_STRATEGIES
 from kvrag.model.recompute import stitch_cache, stitch_layout, stitched_forward
@@ -99,7 +99,7 @@ def context_texts(kv: KVModel, tokens: int, chunk_tokens: int) -> list[str]:
     return texts
 
 
-class _Context:
+class Context:
     """One context size: the chunks stored in an engine's memory store, the question and the prepared references."""
 
     def __init__(self, kv: KVModel, rag: KVRAG, texts: list[str], question: str) -> None:
@@ -237,7 +237,7 @@ def ttft_benchmark(
     log(f"roofline calibration: {machine.matmul_flops / 1e9:.0f} GFLOP/s, {machine.read_bytes / 1e9:.1f} GB/s")
     rows = []
     for size_index, size in enumerate(contexts):
-        ctx = _Context(kv, rag, context_texts(kv, size, chunk_tokens), question)
+        ctx = Context(kv, rag, context_texts(kv, size, chunk_tokens), question)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         references = {
@@ -297,7 +297,7 @@ def ttft_benchmark(
 
 
 def _row(
-    ctx: _Context,
+    ctx: Context,
     times: dict[str, list[float]],
     phases: dict[str, list[dict[str, float]]],
     device: Any,
@@ -354,7 +354,7 @@ def raw_forward(kv: KVModel, chunk_ids: list[list[int]]) -> None:
     """The least work encoding can be: the same batched forwards behind the prefix, nothing extracted or kept."""
     device = kv.prefix.keys.device
     start = len(kv.prefix)
-    for group in _batches([len(c) for c in chunk_ids], kv.batch_tokens):
+    for group in length_batches([len(c) for c in chunk_ids], kv.batch_tokens):
         width = max(len(chunk_ids[i]) for i in group)
         ids = torch.zeros((len(group), width), dtype=torch.long, device=device)
         for row, i in enumerate(group):

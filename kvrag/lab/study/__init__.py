@@ -21,12 +21,12 @@ from kvrag.lab.study.data import (
     DEFAULT_CHUNKS,
     Chunk,
     StudyItem,
-    builtin,
     load_jsonl,
     write_jsonl,
 )
 from kvrag.lab.study.rows import DEFAULT_PICKERS, DEFAULT_STRATEGIES, StudyConfig
 from kvrag.lab.study.runner import StudyRunner
+from kvrag.lab.study.sets import builtin
 
 __all__ = [
     "BUILTIN",
@@ -199,7 +199,7 @@ def _results(
         "schema": report.SCHEMA,
         "command": command,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "model": {"name": _model_name(kv), "fingerprint": asdict(kv.fingerprint)},
+        "model": {"name": model_name(kv), "fingerprint": asdict(kv.fingerprint)},
         "config": {**asdict(config), "rows": [r.label for r in config.rows()]},
         "threads": threads,
         "jobs": jobs,
@@ -344,7 +344,7 @@ def _work(
     events.put(("done", index, runner.settings))
 
 
-def _model_name(kv: Any) -> str:
+def model_name(kv: Any) -> str:
     from kvrag.model.catalog import MODELS
 
     named = [m.name for m in MODELS.values() if m.weights == kv.fingerprint.weights]

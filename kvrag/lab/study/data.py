@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from kvrag.errors import DocumentError, InvalidRequestError
+from kvrag.errors import DocumentError
 from kvrag.lab.study.metrics import abstains, contains_answer, correct, normalize, token_f1
 from kvrag.lab.synthetic import dialogue, encyclopedia
 
@@ -256,39 +256,7 @@ def write_jsonl(items: list[StudyItem], path: str | Path) -> None:
 # -- built-in data sets ----------------------------------------------------------------------------------
 
 
-def builtin(
-    name: str, *, seed: int = 0, limit: int | None = None, chunks: tuple[int, int] = DEFAULT_CHUNKS
-) -> list[StudyItem]:
-    """The first `limit` items of a built-in set: one of SINGLE ("api_docs", "open_qa", "dialogue") or of MULTI,
-    whose questions need several chunks (kvrag.lab.study.multi).
-
-    `chunks` is the (min, max) number of chunks a question; raise it (e.g. (16, 20)) for stronger models.
-    The same question appears once per variant, next to each other, so `limit` keeps the variants paired.
-    """
-    makers: dict[str, Callable[[random.Random, tuple[int, int]], Iterator[StudyItem]]] = {
-        "api_docs": _api_docs,
-        "open_qa": _open_qa,
-        "dialogue": _dialogue,
-    }
-    if name not in BUILTIN:
-        raise InvalidRequestError(f"unknown built-in study data '{name}': use one of {', '.join(BUILTIN)}")
-    lo, hi = chunks
-    if not 2 <= lo <= hi:
-        raise InvalidRequestError(f"chunks must be a range MIN-MAX with 2 <= MIN <= MAX, got {lo}-{hi}")
-    if limit is not None and limit < 1:
-        raise InvalidRequestError(f"limit must be at least 1, got {limit}")
-    from kvrag.lab.study.multi import multi  # it builds on this module's sources
-
-    rng = random.Random(f"{name}/{seed}")
-    out = []
-    for item in makers[name](rng, chunks) if name in makers else multi(name, rng, chunks):
-        out.append(item)
-        if limit is not None and len(out) >= limit:
-            break
-    return out
-
-
-def _absent(answers: list[str], text: str) -> bool:
+def absent(answers: list[str], text: str) -> bool:
     return not any(contains_answer(text, a) for a in answers)
 
 
@@ -308,7 +276,7 @@ _TRIVIAL_DEFAULTS = {"None", "True", "False", "0", "1", "-1", "''", '""', "()", 
 _RETURNS = re.compile(r"^Returns? (?P<what>[^.]{12,140}?)\.(?:\s|$)")
 
 
-def _api_questions(entry: dict[str, Any]) -> Iterator[tuple[str, str, list[str]]]:
+def api_questions(entry: dict[str, Any]) -> Iterator[tuple[str, str, list[str]]]:
     """(kind, question, answers) drawn from one entry's signature and first sentence."""
     name = entry["signature"].split("(", 1)[0]
     for param in entry["params"]:
@@ -330,7 +298,7 @@ def _api_questions(entry: dict[str, Any]) -> Iterator[tuple[str, str, list[str]]
 def _api_docs(rng: random.Random, chunks: tuple[int, int]) -> Iterator[StudyItem]:
     entries = api_entries()
     texts = [Chunk(e["id"], e["text"]) for e in entries]
-    candidates = [(i, *q) for i, e in enumerate(entries) for q in _api_questions(e)]
+    candidates = [(i, *q) for i, e in enumerate(entries) for q in api_questions(e)]
     rng.shuffle(candidates)
     others = _mixed_pool(rng)
     for n, (i, kind, question, answers) in enumerate(candidates):
@@ -361,7 +329,7 @@ def _variants(
 ) -> Iterator[StudyItem]:
     """The item with same-kind distractors and, when given, the one with mixed ones, target at one position."""
     pools = [("same", same)] + ([("mixed", mixed)] if mixed is not None else [])
-    chosen = {v: [c for c in pool if _absent(answers, c.text)][:size] for v, pool in pools}
+    chosen = {v: [c for c in pool if absent(answers, c.text)][:size] for v, pool in pools}
     if any(len(c) < size for c in chosen.values()):
         return
     at = rng.randrange(size + 1)
@@ -419,3 +387,11 @@ def _dialogue(rng: random.Random, chunks: tuple[int, int]) -> Iterator[StudyItem
             yield StudyItem(
                 f"c{talk}-{q.id}", "dialogue", q.question, q.answers, order, f"c{talk}-{q.target}", "same", q.family
             )
+
+
+# the single-chunk sets' item makers, by name (SINGLE); the several-chunk ones are `kvrag.lab.study.multi`'s
+SINGLE_MAKERS: dict[str, Callable[[random.Random, tuple[int, int]], Iterator[StudyItem]]] = {
+    "api_docs": _api_docs,
+    "open_qa": _open_qa,
+    "dialogue": _dialogue,
+}

@@ -4,32 +4,42 @@ decoded and teacher-forced together; a record for each row."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from kvrag.errors import ContextOverflowError
+from kvrag.kvmodel import KVModel
 from kvrag.lab.study.cache import Appender, digest
 from kvrag.lab.study.data import StudyItem
 from kvrag.lab.study.metrics import kl_topk, kv_distance, log_likelihood, normalize, token_f1, topk_logprobs
-from kvrag.kvmodel import KVModel
-from kvrag.plan.request import Request
+from kvrag.lab.study.rows import REFERENCE_FIELDS, Reference, Row, StudyConfig, common_prefix, keeping_probe, order_name
 from kvrag.model.batch import PaddedBatch
+from kvrag.model.recompute import Prefill, full_prefill
+from kvrag.plan.request import Request
 from kvrag.plan.sampling import Sampling
 from kvrag.run.pipeline import Prefilled
-from kvrag.model.recompute import Prefill, full_prefill
-
-from kvrag.lab.study.rows import REFERENCE_FIELDS, Reference, Row, _common_prefix, _order_name, keeping_probe
-
-if TYPE_CHECKING:
-    from kvrag.lab.study.runner import StudyRunner
 
 
-class _ItemRun:
+class Runner(Protocol):
+    """What an item's work reads of the study's runner (`kvrag.lab.study.runner.StudyRunner`)."""
+
+    kv: KVModel
+    config: StudyConfig
+    references: dict[str, dict[str, Any]]
+
+    def item_key(self, item: StudyItem) -> str: ...
+    def model(self, lead: bool) -> KVModel: ...
+    def chunk_kv(self, texts: list[str], model: KVModel) -> list: ...
+    def scores(self, question: str, texts: list[str]) -> list[float]: ...
+    def generate(self, batch: PaddedBatch) -> list[tuple[str, list[int]]]: ...
+
+
+class ItemRun:
     """One item's work: its references (closed book, full prefill in every order a row used) and its rows,
     decoded and teacher-forced together."""
 
-    def __init__(self, runner: StudyRunner, item: StudyItem) -> None:
+    def __init__(self, runner: Runner, item: StudyItem) -> None:
         self.runner, self.item, self.kv = runner, item, runner.kv
         kv = self.kv
         self.texts = [c.text for c in item.chunks]
@@ -58,7 +68,7 @@ class _ItemRun:
         order's reference, or an oracle strategy's full prefill) continues that prefill's cache from where
         they part: prefix caching, the same attention to rounding. Only a prefill of the whole prompt is timed.
         """
-        name = _order_name(order)
+        name = order_name(order)
         if name in self.refs or name in self.fresh_refs:
             return
         cached = self.runner.references.get(digest(self.key, name))
@@ -71,7 +81,7 @@ class _ItemRun:
         else:
             prompt = kv.prompt_ids(self.item.question, self.ids, order)
         shared, source = max(
-            ((_common_prefix(prompt, i), c) for i, c in self.sources), key=lambda s: s[0], default=(0, None)
+            ((common_prefix(prompt, i), c) for i, c in self.sources), key=lambda s: s[0], default=(0, None)
         )
         shared = min(shared, len(prompt) - 1)  # at least the last token is run, for its logits
         with kv.lock:
@@ -109,7 +119,7 @@ class _ItemRun:
 
     def record_head(self, row: Row, key: str) -> dict[str, Any]:
         """What every record of this item starts with: the item, its references' outcomes and the row."""
-        closed, base = self.refs["closed"], self.refs[_order_name(self.given)]
+        closed, base = self.refs["closed"], self.refs[order_name(self.given)]
         item = self.item
         return {
             "key": key,
@@ -150,7 +160,7 @@ class _ItemRun:
             )
             answers = answer.parts
         text = " ".join(answer.text.split())
-        base = self.refs[_order_name(self.given)]
+        base = self.refs[order_name(self.given)]
         picked = [a.stats.target for a in answers if a.stats.target is not None]
         read = {c for a in answers for c in a.stats.order}
         return {
@@ -211,7 +221,7 @@ class _ItemRun:
                     cache=self.fresh_refs[name][0].cache,
                 )
             own = [self.refs[name] for name in ref_names]
-            own += [self.refs[_order_name(pre.decision.plan.order)] for pre, _ in runs]
+            own += [self.refs[order_name(pre.decision.plan.order)] for pre, _ in runs]
             forced = batch.teacher_forced([ref.tokens[:-1] for ref in own], lock=self.kv.lock)
             gold_logits = batch.teacher_forced([self.gold[:-1]] * len(prefills), lock=self.kv.lock)
             del batch
@@ -240,9 +250,9 @@ class _ItemRun:
     ) -> dict[str, Any]:
         """What one row answered and cost on this item, against its references."""
         item, target = self.item, self.target
-        base = self.refs[_order_name(self.given)]
+        base = self.refs[order_name(self.given)]
         order = list(pre.decision.plan.order)
-        ref = self.refs[_order_name(order)]
+        ref = self.refs[order_name(order)]
         gold_ll = log_likelihood(gold_logits, self.gold)
         return {
             **self.record_head(row, key),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from typing import Iterator
 
-from kvrag.lab.study.data import Chunk, StudyItem, _absent, _api_questions, api_entries
+from kvrag.lab.study.data import Chunk, StudyItem, absent, api_questions, api_entries
 from kvrag.lab.study.metrics import contains_answer
 from kvrag.lab.synthetic import Question, dialogue, encyclopedia
 
@@ -63,7 +63,7 @@ def _item(
     size = max(size, len(targets))
     taken = {t.id for t in targets}
     needles = [a for part in parts for a in part] + (excludes or [])
-    free = [c for c in pool if c.id not in taken and _absent(needles, c.text)]
+    free = [c for c in pool if c.id not in taken and absent(needles, c.text)]
     if len(free) < size - len(targets):
         return None
     order = _placed(rng, targets, free, size)
@@ -92,13 +92,13 @@ def multi(name: str, rng: random.Random, chunks: tuple[int, int]) -> Iterator[St
 def _api_pairs(rng: random.Random, chunks: tuple[int, int]) -> Iterator[StudyItem]:
     entries = api_entries()
     texts = [Chunk(e["id"], e["text"]) for e in entries]
-    defaults = [(i, q, a) for i, e in enumerate(entries) for kind, q, a in _api_questions(e) if kind == "api/default"]
+    defaults = [(i, q, a) for i, e in enumerate(entries) for kind, q, a in api_questions(e) if kind == "api/default"]
     defaults = [(i, q, a) for i, q, a in defaults if contains_answer(texts[i].text, a[0])]
     for n in range(10**6):
         (i, q1, a1), (j, q2, a2) = rng.sample(defaults, 2)
         if i == j or entries[i]["page"] == entries[j]["page"] or normalize_eq(a1[0], a2[0]):
             continue
-        if not _absent(a1, texts[j].text) or not _absent(a2, texts[i].text):
+        if not absent(a1, texts[j].text) or not absent(a2, texts[i].text):
             continue  # each part in exactly one of the two entries
         pages = {entries[i]["page"], entries[j]["page"]}
         same = [c for k, c in enumerate(texts) if entries[k]["page"] in pages]
@@ -124,9 +124,9 @@ def _chat_pairs(rng: random.Random, chunks: tuple[int, int]) -> Iterator[StudyIt
             if q1.target == q2.target:
                 continue
             t1, t2 = by_id[q1.target], by_id[q2.target]
-            if not _absent(q1.answers, t2.text) or not _absent(q2.answers, t1.text):
+            if not absent(q1.answers, t2.text) or not absent(q2.answers, t1.text):
                 continue
-            if any(not _absent(q1.answers + q2.answers, c.text) for c in order if c not in (t1, t2)):
+            if any(not absent(q1.answers + q2.answers, c.text) for c in order if c not in (t1, t2)):
                 continue  # an older value may recur; the latest values must not
             yield StudyItem(
                 f"cp{talk}-{q1.id}-{q2.id}",

@@ -131,12 +131,12 @@ class Reference:
 REFERENCE_FIELDS = ("text", "tokens", "correct", "f1", "gold_ll", "ttft_s", "top_ids", "top_logp")
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many tokens two sequences share from their start."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _order_name(order: Sequence[int] | None) -> str:
+def order_name(order: Sequence[int] | None) -> str:
     return "closed" if order is None else ",".join(map(str, order))
 
 

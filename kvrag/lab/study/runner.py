@@ -32,7 +32,7 @@ from kvrag.lab.study.data import StudyItem
 from kvrag.kvmodel import DEFAULT_LEAD, KVModel
 from kvrag.model.batch import PaddedBatch
 
-from kvrag.lab.study.item import _ItemRun
+from kvrag.lab.study.item import ItemRun
 from kvrag.lab.study.rows import Row, StudyConfig
 
 CHUNK_KV_BYTES = 2 << 30  # chunk KV kept between items (chunks recur across a built-in set's items)
@@ -124,7 +124,7 @@ class StudyRunner:
         if not todo:  # every row is in the cache: nothing to prefill, not even a reference
             return out
         started = time.perf_counter()
-        run = _ItemRun(self, item)
+        run = ItemRun(self, item)
         run.reference(None)
         run.reference(run.given)  # the first order: always a whole prefill, timed (every row's full_prefill_ttft_s)
         whole = [(row, key) for row, key in todo if not row.parts]
