@@ -48,3 +48,11 @@ def test_a_strategy_decoded_over_quantized_weights_counts_the_answers_it_shares_
     table = summary(rows, ["default", "default_int8"])
     assert table["all"]["default_int8"]["same"] == 2 and "same" not in table["all"]["default"]
     assert main(["bench-answers", "--strategies", "bogus_int4"]) == 2  # the strategy under the suffix is checked
+
+
+def test_a_bench_name_may_fix_the_picker_and_split_the_question():
+    from kvrag.lab.bench.answers import _strategy
+
+    assert _strategy("default") == {} and _strategy("default+parts") == {"parts": "auto"}
+    assert _strategy("target_only:gap+parts") == {"strategy": "target_only", "picker": "gap", "parts": "auto"}
+    assert _strategy("best_few") == {"strategy": "best_few"}

@@ -43,6 +43,7 @@ def test_signals_are_the_likelihood_lift_and_margin_over_every_chunk(kv, enc):
 def test_one_chunk_is_exactly_that_chunk_alone(kv, enc, monkeypatch):
     monkeypatch.setattr(need, "ABSTAIN_LIFT", float("-inf"))
     monkeypatch.setattr(need, "ONE_CHUNK_MARGIN", float("-inf"))
+    monkeypatch.setattr(need, "AGREE_MARGIN", float("-inf"))
     a = kv.answer(Q, enc, strategy="by_need", scores=SCORES, max_new_tokens=6)
     best = int(a.stats.signals["best"])
     b = kv.answer(Q, enc, strategy="target_only", target=best, picker="oracle", max_new_tokens=6)
@@ -53,6 +54,7 @@ def test_one_chunk_is_exactly_that_chunk_alone(kv, enc, monkeypatch):
 def test_several_chunks_are_exactly_full_prefill_over_them_with_the_best_last(kv, enc, monkeypatch):
     monkeypatch.setattr(need, "ABSTAIN_LIFT", float("-inf"))
     monkeypatch.setattr(need, "ONE_CHUNK_MARGIN", float("inf"))
+    monkeypatch.setattr(need, "AGREE_MARGIN", float("inf"))
     scores = list(SCORES)
     best = int(measured(kv, enc)["best"])
     if best == 3:  # the retriever must disagree with the model for several chunks to be read

@@ -135,8 +135,9 @@ def _bench_answers(args: argparse.Namespace) -> None:
 
     strategies = parse_csv(args.strategies, str, "--strategies")
     for name in strategies:
-        if quantized(name)[0] != "default":
-            get_strategy(quantized(name)[0].partition(":")[0])  # an unknown name is refused before the model loads
+        base = quantized(name)[0].removesuffix("+parts").partition(":")[0]
+        if base != "default":
+            get_strategy(base)  # an unknown name is refused before the model loads
     if not 1 <= args.limit <= 10_000 or args.max_new_tokens < 1:
         raise InvalidRequestError(f"need --limit in 1..10000 and --max-new-tokens >= 1, got {args.limit}, "
                                   f"{args.max_new_tokens}")

@@ -726,10 +726,16 @@ def need_right(item: dict[str, Any], choice: str, one: dict[str, Any], few: dict
     return bool((one if choice == "one" else few)["correct"])
 
 
+# Of the questions the documents do answer, the most a default may decline (the issue's bound).
+MOST_DECLINED = 0.05
+
+
 def choose_thresholds(by: dict[str, dict[str, dict[str, Any]]], one: str, few: str) -> dict[str, float]:
     """The thresholds under which `by_need` answers most items of these results right (ties: the fewest chunks read),
-    from its recorded signals and the answers of its two plans (`one`, `few`: their bench names)."""
+    declining at most MOST_DECLINED of the answerable items, from its recorded signals and the answers of its two
+    plans (`one`, `few`: their bench names)."""
     need = by["by_need"]
+    answerable = [i for i, r in need.items() if not r["family"].endswith("_absent")]
     lifts = sorted({round(r["signals"]["lift"], 3) for r in need.values()}) + [float("inf")]
     margins = [0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, float("inf")]
     best: tuple[Any, ...] = ()
@@ -739,10 +745,14 @@ def choose_thresholds(by: dict[str, dict[str, dict[str, Any]]], one: str, few: s
                 if alone < agree:
                     continue
                 choices = {i: need_choice(r, lift, agree, alone) for i, r in need.items()}
+                if sum(choices[i] == "abstain" for i in answerable) > MOST_DECLINED * len(answerable):
+                    continue
                 right = sum(need_right(r, choices[i], by[one][i], by[few][i]) for i, r in need.items())
                 key = (right, sum(c != "several" for c in choices.values()), -lift)
                 if not best or key > best[0]:
-                    best = (key, {"lift": lift, "agree": agree, "alone": alone, "right": right, "items": len(need)})
+                    declined = sum(choices[i] == "abstain" for i in answerable)
+                    best = (key, {"lift": lift, "agree": agree, "alone": alone, "right": right, "items": len(need),
+                                  "declined_answerable": declined, "several": sum(c == "several" for c in choices.values())})
     return best[1]
 
 

@@ -24,26 +24,16 @@ from kvrag.plan.strategies import get_strategy
 TUNED = "kvrag-tuned.json"  # the chosen default, beside the index manifest
 # The study's recipe: move the picked target next to the question and recompute it.
 RECIPE: dict[str, Any] = {"strategy": "target_recompute", "picker": None, "budget": 0.05}
-# The embedded model's default, from the built-in studies on it (docs/study.md): one chunk alone, whose stored KV
-# is its full-prefill KV, kept more of full prefill's context-dependent answers than any repair (68.8% against
-# target_recompute's 45.8%, McNemar p = 0.013), at the cost of the question; the chunk is the one of the
-# retriever's best three behind which the model finds the question most likely (right against the gold answer
-# on 17 more items and 2 fewer than the retriever's pick, p = 0.0007, in the fifth run). A question that asks for
-# several things is split into parts, each answered so (docs/models.md: at seed 0 over the eight built-in sets,
-# 45% right against 25% whole and 22% for full prefill over the top three; lists 88% against 0%).
-# The picker is `gap` since the likelihood pass costs about a forward (0.45 s on the 0.5B, one thread, against
-# 0.23 s for the answer's own prefill): the retriever's pick where its score leads clearly, the likelihood's
-# elsewhere, which on seeds 0 and 1 picked the target as often as the likelihood did, or more (kvrag.plan.pickers).
+# The embedded 135M's: one chunk (the retriever's pick where its score leads clearly, else the model's likelihood's),
+# questions split into parts; chosen on the built-in sets (docs/study.md, docs/models.md). The plan by need was not
+# measured on it: it stays.
 EMBEDDED: dict[str, Any] = {"strategy": "target_only", "picker": "gap", "budget": 0.05, "parts": "auto"}
-# Qwen2.5-Coder-0.5B-Instruct's, chosen on the built-in sets at seed 0 (64 items, eight families) and judged on
-# seed 1 (docs/models.md): the question split into parts where kvrag's splitter can, each part answered from the
-# one chunk (of the retriever's best three for that part) behind which the model finds it most likely. At seed 0
-# it answered 66% against full prefill's 41%, the top chunk's 31% and the top three's 38%, and every
-# multi-part family (lists 100% against 0%) more often than any answer over the whole context.
-# Comparisons and bridges are split too since seed 2 (docs/models.md); the picker is `gap`, as above.
-QWEN_05B: dict[str, Any] = {"strategy": "target_only", "picker": "gap", "budget": 0.05, "parts": "auto"}
-# Qwen2.5-Coder-1.5B-Instruct's: the 0.5B's plan, carried over from the smaller model of the same family (no draw
-# of the 1.5B was used to choose it) and judged on the 1.5B at seed 3 (docs/models.md).
+# Qwen2.5-Coder-0.5B-Instruct's: the plan by need (kvrag.plan.need: one chunk, several, or "the documents do not
+# say", from the model's likelihood of the question behind every retrieved chunk), questions split into parts where
+# kvrag's splitter can; chosen on the held-out choose half and judged on the judge half (docs/study.md).
+QWEN_05B: dict[str, Any] = {"strategy": "by_need", "picker": None, "budget": 0.05, "parts": "auto"}
+# Qwen2.5-Coder-1.5B-Instruct's: the 0.5B's, carried over from the smaller model of the same family (no run of the
+# 1.5B chose it; docs/models.md).
 QWEN_15B: dict[str, Any] = dict(QWEN_05B)
 SHIPPED: dict[str, dict[str, Any]] = {
     EMBEDDED_WEIGHTS: EMBEDDED,
