@@ -150,17 +150,17 @@ def test_a_5_mb_document_through_the_api_and_the_cli(tmp_path, capsys, monkeypat
     rag = KVRAG.from_defaults(index, model=str(tmp_path / "micro"), chunk_tokens=400, overlap=8,
                               store=TieredStore(MemoryStore(4 << 20), DiskStore(index / "kv", "int8")))  # fmt: skip
     rag.kvmodel.batch_tokens = 1 << 16
-    import kvrag.cache.chunks
+    import kvrag.model.runtime  # the one encoding set-up
 
-    real_encode, calls = kvrag.cache.chunks.encode_chunks, []
+    real_encode, calls = kvrag.model.runtime.encode_chunks, []
 
     def recording(model, prefix, ids, **kw):
         calls.append(sum(map(len, ids)))
         return real_encode(model, prefix, ids, **kw)
 
-    monkeypatch.setattr(kvrag.cache.chunks, "encode_chunks", recording)
+    monkeypatch.setattr(kvrag.model.runtime, "encode_chunks", recording)
     stats = rag.ingest(big, progress=False)
-    monkeypatch.setattr(kvrag.cache.chunks, "encode_chunks", real_encode)
+    monkeypatch.setattr(kvrag.model.runtime, "encode_chunks", real_encode)
     assert stats.documents == 1 and stats.tokens > 5_000_000 and stats.chunks > 12_000
     # Ingestion holds one group's KV at a time (about one encoding forward), never the whole document's.
     assert (
