@@ -132,7 +132,7 @@ def test_storage_dtypes(tmp_path):
         assert err < {"float32": 0, "float16": 1e-3, "bfloat16": 1e-2, "int8": 1e-2}[dtype] + 1e-12, (dtype, err)
     assert sizes["float16"] < 0.55 * sizes["float32"] and sizes["int8"] < 0.6 * sizes["float16"]
     with pytest.raises(Exception, match="unknown storage dtype"):
-        DiskStore(tmp_path, storage_dtype="int4")
+        DiskStore(tmp_path, storage_dtype="int3")
 
 
 def test_memory_store_is_bounded_in_bytes():

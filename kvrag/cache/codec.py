@@ -1,5 +1,8 @@
 """The stored form of a chunk's KV: safetensors bytes with a checksum, in a chosen storage dtype.
 
+float32, float16 and bfloat16 keep keys and values as they are; int8 keeps a scale per channel; int4 (opt-in) keeps
+keys per channel and values per token in groups (`kvrag.cache.int4`), its layout named in the header.
+
 Only safetensors (tensors plus a JSON header) is ever written or read back: never pickle. An entry whose
 bytes are damaged, whose checksum does not match, or that was written for another model, prefix or
 format version decodes to None: a miss, never a crash and never a wrong answer. This module knows
@@ -17,13 +20,22 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from kvrag.cache import int4
 from kvrag.cache.kv import KV_FORMAT_VERSION, ChunkKV
 from kvrag.errors import InvalidRequestError
 
 # The metadata field of the digest. Entries from before it covered the header carry "sha256" instead: a miss.
 CHECKSUM = "checksum"
 
-STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
+# A storage dtype's name and what its tensors hold (int4: two codes a byte). An older reader finds a name it does not
+# know in an entry's header ("dtype") and misses it.
+STORAGE_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "int8": torch.int8,
+    "int4": torch.uint8,
+}
 
 
 def check_storage_dtype(name: str) -> str:
@@ -56,7 +68,8 @@ def _digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str], secret: 
 
 
 def encode_entry(chunk: ChunkKV, *, key: str, dtype: str = "float16", secret: bytes = b"") -> bytes:
-    """Serialize a chunk's KV for a store; keys and values in `dtype` (int8: with per-channel scales).
+    """Serialize a chunk's KV for a store; keys and values in `dtype` (int8: with per-channel scales; int4: keys
+    per channel, values per token, `kvrag.cache.int4`).
 
     `secret` keys the checksum (HMAC-SHA256): only a reader with the same secret accepts the entry.
     """
@@ -66,6 +79,10 @@ def encode_entry(chunk: ChunkKV, *, key: str, dtype: str = "float16", secret: by
         kq, ks = _quantize(keys)
         vq, vs = _quantize(values)
         tensors = {"keys": kq, "keys_scale": ks, "values": vq, "values_scale": vs}
+    elif dtype == "int4":
+        kc, ks, km = int4.quantize(keys.transpose(2, 3))  # [L, H_kv, D, T]: each channel over the chunk's tokens
+        vc, vs, vm = int4.quantize(values)  # [L, H_kv, T, D_v]: each token over its channels
+        tensors = {"keys": kc, "keys_scale": ks, "keys_min": km, "values": vc, "values_scale": vs, "values_min": vm}
     else:
         tensors = {
             "keys": keys.to(STORAGE_DTYPES[dtype]).contiguous(),
@@ -79,6 +96,8 @@ def encode_entry(chunk: ChunkKV, *, key: str, dtype: str = "float16", secret: by
         "start": str(chunk.start),
         "dtype": dtype,
     }
+    if dtype == "int4":  # what int4.dequantize needs besides the tensors: the layout and the values' head size
+        metadata.update({"int4": int4.LAYOUT, "value_dim": str(values.shape[-1])})
     metadata[CHECKSUM] = _digest(tensors, metadata, secret)
     return st_save(tensors, metadata=metadata)
 
@@ -97,17 +116,19 @@ def entry_metadata(blob: bytes) -> dict[str, str] | None:
 def decode_entry(
     blob: bytes, *, key: str, encoder: str, dtype: torch.dtype | None, device: torch.device | str, secret: bytes = b""
 ) -> ChunkKV | None:
-    """The ChunkKV in `blob`, in `dtype` (the model's; None: as stored, int8 dequantized to float32) on
+    """The ChunkKV in `blob`, in `dtype` (the model's; None: as stored, int8 and int4 dequantized to float32) on
     `device`, or None when it must not be used.
 
     None means: unreadable or truncated bytes, a checksum mismatch (flipped bytes, in the tensors or in the
-    header, or one not keyed with `secret`), or an entry written under another key, model/prefix (`encoder`)
-    or format version.
+    header, or one not keyed with `secret`), or an entry written under another key, model/prefix (`encoder`),
+    format version, storage dtype this reader does not know, or int4 layout.
     """
     meta = entry_metadata(blob)
     if meta is None or meta.get("format") != str(KV_FORMAT_VERSION) or meta.get("key") != key:
         return None
     if meta.get("encoder") != encoder or meta.get("dtype") not in STORAGE_DTYPES:
+        return None
+    if meta["dtype"] == "int4" and meta.get("int4") != int4.LAYOUT:
         return None
     try:
         tensors = st_load(blob)
@@ -119,14 +140,21 @@ def decode_entry(
         if meta["dtype"] == "int8":
             keys = tensors["keys"].float() * tensors["keys_scale"]
             values = tensors["values"].float() * tensors["values_scale"]
+        elif meta["dtype"] == "int4":
+            tokens = tensors["token_ids"].shape[0]
+            keys = int4.dequantize(tensors["keys"], tensors["keys_scale"], tensors["keys_min"], tokens)
+            keys = keys.transpose(2, 3)  # [L, H_kv, T, D] again (made contiguous below, after the cast)
+            values = int4.dequantize(
+                tensors["values"], tensors["values_scale"], tensors["values_min"], int(meta["value_dim"])
+            )
         else:
             keys, values = tensors["keys"], tensors["values"]
         return ChunkKV(
             token_ids=tensors["token_ids"].to(device),
-            keys=keys.to(device=device, dtype=dtype),
+            keys=keys.to(device=device, dtype=dtype).contiguous(),
             values=values.to(device=device, dtype=dtype),
             start=int(meta["start"]),
             encoder=encoder,
         )
-    except (KeyError, ValueError, RuntimeError):
+    except (KeyError, ValueError, RuntimeError, IndexError):  # tensors of a checksummed but forged shape
         return None
