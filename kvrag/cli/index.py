@@ -39,7 +39,12 @@ def add_ingest(sub: Any) -> None:
     # the default its help states); one given must agree with the index (`_index_settings`).
     ingest.add_argument("--chunk-tokens", type=int, default=None, help="tokens a chunk (default 200)")
     ingest.add_argument("--overlap", type=int, default=None, help="tokens shared by neighbouring chunks (default 20)")
-    ingest.add_argument("--storage-dtype", default=None, help="float16 (default), bfloat16, float32 or int8")
+    ingest.add_argument(
+        "--storage-dtype",
+        default=None,
+        help="float16 (default), bfloat16, float32, int8, or int4 (keys per channel, "
+        "values per token: under a third of float16's bytes; docs/usage.md)",
+    )
     ingest.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     ingest.add_argument(
         "--yes",
@@ -228,8 +233,8 @@ class _Progress:
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         storage = getattr(getattr(rag.store, "back", rag.store), "storage_dtype", "float16")
-        width = {"float32": 4, "int8": 1}.get(storage, 2)
-        self.bytes_per_chunk = 2 * config.num_hidden_layers * heads * head_dim * width * rag.chunk_tokens
+        width = {"float32": 4, "int8": 1, "int4": 0.5625}.get(storage, 2)  # int4: half a byte and the groups' scales
+        self.bytes_per_chunk = int(2 * config.num_hidden_layers * heads * head_dim * width * rag.chunk_tokens)
         self.refuse_above, self.lines, self.quiet = refuse_above, lines, quiet
         self.started, self.said_at, self.said_done = 0.0, 0.0, 0
 

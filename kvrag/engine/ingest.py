@@ -58,7 +58,7 @@ class Ingesting:
             metadata: merged into every document's metadata. Metadata keys are str, values a str, finite number,
                 bool or None or a list of them (what JSON keeps as it was); anything else raises InvalidRequestError.
             split: False keeps each document as one chunk (caller-given chunks).
-            progress: show a tqdm progress bar over chunk encoding.
+            progress: show a tqdm progress bar over chunk encoding (tokens a second, and the time left).
             on_progress: called with (0, chunks to encode) before encoding starts (raising there stops the ingest
                 with nothing written) and with (chunks done, chunks to encode) after each encoding batch.
             follow_symlinks: read files and folders reached through symbolic links (refused by default).
@@ -202,13 +202,17 @@ class Ingesting:
         if on_progress is not None:
             on_progress(0, len(records))  # before anything is encoded: a caller may stop here (raise)
         t0 = time.perf_counter()
-        bar = tqdm(total=len(records), desc="encoding chunk KV", unit="chunk", disable=not progress)
-        done = 0
+        # counted in tokens, so the bar shows tokens a second and its ETA: the model's rate, whatever the chunks' sizes
+        tokens = sum(map(len, ids))
+        bar = tqdm(total=tokens, desc="encoding chunk KV", unit="tok", unit_scale=True, disable=not progress)
+        done = shown = 0
 
         def advance(n: int) -> None:
-            nonlocal done
+            nonlocal done, shown
             done += n
-            bar.update(n)
+            # a batch reports chunks, not which: their tokens by the share done (exact at the end)
+            bar.update(tokens * done // len(records) - shown)
+            shown = tokens * done // len(records)
             if on_progress is not None:
                 on_progress(done, len(records))
 

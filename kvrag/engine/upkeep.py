@@ -93,11 +93,16 @@ class Upkeep:
 
     def info(self) -> dict[str, Any]:
         """Counts, bytes and the model fingerprint; the store's entries, and how many are orphans (no indexed
-        chunk refers to them: `gc` removes them) or missing (indexed, not stored: recomputed when read)."""
+        chunk refers to them: `gc` removes them) or missing (indexed, not stored: recomputed when read); the stored
+        bytes a token (`kv_bytes` over the tokens of the indexed chunks whose entries are stored) and the storage
+        dtype entries are written in (None for a store that keeps no serialized entries)."""
         with self._lock:
             live = {r.key for r in self.index.records.values()}
             index = self.index
         stored = set(self.store.keys())  # outside the lock: a long listing holds up no query
+        nbytes = self.store.nbytes
+        # each stored entry's tokens once (chunks that share an entry share its bytes); orphans' bytes count too
+        stored_tokens = sum({r.key: r.n_tokens for r in index.records.values() if r.key in stored}.values())
         return {
             "path": str(self.path) if self.path else None,
             "documents": len(index.docs()),
@@ -106,7 +111,9 @@ class Upkeep:
             "kv_store": describe_store(self.store),
             "kv_store_at_ingest": self._ingested_into(),
             "kv_entries": len(stored),
-            "kv_bytes": self.store.nbytes,
+            "kv_bytes": nbytes,
+            "kv_bytes_per_token": round(nbytes / stored_tokens, 1) if stored_tokens else None,
+            "storage_dtype": getattr(getattr(self.store, "back", self.store), "storage_dtype", None),
             "kv_orphans": len(stored - live),
             "kv_missing": len(live - stored),
             "kv_max_bytes": next((d.max_bytes for d in _disk_stores(self.store) if d.max_bytes), None),
