@@ -786,7 +786,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--choose", nargs="*", type=Path, help="bench-answers results on the choose half: report and "
                         "choose by_need's thresholds (writes nothing)")
     parser.add_argument("--judge", nargs="*", type=Path, help="bench-answers results on the judge half: report")
+    parser.add_argument("--merge", nargs="+", metavar="FILE[:OLD=NEW]", help="bench-answers results of one half to "
+                        "merge into --merged (a row named OLD renamed NEW: the default a run measured, by its plan)")
+    parser.add_argument("--merged", type=Path, help="where --merge writes")
     args = parser.parse_args(argv)
+    if args.merge:
+        merged: dict[str, Any] = {}
+        for spec in args.merge:
+            path, _, rename = spec.partition(":")
+            run = json.loads(Path(path).read_text())
+            old, _, new = rename.partition("=")
+            rows = [{**r, "strategy": new} if rename and r["strategy"] == old else r for r in run["rows"]]
+            merged = {**run, **merged, "rows": merged.get("rows", []) + rows}
+            merged.setdefault("runs", []).append({"file": Path(path).name, "renamed": rename or None})
+        merged.pop("summary", None)
+        args.merged.write_text(json.dumps(merged, indent=1) + "\n")
+        return
     if args.choose or args.judge:
         for name, files in (("choose", args.choose), ("judge", args.judge)):
             if not files:

@@ -75,13 +75,68 @@ def bench_row(name: str, run: str, context: int = 4000) -> str | None:
     return f"| {name} | {' | '.join(cells)} |"
 
 
+# (model as shown, run) with docs/study/heldout/<run>-choose.json and <run>-judge.json: `kvrag bench-answers` on each
+# half of the held-out sets (kvrag.lab.heldout), merged by `python -m kvrag.lab.heldout --merge`
+HELDOUT = (("Qwen2.5-Coder-0.5B (`qwen2.5-coder-0.5b`, bfloat16)", "q05"),)
+HELDOUT_ROWS = (
+    ("full_prefill", "full prefill"),
+    ("full_prefill_top1", "top chunk"),
+    ("full_prefill_top3", "top three"),
+    ("target_recompute", "target_recompute"),
+    ("target_only:gap+parts", "the earlier default"),
+    ("default", "the default"),
+)
+
+
+def heldout_row(name: str, half: str, run: dict[str, Any]) -> str:
+    """Right answers and median first token of each baseline and the default on one half; what the default declined."""
+    import statistics
+
+    rows = run["rows"]
+    items = sorted({r["item"] for r in rows})
+    cells = [half, str(len(items))]
+    for strategy, _ in HELDOUT_ROWS:
+        mine = [r for r in rows if r["strategy"] == strategy]
+        if not mine:
+            cells.append("-")
+            continue
+        cell = _cell(sum(r["correct"] for r in mine) / len(mine), statistics.median(r["ttft_s"] for r in mine))
+        cells.append(f"**{cell}**" if strategy == "default" else cell)
+    default = [r for r in rows if r["strategy"] == "default"]
+    absent = [r for r in default if r["family"].endswith("_absent")]
+    present = [r for r in default if not r["family"].endswith("_absent")]
+    cells.append(f"{sum(r['abstained'] for r in absent)}/{len(absent)}, {sum(r['abstained'] for r in present)}/{len(present)}")
+    return f"| {name} | {' | '.join(cells)} |"
+
+
+def heldout_table() -> list[str]:
+    lines = [
+        "Right answers and median first token on data held out by source (`kvrag bench-answers --data "
+        "kvrag/data/heldout/HALF.jsonl --limit 48`; the default's thresholds chosen on the choose half, the judge "
+        "half played no part; first tokens are medians of runs that shared the two cores with other work):",
+        "",
+        "| model | half | items | " + " | ".join(label for _, label in HELDOUT_ROWS)
+        + " | the default declined: unanswerable, answerable |",
+        "|---|---|---|" + "---|" * (len(HELDOUT_ROWS) + 1),
+    ]
+    for name, run in HELDOUT:
+        for half, sources in (("judge", "Debian package records, chat B"), ("choose", "PyPI METADATA, chat A")):
+            path = ROOT / "docs" / "study" / "heldout" / f"{run}-{half}.json"
+            if path.exists():
+                lines.append(heldout_row(name, f"{half} ({sources})", json.loads(path.read_text())))
+    return lines
+
+
 def table() -> str:
     """The README's two tables: quality per model on the study's fresh draw, speed per model from the bench."""
     lines = [
-        "Right answers and median first token on the eight built-in sets (`kvrag study --data builtin:all`, a draw "
-        "no choice was made on):",
+        *heldout_table(),
         "",
-        "| model | items (draw) | full prefill | full prefill, top chunk | full prefill, top three | the default |",
+        "Right answers and median first token on the eight built-in sets (`kvrag study --data builtin:all`, a draw "
+        "no choice was made on; the default then was each model's one-chunk plan, `target_only` with the `gap` picker "
+        "and parts):",
+        "",
+        "| model | items (draw) | full prefill | full prefill, top chunk | full prefill, top three | that default |",
         "|---|---|---|---|---|---|",
         *(study_row(name, study_run) for name, study_run, _ in RUNS),
     ]
@@ -92,10 +147,10 @@ def table() -> str:
         lines += [
             "",
             f"Time to first token and to a 32-token answer (`kvrag bench`; {machine.get('cpu', machine['platform'])}, "
-            f"{machine['threads']} threads):",
+            f"{machine['threads']} threads; the default then: one chunk):",
             "",
-            "| model | context tokens | full prefill, first token | the default, first token | speed-up | "
-            "32-token answer: full prefill, the default |",
+            "| model | context tokens | full prefill, first token | that default, first token | speed-up | "
+            "32-token answer: full prefill, that default |",
             "|---|---|---|---|---|---|",
             *(row for _, row in benches),
         ]
