@@ -23,7 +23,7 @@ from kvrag.cache.store import MemoryStore
 from kvrag.cpu.decode import decoder_of, decodes_compiled
 from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
-from kvrag.lab.bench.storage import bytes_per_token, int8_error, read_bandwidth
+from kvrag.lab.bench.storage import bytes_per_token, quantized_error, read_bandwidth
 from kvrag.lab.bench.ttft import (
     ANSWER_TOKENS,
     DEFAULT,
@@ -102,8 +102,9 @@ def run_bench(
     chunks = kv.encode(context_texts(kv, min(max(contexts), 4000), chunk_tokens))
     result["bytes_per_token"] = bytes_per_token(kv, chunks)
     result["store_read"] = read_bandwidth(kv, chunks, runs=1 if quick else 3, log=log)
-    log("int8 storage against float16 storage")
-    result["int8"] = int8_error(kv, limit=1 if quick else 4, small=quick)
+    for dtype in ("int8", "int4"):
+        log(f"{dtype} storage against float16 storage")
+        result[dtype] = quantized_error(kv, dtype, limit=1 if quick else 4, small=quick)
     result["seconds"] = time.perf_counter() - started
     (folder / "bench.json").write_text(json.dumps(result, indent=1))
     (folder / "bench.md").write_text(markdown(result))
@@ -287,7 +288,7 @@ def _phase_table(result: dict[str, Any]) -> list[str]:
 
 
 def _storage_tables(result: dict[str, Any]) -> list[str]:
-    """Ingest throughput, store reads, bytes a token, int8 error and peak memory."""
+    """Ingest throughput, store reads, bytes a token, int8 and int4 error and peak memory."""
     ing = result["ingest"]
     lines = [
         "",
@@ -305,16 +306,19 @@ def _storage_tables(result: dict[str, Any]) -> list[str]:
     lines += ["", "### KV bytes a token", "", "| storage | bytes/token |", "|---|---|"]
     for name, b in result["bytes_per_token"].items():
         lines.append(f"| {name} | {b:,.0f} |")
-    i8 = result["int8"]
-    lines += [
-        "",
-        f"### int8 against float16 storage: first-token KL over {i8['items']} items ({i8['source']})",
-        "",
-        "| strategy | mean | median | max |",
-        "|---|---|---|---|",
-    ]
-    for name, k in i8["first_token_kl"].items():
-        lines.append(f"| {name} | {k['mean']:.5f} | {k['median']:.5f} | {k['max']:.5f} |")
+    for dtype in ("int8", "int4"):
+        if dtype not in result:  # a bench.json from before int4 entries
+            continue
+        q = result[dtype]
+        lines += [
+            "",
+            f"### {dtype} against float16 storage: first-token KL over {q['items']} items ({q['source']})",
+            "",
+            "| strategy | mean | median | max |",
+            "|---|---|---|---|",
+        ]
+        for name, k in q["first_token_kl"].items():
+            lines.append(f"| {name} | {k['mean']:.5f} | {k['median']:.5f} | {k['max']:.5f} |")
     rows = result["ttft"]
     lines += ["", "### Peak memory (high-water mark after each size)", ""]
     keys = list(rows[0]["peak_memory"])

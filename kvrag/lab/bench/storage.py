@@ -1,8 +1,8 @@
-"""Storage figures for the benchmark: store read bandwidth, KV bytes a token per storage dtype, int8 error.
+"""Storage figures for the benchmark: store read bandwidth, KV bytes a token per storage dtype, int8 and int4 error.
 
 Reads time `store.get` as the engine calls it (bytes fetched, checksum, decode to the model's dtype); Redis
 is a real redis-server started on a free loopback port when the binary is installed, skipped otherwise.
-The int8 check compares first-token distributions over int8-stored KV with those over float16-stored KV
+The int8 and int4 checks compare first-token distributions over KV stored so with those over float16-stored KV
 on the built-in study items. Never asserted in tests.
 """
 
@@ -25,6 +25,8 @@ from kvrag.cache.codec import STORAGE_DTYPES, decode_entry, encode_entry
 from kvrag.cache.kv import ChunkKV
 from kvrag.cache.store import DiskStore, KVStore, MemoryStore, RedisStore
 from kvrag.kvmodel import KVModel
+
+DISK_DTYPES = ("float16", "int8", "int4")  # the storage dtypes whose reads are timed on disk
 
 
 def start_redis(port: int | None = None, password: str | None = None) -> tuple[subprocess.Popen, int] | None:
@@ -108,11 +110,12 @@ def read_bandwidth(
             "tokens_per_s": tokens / seconds,
         }
 
-    size = {d: sum(len(encode_entry(c, key=k, dtype=d)) for c, k in zip(chunks, keys)) for d in ("float16", "int8")}
+    size = {d: sum(len(encode_entry(c, key=k, dtype=d)) for c, k in zip(chunks, keys)) for d in DISK_DTYPES}
     measure("memory", MemoryStore(), sum(c.nbytes for c in chunks))
     with tempfile.TemporaryDirectory() as tmp:
         measure("disk (float16)", DiskStore(f"{tmp}/f16", "float16"), size["float16"])
         measure("disk (int8)", DiskStore(f"{tmp}/i8", "int8"), size["int8"])
+        measure("disk (int4)", DiskStore(f"{tmp}/i4", "int4"), size["int4"])  # de-quantizing is part of a read
     with redis_server() as url:
         if url is None:
             log("no redis-server binary found: Redis read bandwidth skipped")
@@ -173,20 +176,26 @@ def builtin_items(
     return source, out
 
 
-def int8_error(
-    kv: KVModel, *, limit: int = 4, strategies: Sequence[str] = ("reuse", "target_recompute"), small: bool = False
+def quantized_error(
+    kv: KVModel,
+    dtype: str = "int8",
+    *,
+    limit: int = 4,
+    strategies: Sequence[str] = ("reuse", "target_recompute"),
+    small: bool = False,
 ) -> dict[str, Any]:
-    """First-token KL of answers over int8-stored chunk KV against the same over float16-stored KV."""
+    """First-token KL of answers over chunk KV stored in `dtype` ("int8", "int4") against the same over
+    float16-stored KV."""
     source, items = builtin_items(limit, max_chars=100 if small else None, small=small)
     kls: dict[str, list[float]] = {s: [] for s in strategies}
     for question, texts, target in items:
         chunks = kv.encode(texts)
-        stored = {d: [_roundtrip(kv, c, d) for c in chunks] for d in ("float16", "int8")}
+        stored = {d: [_roundtrip(kv, c, d) for c in chunks] for d in ("float16", dtype)}
         for strategy in strategies:
             logits = {
                 d: kv.prefill(question, stored[d], strategy=strategy, target=target).prefill.logits[-1] for d in stored
             }
-            kls[strategy].append(kl_divergence(logits["float16"], logits["int8"]))
+            kls[strategy].append(kl_divergence(logits["float16"], logits[dtype]))
     return {
         "items": len(items),
         "source": source,
