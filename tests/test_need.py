@@ -90,3 +90,12 @@ def test_a_named_plan_never_abstains(kv, enc, monkeypatch):
     monkeypatch.setattr(need, "ABSTAIN_LIFT", float("inf"))
     a = kv.answer(Q, enc, strategy="target_recompute", scores=SCORES, max_new_tokens=4)
     assert not a.abstained and a.draft is None and a.stats.reason == "" and a.to_dict()["abstained"] is False
+
+
+def test_a_lone_chunk_is_read_alone_and_its_signals_are_plain_json(kv, enc, monkeypatch):
+    import json
+
+    monkeypatch.setattr(need, "ABSTAIN_LIFT", float("-inf"))
+    a = kv.answer(Q, enc[:1], strategy="by_need", max_new_tokens=2)
+    assert a.stats.order == [0] and a.stats.signals["margin"] == 0.0
+    json.dumps(a.to_dict(), allow_nan=False)

@@ -1,4 +1,4 @@
-"""The plan chosen by what a question needs: one chunk where the signals agree on it, several where they do not,
+"""The plan chosen by what a question needs: one chunk where one stands out, several where none does,
 and "the documents do not say" where no retrieved chunk bears on the question.
 
 The signals read how the model and the retriever see the chunks, never the question's words:
@@ -40,12 +40,12 @@ def signals(request: PlanRequest) -> dict[str, float]:
     likelihood = probe.question_likelihood()
     ranked = sorted(range(len(request.lengths)), key=lambda c: (-float(likelihood[c]), c))
     best = ranked[0]
-    second = float(likelihood[ranked[1]]) if len(ranked) > 1 else float("-inf")
     return {
         "best": float(best),
         "retriever_best": float(by_score(request)[0]),
         "lift": float(likelihood[best]) - probe.question_alone(),
-        "margin": float(likelihood[best]) - second if len(ranked) > 1 else float("inf"),
+        # 0 for a lone chunk: nothing to stand out from (finite, so the signals stay plain JSON)
+        "margin": float(likelihood[best] - likelihood[ranked[1]]) if len(ranked) > 1 else 0.0,
     }
 
 
@@ -86,8 +86,8 @@ def _best_few(request: PlanRequest) -> Plan:
     needs_target=True,
     picker="likelihood_all",
     budgeted=False,
-    description="by what the question needs: the model's best chunk alone where it and the retriever agree, else the "
-    "best few stitched with it last (exact over them), and 'the documents do not say' where no chunk bears on it",
+    description="by what the question needs: the model's best chunk alone where it stands out, else the best few "
+    "stitched with it last (exact over them), and 'the documents do not say' where no chunk bears on it",
 )
 def _by_need(request: PlanRequest) -> Plan:
     best = _target(request)
@@ -97,7 +97,7 @@ def _by_need(request: PlanRequest) -> Plan:
         reason = f"no chunk bears on the question (lift {lift:.2f} < {ABSTAIN_LIFT})"
         return Plan(order=[best], abstain=True, reason=reason, signals=seen)
     agree = int(seen["retriever_best"]) == best
-    if margin > (AGREE_MARGIN if agree else ONE_CHUNK_MARGIN):
+    if len(request.lengths) == 1 or margin > (AGREE_MARGIN if agree else ONE_CHUNK_MARGIN):
         why = " and the retriever's" if agree else ""
         return Plan(order=[best], reason=f"one chunk: the model's best{why}, by a margin of {margin:.2f}", signals=seen)
     plan = _best_few(request)
