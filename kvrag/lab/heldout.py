@@ -325,7 +325,7 @@ def _context(
     return chunks, ids
 
 
-def _holder(chunks: list[Chunk], ids: list[str], answer: str, value_field: str = "") -> str | None:
+def _holder(chunks: list[Chunk], ids: list[str], answer: str) -> str | None:
     """The id of the document's first chunk that holds the answer as written."""
     by_id = {c.id: c for c in chunks}
     return next((i for i in ids if answer in by_id[i].text), None)
