@@ -11,6 +11,11 @@ Where torch is faster it steps aside: on a CPU with AMX-BF16 a bfloat16 prefill 
 (`bf16_prefill_kernels_preferred`). Switch it off per model with `install(model, enabled=False)`, which
 `KVModel(..., cpu_kernels=False)` and the CLI's `--no-cpu-kernels` call: nothing is swapped, nothing is built,
 and every answer runs on transformers' forward.
+
+What the engine keeps for a model (its switches, its fast decoder, the model's lock) is one `ModelState` per model
+object (`kvrag.cpu.state`), never an attribute of the model. A runtime takes it with `attach`: the first runtime on
+a model object sets the switches, and a later one asking for others is refused, naming them (they belong to the
+model, so granting them would change the first one's).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvrag.cpu import ckernel, cpaged
+from kvrag.cpu import ckernel, cpaged, state
 from kvrag.cpu import decode as _decode
 from kvrag.cpu import prefill as _prefill
 from kvrag.cpu.attention import GQA_SDPA, use_gqa_sdpa
@@ -31,12 +36,15 @@ from kvrag.cpu.linear import use_prefill_linears
 from kvrag.cpu.mlp import use_prefill_mlps
 from kvrag.cpu.norm import use_prefill_norms
 from kvrag.cpu.rotary import use_prefill_rotary
+from kvrag.cpu.state import ModelState
 
 __all__ = [
     "GQA_SDPA",
     "MAX_TOKENS",
+    "ModelState",
     "Room",
     "Stitch",
+    "attach",
     "available",
     "bf16_prefill_kernels_preferred",
     "compile_decoding",
@@ -49,17 +57,48 @@ __all__ = [
     "prefill_forward",
     "prefill_may_take",
     "rotate_keys",
+    "state_of",
     "stitch_plan",
 ]
 
-_FLAG = "_kvrag_cpu_kernels"
+
+def state_of(model: Any) -> ModelState:
+    """What the engine keeps for `model` (`kvrag.cpu.state.ModelState`): its switches, its decoder, its lock."""
+    return state.of(model)
+
+
+def attach(
+    model: Any, *, cpu_kernels: bool = True, compile_decode: bool = False, decode_weights: str = "model"
+) -> ModelState:
+    """`model`'s state for a runtime built with these arguments (`kvrag.model.runtime.ModelRuntime`'s).
+
+    The first runtime on a model object sets them: the engine's modules installed or not (`install`), the compiled
+    step asked for or not, the weights the C step reads (quantized at its first decoded token, or at once by
+    `decode_weights`). A later runtime on the same object shares the state, its lock included, and must ask for
+    what the model has now: asking for other settings raises InvalidRequestError naming them, since changing them
+    would change every other runtime's on the model (give it its own copy of the model instead).
+
+    Raises:
+        ValueError: `decode_weights` is not one of "model", "int8", "int4".
+        InvalidRequestError: another runtime uses the model with other settings.
+    """
+    _decode.weights_kind(decode_weights)
+    held = state.of(model)
+    with held.lock:
+        if held.claimed:
+            held.check(cpu_kernels=cpu_kernels, compile_decode=compile_decode, decode_weights=decode_weights)
+            return held
+        install(model, enabled=cpu_kernels)
+        held.compile_decode, held.decode_weights = compile_decode, decode_weights
+        held.claimed = True
+    return held
 
 
 def install(model: Any, enabled: bool = True) -> bool:
     """Put the CPU engine's modules into `model` (each swap is a no-op where it does not apply: another device,
     dtype or architecture), or with `enabled=False` keep the model as transformers made it and have every function
     here decline for it. Call once, before the model's first forward. True where the engine is on for `model`."""
-    setattr(model, _FLAG, bool(enabled))
+    state.of(model).kernels = bool(enabled)
     if enabled:
         c_prefill = bf16_prefill_kernels_preferred()
         use_gqa_sdpa(model, c_attention=c_prefill)  # sdpa without copying kv heads on CPU, bitwise the same
@@ -86,7 +125,7 @@ def bf16_prefill_kernels_preferred() -> bool:
 
 def enabled(model: Any) -> bool:
     """Whether the CPU engine may take `model`'s work (True unless `install(model, enabled=False)` said so)."""
-    return bool(getattr(model, _FLAG, True))
+    return state.of(model).kernels
 
 
 def available() -> bool:

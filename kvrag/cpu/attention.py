@@ -17,6 +17,7 @@ outputs are torch's bfloat16 attention's to bfloat16 rounding, not bitwise.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -24,6 +25,9 @@ import torch
 from kvrag.cpu import cbf16
 
 GQA_SDPA = "kvrag_sdpa"
+# Attention modules whose bfloat16 prefill stays on torch's kernel (`use_gqa_sdpa(model, c_attention=False)`), kept
+# here by module rather than set on them; they leave the set when they are collected.
+_TORCH_PREFILL: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 # Arguments the sdpa path reads nothing from (the mask already holds a sliding window); anything else set
 # (softcap, sinks, a position bias, ...) goes to transformers' own function.
 _PLAIN = frozenset({"sliding_window", "position_ids", "cache_position", "use_cache", "output_attentions", "is_causal"})
@@ -79,7 +83,7 @@ def _bfloat16_prefill(
     it is causal as sdpa's is (transformers' own rule, keys cut to the queries' length when there are more)."""
     if (
         query.device.type != "cpu"
-        or not getattr(module, "_kvrag_c_attention", True)
+        or module in _TORCH_PREFILL
         or query.dtype != torch.bfloat16
         or query.shape[2] < 2  # one query token: the decode path
         or dropout
@@ -102,7 +106,10 @@ def use_gqa_sdpa(model: Any, c_attention: bool = True) -> None:
     `c_attention=False` keeps a bfloat16 prefill's attention on torch's kernel instead of kvrag's C one."""
     for module in model.modules():
         if hasattr(module, "is_causal") and hasattr(module, "scaling"):  # an attention module of transformers
-            module._kvrag_c_attention = c_attention
+            if c_attention:
+                _TORCH_PREFILL.discard(module)
+            else:
+                _TORCH_PREFILL.add(module)
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return
     from transformers import AttentionInterface

@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrag.compat import rope_parameters
-from kvrag.cpu import ckernel, cstep
+from kvrag.cpu import ckernel, cstep, state
 from kvrag.cpu.graphs import GraphSteps
 from kvrag.cpu.linear import PrefillLinear
 from kvrag.cpu.room import Room  # noqa: F401 - where callers find it (`kvrag.cpu.Room`)
@@ -126,7 +126,8 @@ class FastDecoder:
         if reason is not None:
             raise ValueError(f"fast decoding does not take this model: {reason}")
         config, inner = model.config, model.model
-        self.model = model
+        # the model's parts, never the model itself: the model's state holds this decoder, and must not keep it alive
+        self.rotary_emb = inner.rotary_emb
         self.eps = config.rms_norm_eps
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -143,6 +144,7 @@ class FastDecoder:
         self.use_native = True  # `native_decoding(model, False)` turns both off (the torch step decodes)
         self.compiled: tuple[Any, Any] | None = None  # (layer step, head) once `compile` is called
         self._compiled_ran = False  # whether a compiled step has run: a failure after that is no missing compiler
+        self.prefill_classes: tuple[type, ...] | None = None  # the modules' classes the C prefill last took
 
     @staticmethod
     def _layer(layer: torch.nn.Module, parts: int) -> FastLayer:
@@ -162,15 +164,10 @@ class FastDecoder:
             down=Product(down, None, parts),
         )
 
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        """A copied or pickled model carries no decoder (it holds C pointers to the original's weights): its
-        copy makes its own at its first decoded token."""
-        return _no_decoder, ()
-
-    def current(self) -> bool:
-        """Whether the model still computes with the weights this decoder reads (none replaced, cast or moved)."""
-        inner = self.model.model
-        head = self.model.lm_head.weight
+    def current(self, model: torch.nn.Module) -> bool:
+        """Whether `model` still computes with the weights this decoder reads (none replaced, cast or moved)."""
+        inner = model.model
+        head = model.lm_head.weight
         if inner.embed_tokens.weight is not self.embed or head.data_ptr() != self.lm_head.weight.data_ptr():
             return False
         for layer, fast in zip(inner.layers, self.layers):
@@ -197,7 +194,7 @@ class FastDecoder:
         """cos, sin [count, d] for positions start.. from the model's rotary module (its scaling included)."""
         positions = torch.arange(start, start + count, device=self.embed.device)[None]
         probe = self.embed[:1][None]  # the module reads only its dtype and device
-        cos, sin = self.model.model.rotary_emb(probe, positions)
+        cos, sin = self.rotary_emb(probe, positions)
         return cos[0], sin[0]
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -350,26 +347,22 @@ class FastDecoder:
         return logits
 
 
-def _no_decoder() -> None:
-    return None
-
-
 def decodes_compiled(model: torch.nn.Module) -> bool:
     """Whether `compile_decoding` turned the compiled step on for `model`."""
-    return bool(getattr(model, "_kvrag_compile_decode", False))
+    return state.of(model).compile_decode
 
 
 def decodes_native(model: torch.nn.Module) -> bool:
     """Whether `model` decodes through the C step where it takes the model (on unless `native_decoding` turned
     it off)."""
-    return bool(getattr(model, "_kvrag_native_decode", True))
+    return state.of(model).native_decode
 
 
 def native_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
     """Decode `model` through the whole step in one call, the default: in C on CPU (`kvrag.cpu.cstep.DecodeStep`),
     as a CUDA graph on CUDA (`GraphSteps`); or, with `enabled=False`, through the torch step (compiled where
     `compile_decoding` asked). True where the C step takes the model on this machine."""
-    model._kvrag_native_decode = enabled  # type: ignore[attr-defined]
+    state.of(model).native_decode = enabled
     decoder = decoder_of(model)
     return decoder is not None and decoder.native is not None
 
@@ -377,9 +370,16 @@ def native_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
 WEIGHTS = {"model": None, "int8": 8, "int4": 4}  # what the C step may read: the model's own, or quantized copies
 
 
+def weights_kind(kind: str) -> str:
+    """`kind` where it names weights the C step may read (`WEIGHTS`); else ValueError."""
+    if kind not in WEIGHTS:
+        raise ValueError(f"decode weights must be one of {', '.join(WEIGHTS)}, not {kind!r}")
+    return kind
+
+
 def decoded_weights(model: torch.nn.Module) -> str:
     """Which weights `decode_weights` asked `model`'s C step to read: "model", "int8" or "int4"."""
-    return str(getattr(model, "_kvrag_decode_weights", "model"))
+    return state.of(model).decode_weights
 
 
 def decode_weights(model: torch.nn.Module, kind: str = "model") -> bool:
@@ -388,10 +388,8 @@ def decode_weights(model: torch.nn.Module, kind: str = "model") -> bool:
     quarter of bfloat16's bytes a step; the inputs are quantized per group as well, so the tokens may differ from
     the model's own: docs/performance.md reports how often). The prefill is not changed. True where the C step now
     reads what was asked; False where it does not take it (`DecodeStep.quantized_takes` says why) and decoding
-    stays on the model's own weights."""
-    if kind not in WEIGHTS:
-        raise ValueError(f"decode weights must be one of {', '.join(WEIGHTS)}, not {kind!r}")
-    model._kvrag_decode_weights = kind  # type: ignore[attr-defined]
+    stays on the model's own weights. It changes the model's state: every runtime on the model decodes so."""
+    state.of(model).decode_weights = weights_kind(kind)
     decoder = decoder_of(model)
     native = decoder.native if decoder is not None else None
     return native is not None and native.reads_bits == WEIGHTS[kind] and (kind != "model" or decoder.use_native)
@@ -406,30 +404,30 @@ def decode_room(model: torch.nn.Module, tokens: int) -> int:
 
 def compile_decoding(model: torch.nn.Module, enabled: bool = True) -> bool:
     """Decode `model` through the compiled step from its next decoded token on (see the module's docstring), or
-    with `enabled=False` through the eager step again. False where the fast step does not take the model (it
-    then decodes through transformers either way)."""
-    model._kvrag_compile_decode = enabled  # type: ignore[attr-defined]
-    decoder = decoder_of(model)
-    if decoder is not None and not enabled:
-        decoder.compiled = None
-    return decoder is not None
+    with `enabled=False` through the eager step again; every runtime on the model decodes so. False where the fast
+    step does not take the model (it then decodes through transformers either way)."""
+    state.of(model).compile_decode = enabled
+    return decoder_of(model) is not None
 
 
 def decoder_of(model: torch.nn.Module) -> FastDecoder | None:
-    """The model's FastDecoder, made once and kept on the model; None when it does not take the model."""
-    decoder = getattr(model, "_kvrag_fast_decoder", None)
-    if decoder is not None and not decoder.current():
-        decoder = None  # the model's weights were replaced (loaded, cast, moved) since it was made
+    """The model's FastDecoder, made once and kept in the model's state (`kvrag.cpu.state`), set as the state's
+    switches say; None when it does not take the model."""
+    held = state.of(model)
+    decoder = held.decoder
+    if decoder is not None and not decoder.current(model):
+        decoder = held.decoder = None  # the model's weights were replaced (loaded, cast, moved) since it was made
     if decoder is None and supports(model) is None:
         # made outside inference mode: the fused tensors become the model's weights, which autograd may see
         with torch.inference_mode(False), torch.no_grad():
-            decoder = FastDecoder(model)
-        model._kvrag_fast_decoder = decoder  # type: ignore[attr-defined]
+            decoder = held.decoder = FastDecoder(model)
     if decoder is not None:
-        decoder.use_native = decodes_native(model)
-        bits = WEIGHTS[decoded_weights(model)]
+        decoder.use_native = held.native_decode
+        bits = WEIGHTS[held.decode_weights]
         if decoder.native is not None and bits != getattr(decoder.native, "reads_bits", None):
             decoder.native.quantize(bits)
-        if decodes_compiled(model):
+        if held.compile_decode:
             decoder.compile()
+        else:
+            decoder.compiled = None
     return decoder

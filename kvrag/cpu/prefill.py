@@ -112,10 +112,10 @@ def _kernels_throughout(model: torch.nn.Module, decoder: fastdecode.FastDecoder)
             return False
         classes.append(type(m))
         stack.extend(child for child in m._modules.values() if child is not None)
-    if tuple(classes) != getattr(decoder, "_prefill_classes", None):
+    if tuple(classes) != decoder.prefill_classes:
         if not _kvrag_modules(model):
             return False
-        decoder._prefill_classes = tuple(classes)  # type: ignore[attr-defined]
+        decoder.prefill_classes = tuple(classes)
     for layer in model.model.layers:  # the rotary handles are no modules: checked each time
         handle = layer.self_attn.__dict__.get("_kernel_funcs", {}).get(rotary.HOOK)
         if getattr(getattr(handle, "forward", None), "__func__", None) is not rotary.prefill_forward:

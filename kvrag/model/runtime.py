@@ -2,15 +2,15 @@
 
 It owns the model and its tokenizer, the prompt layout, the prefix KV (and the chunk prefix a lead adds), the
 encoding set-up, the chunk key and the encoder id, the prompt's token ids, the checks a chunk passes, the eos ids,
-the model's lock and the CPU engine's state for it. cache/, plan/ and run/ build on it; it never plans, retrieves
-or answers (`kvrag.kvmodel.KVModel`, the facade, does that over it).
+and, through the CPU engine's state for the model object (`kvrag.cpu.ModelState`, shared by every runtime on that
+object), the model's lock and decode settings. cache/, plan/ and run/ build on it; it never plans, retrieves or
+answers (`kvrag.kvmodel.KVModel`, the facade, does that over it).
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -37,20 +37,14 @@ from kvrag.model.rope import Repositioner
 # the opening of the context (an attention sink) once it is stitched behind other chunks.
 DEFAULT_LEAD = "The passages below come from several documents, one after another, each on its own topic."
 
-_MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
-_MODEL_LOCKS_GUARD = threading.Lock()
 # Attention implementations that honour a custom 4-D additive mask (flash attention reads it as padding).
 MASK_ATTENTION = ("sdpa", cpu.GQA_SDPA, "eager", "flex_attention")
 Runtime = TypeVar("Runtime", bound="ModelRuntime")  # a ModelRuntime's own class (a KVModel's is KVModel)
 
 
 def model_lock(model: Any) -> threading.RLock:
-    """The one lock of a model object, shared by every KVModel and engine built on it."""
-    with _MODEL_LOCKS_GUARD:
-        lock = _MODEL_LOCKS.get(model)
-        if lock is None:
-            lock = _MODEL_LOCKS[model] = threading.RLock()
-        return lock
+    """The one lock of a model object, shared by every KVModel and engine built on it (its `kvrag.cpu.ModelState`'s)."""
+    return cpu.state_of(model).lock
 
 
 class ModelRuntime:
@@ -74,7 +68,12 @@ class ModelRuntime:
             from the model's own, docs/performance.md says how often). The prompt's prefill is unchanged. Where
             the C step does not take the model it decodes over the model's own weights and warns.
         cpu_kernels: let kvrag's CPU engine (`kvrag.cpu`: C kernels and module swaps, the same tokens) take this
-            model's work where it applies; False keeps the model as transformers made it (set once, per model).
+            model's work where it applies; False keeps the model as transformers made it.
+
+    `compile_decode`, `decode_weights` and `cpu_kernels` belong to the model object, not to one runtime: the first
+    runtime on a model sets them, and every later one on the same object shares them (and its lock). A later one
+    asking for other values raises InvalidRequestError naming them, rather than changing the first one's decoding
+    under it; give it its own copy of the model (`copy.deepcopy(model)`, or load it again) instead.
 
     Example:
         >>> runtime = ModelRuntime.from_pretrained()            # the embedded default, offline
@@ -101,7 +100,10 @@ class ModelRuntime:
                 f"attention implementation '{attention}' does not take the 4-D position mask that stitching needs: "
                 f"load the model with attn_implementation= one of {', '.join(MASK_ATTENTION)}"
             )
-        cpu.install(model, enabled=cpu_kernels)  # the CPU engine's prefill modules (`kvrag.cpu`), or none
+        # the CPU engine's state for this model object: its prefill modules installed (or none) by the first runtime
+        self.cpu_state = cpu.attach(
+            model, cpu_kernels=cpu_kernels, compile_decode=compile_decode, decode_weights=decode_weights
+        )
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.layout = layout or PromptLayout(tokenizer)
@@ -120,9 +122,7 @@ class ModelRuntime:
         eos_list = eos if isinstance(eos, list) else [eos]
         self.eos_ids = sorted({int(e) for e in [*eos_list, tokenizer.eos_token_id] if e is not None})
         self.loaded_from: str | None = None  # what `from_pretrained` loaded it from (an index's manifest records it)
-        self.lock = model_lock(model)  # one forward at a time on the one model, never held across a yield
-        if compile_decode:
-            cpu.compile_decoding(model)  # compiled at the first decoded token (`kvrag.cpu`)
+        self.lock = self.cpu_state.lock  # one forward at a time on the one model, never held across a yield
         if decode_weights != "model" and not cpu.decode_weights(model, decode_weights):  # quantized now, once
             warnings.warn(f"decode_weights={decode_weights!r} is not taken for this model here (the C decode step "
                           "does not take it: see kvrag.cpu.decode_weights); it decodes over its own weights",
@@ -171,7 +171,7 @@ class ModelRuntime:
             layout=self.layout,
             batch_tokens=self.batch_tokens,
             lead=lead,
-            cpu_kernels=cpu.enabled(self.model),
+            **self.cpu_state.settings(),
         )
         other.loaded_from = self.loaded_from
         return other
