@@ -4,6 +4,7 @@ embeds, retrieves or runs a model."""
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Hashable, Iterable, Sequence, TypeVar
 
@@ -15,6 +16,20 @@ Key = TypeVar("Key", bound=Hashable)
 def words(text: str) -> list[str]:
     """The lower-cased word tokens of a text (what BM25 and word overlap read)."""
     return re.findall(r"\w+", text.lower())
+
+
+@functools.cache
+def _stop_words() -> frozenset[str]:
+    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # imported once, when first needed
+
+    return frozenset(ENGLISH_STOP_WORDS)
+
+
+def content_words(text: str) -> list[str]:
+    """The words of a text that carry its content: three letters or more and not an English stop word
+    (scikit-learn's list), in order, each once."""
+    stop = _stop_words()
+    return list(dict.fromkeys(w for w in words(text) if len(w) >= 3 and w not in stop))
 
 
 def bm25(texts: Iterable[str]) -> Any:

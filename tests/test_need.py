@@ -33,7 +33,7 @@ def test_signals_are_the_likelihood_lift_and_margin_over_every_chunk(kv, enc):
     run = kv.prefill(Q, enc, strategy="target_only", picker="likelihood_all", scores=SCORES)
     seen = measured(kv, enc)
     assert int(seen["best"]) == run.decision.target and int(seen["retriever_best"]) == 3
-    assert seen["margin"] >= 0 and set(seen) == {"best", "retriever_best", "lift", "margin"}
+    assert seen["margin"] >= 0 and set(seen) == {"best", "retriever_best", "lift", "margin", "named"}
     # every chunk is scored, in one pass, and the question alone once: a chunk past the retriever's top three counts
     probe = kv.prefill(Q, enc, strategy="by_need", scores=SCORES).probe
     assert sum("question likelihood" in w for w in probe.extra_work) == 1
@@ -41,6 +41,7 @@ def test_signals_are_the_likelihood_lift_and_margin_over_every_chunk(kv, enc):
 
 
 def test_one_chunk_is_exactly_that_chunk_alone(kv, enc, monkeypatch):
+    monkeypatch.setattr(need, "names", lambda request: {})  # the branch alone: the names' chunks are tested below
     monkeypatch.setattr(need, "ABSTAIN_LIFT", float("-inf"))
     monkeypatch.setattr(need, "ONE_CHUNK_MARGIN", float("-inf"))
     monkeypatch.setattr(need, "AGREE_MARGIN", float("-inf"))
@@ -52,6 +53,7 @@ def test_one_chunk_is_exactly_that_chunk_alone(kv, enc, monkeypatch):
 
 
 def test_several_chunks_are_exactly_full_prefill_over_them_with_the_best_last(kv, enc, monkeypatch):
+    monkeypatch.setattr(need, "names", lambda request: {})
     monkeypatch.setattr(need, "ABSTAIN_LIFT", float("-inf"))
     monkeypatch.setattr(need, "ONE_CHUNK_MARGIN", float("inf"))
     monkeypatch.setattr(need, "AGREE_MARGIN", float("inf"))
@@ -69,6 +71,36 @@ def test_several_chunks_are_exactly_full_prefill_over_them_with_the_best_last(kv
         want = kv.model(input_ids=torch.tensor([kv.prompt_ids(Q, ids, order)]), logits_to_keep=1).logits[0, -1]
     assert (run.prefill.logits[-1] - want.float()).abs().max() < 1e-4
     assert run.decision.plan.reason.startswith(f"{need.SEVERAL} chunks")
+
+
+TWO_THINGS = "When is the archive open, and what is in the harbour ledger?"
+
+
+def test_every_name_of_the_question_is_read_and_the_plan_stays_exact(kv, enc, monkeypatch):
+    monkeypatch.setattr(need, "ABSTAIN_LIFT", float("-inf"))
+    monkeypatch.setattr(need, "ONE_CHUNK_MARGIN", float("-inf"))
+    monkeypatch.setattr(need, "AGREE_MARGIN", float("-inf"))
+    run = kv.prefill(TWO_THINGS, CHUNKS, strategy="by_need", scores=SCORES)
+    plan, best = run.decision.plan, run.decision.target
+    # "archive" is chunk 4's word alone, "harbour" and "ledger" chunk 1's: a one-chunk plan reads both of them
+    assert {1, 4} <= set(plan.order) and plan.order[-1] == best and len(plan.order) <= need.MOST_READ
+    assert plan.signals["named"] == len(plan.order) - 1 and "names" in plan.reason
+    ids = [kv.layout.chunk_ids(c) for c in CHUNKS]
+    with torch.inference_mode():
+        want = kv.model(input_ids=torch.tensor([kv.prompt_ids(TWO_THINGS, ids, plan.order)]), logits_to_keep=1)
+    assert (run.prefill.logits[-1] - want.logits[0, -1].float()).abs().max() < 1e-4
+
+
+def test_names_are_content_words_few_chunks_hold(kv, enc):
+    from types import SimpleNamespace
+
+    def names(question, texts):
+        return need.names(SimpleNamespace(probe=SimpleNamespace(question=question, texts=texts)))
+
+    assert names(TWO_THINGS, CHUNKS) == {"archive": [4], "harbour": [1], "ledger": [1]}  # "when", "and": stop words
+    # a word more than half the chunks hold tells none of them apart; one no chunk holds names nothing here
+    assert names("Which station logs ships?", ["a station", "the station", "station logs", "x"]) == {"logs": [2]}
+    assert need.names(SimpleNamespace(probe=None)) == {}
 
 
 def test_abstaining_keeps_the_draft_and_says_so_on_every_path(kv, enc, monkeypatch):

@@ -1,7 +1,7 @@
 """The plan chosen by what a question needs: one chunk where one stands out, several where none does,
 and "the documents do not say" where no retrieved chunk bears on the question.
 
-The signals read how the model and the retriever see the chunks, never the question's words:
+The signals that choose the plan read how the model and the retriever see the chunks, never how the question is worded:
 - the retriever's ranking of every retrieved chunk;
 - the model's likelihood of the question behind each retrieved chunk's stored KV (one batched pass of the suffix,
   every chunk: `Probe.question_likelihood`), against its likelihood behind no chunk (`Probe.question_alone`). The
@@ -12,7 +12,10 @@ The plan: no lift -> abstain (the one-chunk answer is decoded as a draft, the an
 say); the model's best chunk leads the rest clearly -> that chunk alone (exactly a full prefill over it, at the cost
 of the suffix: its pass was the likelihood pass); else -> the best chunks by either ranking, stitched with the
 model's best next to the question and all but the first recomputed (exactly a full prefill over those chunks in
-that order). The thresholds are chosen on held-out sources (docs/study.md).
+that order). Whichever plan it reads, every name the question shares with the retrieved chunks is read: a word of
+the question that one or a few retrieved chunks hold (what tells one document from its neighbours, whatever the
+wording) pulls in the model's best chunk holding it, so a question about two things reads both. The thresholds are
+chosen on held-out sources (docs/study.md).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvrag.plan.strategies import Plan, PlanRequest, by_score, register_strategy
+from kvrag.rank import content_words, words
 from kvrag.plan.strategies import target_of as _target
 
 # The thresholds, in mean log-probability a question token, were chosen on the held-out choose half (kvrag.lab.heldout,
@@ -30,6 +34,8 @@ ABSTAIN_LIFT = 0.1
 AGREE_MARGIN = 0.75
 ONE_CHUNK_MARGIN = 0.75
 SEVERAL = 3  # chunks read where the signals disagree
+MOST_READ = 4  # chunks read at most once the question's names are covered
+NAME_SHARE = 2  # a name is held by at most one in NAME_SHARE retrieved chunks (at least one chunk)
 
 
 def signals(request: PlanRequest) -> dict[str, float]:
@@ -46,6 +52,7 @@ def signals(request: PlanRequest) -> dict[str, float]:
         "lift": float(likelihood[best]) - probe.question_alone(),
         # 0 for a lone chunk: nothing to stand out from (finite, so the signals stay plain JSON)
         "margin": float(likelihood[best] - likelihood[ranked[1]]) if len(ranked) > 1 else 0.0,
+        "named": 0.0,  # chunks read for the question's names alone (set by the plan)
     }
 
 
@@ -59,6 +66,36 @@ def several(request: PlanRequest, best: int, likelihood: torch.Tensor, k: int = 
             if c not in chosen and len(chosen) < k:
                 chosen.append(c)
     return [c for c in sorted(chosen) if c != best] + [best]
+
+
+def names(request: PlanRequest) -> dict[str, list[int]]:
+    """The question's names among the retrieved chunks, each with the chunks that hold it: its content words
+    (`kvrag.rank.content_words`) that at least one and at most max(1, n / NAME_SHARE) of the n chunks hold (a
+    document cut into several chunks names its subject in several). {} where the probe has no texts."""
+    probe = request.probe
+    try:
+        texts = probe.texts if probe is not None else []
+    except ValueError:  # chunk KV given without texts: nothing to read words from
+        return {}
+    held = [set(words(t)) for t in texts]
+    most = max(1, len(held) // NAME_SHARE)
+    found: dict[str, list[int]] = {}
+    for word in content_words(probe.question) if probe is not None else []:
+        chunks = [c for c, ws in enumerate(held) if word in ws]
+        if 1 <= len(chunks) <= most:
+            found[word] = chunks
+    return found
+
+
+def covering(request: PlanRequest, order: list[int], likelihood: torch.Tensor) -> list[int]:
+    """`order` with, for each of the question's names no chunk of it holds, the model's best chunk holding it put
+    before the last chunk (at most MOST_READ chunks in all; the last stays next to the question)."""
+    read = list(order)
+    for chunks in names(request).values():
+        if len(read) >= MOST_READ or any(c in read for c in chunks):
+            continue
+        read.insert(len(read) - 1, max(chunks, key=lambda c: (float(likelihood[c]), -c)))
+    return sorted(read[:-1]) + read[-1:]
 
 
 def _exact_over(order: list[int], request: PlanRequest) -> dict[int, torch.Tensor]:
@@ -76,9 +113,17 @@ def _exact_over(order: list[int], request: PlanRequest) -> dict[int, torch.Tenso
     "in turn, the model's best next to the question: exactly a full prefill over them (by_need's plan of several)",
 )
 def _best_few(request: PlanRequest) -> Plan:
-    assert request.probe is not None  # likelihood_all measured through it
-    order = several(request, _target(request), request.probe.question_likelihood())
+    order, _ = _several(request, _target(request))
     return Plan(order=order, recompute=_exact_over(order, request))
+
+
+def _several(request: PlanRequest, best: int) -> tuple[list[int], int]:
+    """best_few's order, and how many chunks in it are there for the question's names alone."""
+    assert request.probe is not None  # likelihood_all measured through it
+    likelihood = request.probe.question_likelihood()
+    base = several(request, best, likelihood)
+    order = covering(request, base, likelihood)
+    return order, len(order) - len(base)
 
 
 @register_strategy(
@@ -99,8 +144,14 @@ def _by_need(request: PlanRequest) -> Plan:
     agree = int(seen["retriever_best"]) == best
     if len(request.lengths) == 1 or margin > (AGREE_MARGIN if agree else ONE_CHUNK_MARGIN):
         why = " and the retriever's" if agree else ""
-        return Plan(order=[best], reason=f"one chunk: the model's best{why}, by a margin of {margin:.2f}", signals=seen)
-    plan = _best_few(request)
-    plan.reason = f"{len(plan.order)} chunks: no chunk stands out (the model's best leads by {margin:.2f})"
-    plan.signals = seen
-    return plan
+        reason = f"one chunk: the model's best{why}, by a margin of {margin:.2f}"
+        order = covering(request, [best], request.probe.question_likelihood())  # type: ignore[union-attr]
+        seen["named"] = float(len(order) - 1)
+        if len(order) == 1:
+            return Plan(order=order, reason=reason, signals=seen)
+        reason = f"{len(order)} chunks: {reason}, and those holding the question's other names"
+        return Plan(order=order, recompute=_exact_over(order, request), reason=reason, signals=seen)
+    order, named = _several(request, best)
+    seen["named"] = float(named)
+    reason = f"{len(order)} chunks: no chunk stands out (the model's best leads by {margin:.2f})"
+    return Plan(order=order, recompute=_exact_over(order, request), reason=reason, signals=seen)
