@@ -26,7 +26,7 @@ __all__ = ["EMBEDDED_WEIGHTS", "default_cache_dir"]  # re-exported: the embedded
 DEFAULT_MODEL_NAME = DEFAULT.title
 
 # Architectures whose attention applies rotate-half RoPE from one `rotary_emb` module to every layer,
-# with the exactness suite run on each (tests/test_exactness.py).
+# with the exactness suite run on each (tests/behaviour/test_exactness.py).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gemma")
 # RoPE types under which moving a key from position p to p + d is one fixed rotation by d.
 ROTATION_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

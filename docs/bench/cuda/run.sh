@@ -4,7 +4,7 @@
 set -u
 SMOL=${SMOL:?the folder of the default model's config and tokenizer files}
 OUT=${OUT:-docs/bench/cuda}
-python3 -m pytest -q tests/test_cuda.py | tee "$OUT/test_cuda.txt"
+python3 -m pytest -q tests/behaviour/test_cuda.py | tee "$OUT/test_cuda.txt"
 python3 docs/bench/cuda/make_model.py "$SMOL" /tmp/smol
 python3 -c "import sys; from kvrag.cli import main; sys.exit(main())" bench-decode --model /tmp/smol --device cuda \
     --dtype bfloat16 --contexts 1000,4000,8000 --tokens 32 --runs 3 | tee "$OUT/bench-decode.txt"

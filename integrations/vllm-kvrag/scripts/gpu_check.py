@@ -12,7 +12,7 @@
 
 Prints one line a case and a last line "gpu_check: N of N equal"; exits 1 where any differs (a rotation within one
 unit in the last place counts as equal, and says so). It does not check vLLM's own `reshape_and_cache_flash` (vLLM is
-not installed there) nor kvrag's engine on the GPU (that needs transformers: `tests/test_cuda.py`, which
+not installed there) nor kvrag's engine on the GPU (that needs transformers: `tests/behaviour/test_cuda.py`, which
 `gpu_check.sh` runs where it can).
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "kvrag"
+ROOT = Path(__file__).resolve().parents[2] / "kvrag"
 
 # Lowest first; a module takes the layer of the longest prefix that names it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [

@@ -1,6 +1,6 @@
 """kvrag on a CUDA device, against full prefill on that device.
 
-Skipped where torch sees no CUDA device. The references are those of tests/test_exactness.py, run on the GPU:
+Skipped where torch sees no CUDA device. The references are those of tests/behaviour/test_exactness.py, run on the GPU:
 the recompute primitive on tiny random models of every supported architecture in float32 (TF32 off), greedy
 tokens against transformers' generate, bfloat16 as close to float32 as a bfloat16 full prefill is, compiled
 decoding, and the engine end to end (encode, store on disk, retrieve, stitch, recompute, decode).

@@ -13,7 +13,7 @@ from kvrag import InvalidRequestError, KVModel, cpu
 from kvrag.cpu import cbf16, ckernel
 from kvrag.cpu.decode import compile_decoding
 
-PACKAGE = Path(__file__).resolve().parents[1] / "kvrag"
+PACKAGE = Path(__file__).resolve().parents[2] / "kvrag"
 OUTSIDE = ("cpu", "lab")  # the engine itself, and the benchmarks that time its parts
 
 

@@ -1,6 +1,6 @@
 """Hostile values in an index manifest's fields each end in kvrag's own one-line error and exit 2, naming the field
 and the folder: nothing they name is run, and no message suggests lowering a safety check. The index is built
-unkeyed here (`--no-secret`): a keyed manifest cannot be edited without the key at all (tests/test_secret.py)."""
+unkeyed here (`--no-secret`): a keyed manifest cannot be edited without the key at all (tests/cache/test_secret.py)."""
 
 import json
 

@@ -99,7 +99,7 @@ def test_each_step_logits_match_the_forwards(name, step_in):
 @pytest.mark.parametrize("name", TAKEN)
 def test_the_static_step_a_cuda_graph_captures_matches_the_forwards(name):
     """`static_step` (tensor inputs, shapes fixed by the buffers, attention over every slot with the free ones
-    masked) on CPU: the math that `GraphSteps` captures on CUDA, whose test needs a GPU (tests/test_cuda.py)."""
+    masked) on CPU: the math that `GraphSteps` captures on CUDA, whose test needs a GPU (tests/behaviour/test_cuda.py)."""
     model = tiny_model(name)
     decoder = decoder_of(model)
     ids = _ids(50, seed=2)

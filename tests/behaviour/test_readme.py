@@ -9,7 +9,7 @@ import pytest
 
 from kvrag.lab.results import table
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 TEXT = README.read_text(encoding="utf-8")
 SNIPPETS = re.findall(r"```python\n(.*?)```", TEXT, flags=re.S)
 

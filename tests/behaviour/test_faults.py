@@ -29,7 +29,7 @@ from kvrag.cache.store import DiskStore, MemoryStore, RedisStore, TieredStore
 from kvrag.engine.rag import KVRAG, StoreWarning
 from kvrag.errors import StoreError
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/, where tiny.py is
 Q = "Who runs Velloria's harbour?"
 GEN = {"top_k": 2, "max_new_tokens": 6}
 

@@ -23,7 +23,7 @@ from kvrag.engine.folder import LOCK_FILE
 from kvrag.engine.rag import KVRAG
 from kvrag.errors import BusyError
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/, where tiny.py is
 pytestmark = pytest.mark.usefixtures("hash_embedder")
 GEN = dict(max_new_tokens=3, strategy="reuse")
 

@@ -20,7 +20,7 @@ from kvrag.engine.folder import IndexWarning
 from kvrag.engine.rag import KVRAG
 from kvrag.errors import IndexLoadError, InvalidRequestError, StoreError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SECRET = "The vault code of the Orrin bank is 4471."
 
 
