@@ -51,7 +51,7 @@ class KVModel(ModelRuntime):
         batch_tokens: int = DEFAULT_BATCH_TOKENS,
         lead: str = "",
         compile_decode: bool = False,
-        decode_weights: str = "model",
+        decode_weights: str | None = None,
         cpu_kernels: bool = True,
     ) -> None:
         super().__init__(

@@ -126,7 +126,7 @@ def footer(answer: Answer) -> str:
 
 def _on_vllm(rag: Any, args: argparse.Namespace) -> None:
     """Hand the engine's plans to vLLM: an in-process engine with kvrag's connector, or a `vllm serve`."""
-    flags = (("--compile-decode", args.compile_decode), ("--decode-weights", args.decode_weights != "model"))
+    flags = (("--compile-decode", args.compile_decode), ("--decode-weights", args.decode_weights is not None))
     for flag, given in flags:
         if given:
             raise InvalidRequestError(f"{flag} is kvrag's own decode: vLLM decodes with its own")

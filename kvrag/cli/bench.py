@@ -141,7 +141,9 @@ def _bench_answers(args: argparse.Namespace) -> None:
     if not 1 <= args.limit <= 10_000 or args.max_new_tokens < 1:
         raise InvalidRequestError(f"need --limit in 1..10000 and --max-new-tokens >= 1, got {args.limit}, "
                                   f"{args.max_new_tokens}")
-    kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
+    # a plain name decodes over the model's own weights, `_int8` and `_int4` over copies: each row says which
+    kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir,
+                                 decode_weights="model")
     result = whole_answers(kv, data=args.data, limit=args.limit, seed=args.seed, strategies=strategies,
                            max_new_tokens=args.max_new_tokens, log=lambda m: print(m, file=sys.stderr))
     result["command"] = "kvrag " + " ".join(shlex.quote(a) for a in args.argv)

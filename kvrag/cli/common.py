@@ -87,9 +87,10 @@ def compile_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode-weights",
         choices=("model", "int8", "int4"),
-        default="model",
-        help="what the C decode step reads: the model's own weights (default), or int8 or int4 copies (about half "
-        "and a quarter of the bytes a token; tokens may differ from the model's own: docs/performance.md)",
+        default=None,
+        help="what the C decode step reads: the model's own weights, or int8 or int4 copies (about half and a "
+        "quarter of the bytes a token; tokens may differ from the model's own: docs/performance.md); default: the "
+        "named model's shipped choice (docs/models.md), the model's own weights for any other model",
     )
 
 
@@ -179,7 +180,7 @@ def open_index(args: argparse.Namespace, *, read_only: bool = True) -> Any:
         secret=secret_of(args),
         read_only=read_only,
         compile_decode=getattr(args, "compile_decode", False),
-        decode_weights=getattr(args, "decode_weights", "model"),
+        decode_weights=getattr(args, "decode_weights", None),
         cpu_kernels=getattr(args, "cpu_kernels", True),
         lock_timeout_s=getattr(args, "lock_timeout", None),
     )

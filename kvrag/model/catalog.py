@@ -55,6 +55,9 @@ class NamedModel:
     sha256: str  # hex digest of the assembled GGUF
     dtype: torch.dtype  # what the converted safetensors folder holds
     make_target: str  # the Makefile target that installs it
+    # what the C decode step reads by default: the model's own weights, or int8 or int4 copies where its answers
+    # held on the held-out and built-in sets (docs/models.md); `decode_weights="model"` keeps the exact tokens
+    decode_weights: str = "model"
 
     @property
     def size(self) -> int:
@@ -124,6 +127,7 @@ QWEN_05B = NamedModel(
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     dtype=torch.bfloat16,
     make_target="install",
+    decode_weights="int4",  # as many right as its own weights in every held-out family (docs/models.md)
 )
 
 QWEN_15B = NamedModel(
@@ -169,6 +173,12 @@ MODELS: dict[str, NamedModel] = {m.name: m for m in (SMOLLM2_135M, QWEN_05B, QWE
 DEFAULT = SMOLLM2_135M  # what KVModel.from_pretrained() and `make demo` load
 # The embedded default's weights id: the model kvrag ships a tuned default for (kvrag.plan.defaults).
 EMBEDDED_WEIGHTS = DEFAULT.weights
+
+
+def shipped_decode_weights(weights: str) -> str:
+    """What the C decode step reads by default for a model, by its weights id: its named model's choice, else
+    "model" (the model's own weights)."""
+    return next((m.decode_weights for m in MODELS.values() if m.weights == weights), "model")
 
 
 def named(name: str | os.PathLike[str] | None) -> NamedModel | None:

@@ -19,7 +19,7 @@ import torch
 from kvrag import cpu
 from kvrag.cache.kv import ChunkKey, ChunkKV, chunk_key, encoder_id
 from kvrag.errors import ContextOverflowError, InvalidRequestError, UnsupportedModelError
-from kvrag.model.catalog import named
+from kvrag.model.catalog import named, shipped_decode_weights
 from kvrag.model.encode import DEFAULT_BATCH_TOKENS, encode_chunks, encode_prefix
 from kvrag.model.layout import PromptLayout
 from kvrag.model.loading import (
@@ -62,11 +62,13 @@ class ModelRuntime:
             chunk right behind the prefix. A chunk's KV, and its store key, depend on the lead.
         compile_decode: decode through torch.compile'd layer steps (`kvrag.cpu.decode`): seconds of compiling at
             the first decoded token, then faster tokens; worth it in a process that answers many questions.
-        decode_weights: what the C decode step reads: "model" (the default: the model's own weights, the tokens
-            of transformers' forward), or "int8" or "int4" copies of the weights (`kvrag.cpu.decode_weights`:
-            about half and a quarter of bfloat16's bytes a token, quantized once at load; the tokens may differ
-            from the model's own, docs/performance.md says how often). The prompt's prefill is unchanged. Where
-            the C step does not take the model it decodes over the model's own weights and warns.
+        decode_weights: what the C decode step reads: "model" (the model's own weights, the tokens of
+            transformers' forward), or "int8" or "int4" copies of the weights (`kvrag.cpu.decode_weights`: about
+            half and a quarter of bfloat16's bytes a token, quantized once at load; the tokens may differ from the
+            model's own, docs/performance.md says how often). None (the default): the named model's shipped choice
+            (`kvrag.model.catalog.shipped_decode_weights`, docs/models.md), "model" for any other model. The
+            prompt's prefill is unchanged. Where the C step does not take the model it decodes over the model's own
+            weights (and warns where the choice was the caller's).
         cpu_kernels: let kvrag's CPU engine (`kvrag.cpu`: C kernels and module swaps, the same tokens) take this
             model's work where it applies; False keeps the model as transformers made it.
 
@@ -90,7 +92,7 @@ class ModelRuntime:
         batch_tokens: int = DEFAULT_BATCH_TOKENS,
         lead: str = "",
         compile_decode: bool = False,
-        decode_weights: str = "model",
+        decode_weights: str | None = None,
         cpu_kernels: bool = True,
     ) -> None:
         check_architecture(model.config)
@@ -100,6 +102,8 @@ class ModelRuntime:
                 f"attention implementation '{attention}' does not take the 4-D position mask that stitching needs: "
                 f"load the model with attn_implementation= one of {', '.join(MASK_ATTENTION)}"
             )
+        weights = weights_id or default_weights_id(model)
+        asked, decode_weights = decode_weights, decode_weights or shipped_decode_weights(weights)
         # the CPU engine's state for this model object: its prefill modules installed (or none) by the first runtime
         self.cpu_state = cpu.attach(
             model, cpu_kernels=cpu_kernels, compile_decode=compile_decode, decode_weights=decode_weights
@@ -108,7 +112,7 @@ class ModelRuntime:
         self.tokenizer = tokenizer
         self.layout = layout or PromptLayout(tokenizer)
         self.repositioner = Repositioner(model)
-        self.fingerprint = fingerprint(model, weights_id or default_weights_id(model))
+        self.fingerprint = fingerprint(model, weights)
         self.batch_tokens = batch_tokens
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.prefix = encode_prefix(model, self.layout.prefix_ids)
@@ -123,7 +127,8 @@ class ModelRuntime:
         self.eos_ids = sorted({int(e) for e in [*eos_list, tokenizer.eos_token_id] if e is not None})
         self.loaded_from: str | None = None  # what `from_pretrained` loaded it from (an index's manifest records it)
         self.lock = self.cpu_state.lock  # one forward at a time on the one model, never held across a yield
-        if decode_weights != "model" and not cpu.decode_weights(model, decode_weights):  # quantized now, once
+        taken = decode_weights == "model" or cpu.decode_weights(model, decode_weights)  # quantized now, once
+        if not taken and asked is not None:  # a shipped choice the machine cannot take decodes over the model's own
             warnings.warn(f"decode_weights={decode_weights!r} is not taken for this model here (the C decode step "
                           "does not take it: see kvrag.cpu.decode_weights); it decodes over its own weights",
                           RuntimeWarning, stacklevel=2 if type(self) is ModelRuntime else 3)

@@ -32,7 +32,7 @@ TOL = 2e-4  # float32 logits reach ~32 here; measured 2-4e-5
 
 @pytest.fixture(scope="module")
 def kv():
-    return KVModel.from_pretrained("qwen2.5-coder-0.5b", dtype="float32")
+    return KVModel.from_pretrained("qwen2.5-coder-0.5b", dtype="float32", decode_weights="model")  # exact tokens
 
 
 def _exact_chunks(kv, ids, suffix):

