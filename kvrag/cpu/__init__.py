@@ -59,6 +59,7 @@ __all__ = [
     "rotate_keys",
     "state_of",
     "stitch_plan",
+    "weights_read",
 ]
 
 
@@ -143,6 +144,11 @@ def decode_weights(model: torch.nn.Module, kind: str = "model") -> bool:
     """Decode `model` over its own weights ("model") or quantized copies ("int8", "int4") from its next decoded token
     on (`decode.decode_weights`); False where the C step does not take them (the model's own weights decode)."""
     return enabled(model) and _decode.decode_weights(model, kind)
+
+
+def weights_read(model: torch.nn.Module) -> str:
+    """What decoding `model` reads now: "int8" or "int4" copies through the C step, else "model" (its own weights)."""
+    return _decode.weights_read(model) if enabled(model) else "model"
 
 
 def decoder_of(model: torch.nn.Module) -> _decode.FastDecoder | None:

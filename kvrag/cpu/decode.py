@@ -382,6 +382,15 @@ def decoded_weights(model: torch.nn.Module) -> str:
     return state.of(model).decode_weights
 
 
+def weights_read(model: torch.nn.Module) -> str:
+    """What decoding `model` reads now: "int8" or "int4" where the C step reads those copies, else "model" (its own
+    weights, through the C step or transformers)."""
+    held = state.of(model)
+    native = held.decoder.native if held.decoder is not None else None
+    kind = held.decode_weights
+    return kind if kind != "model" and native is not None and native.reads_bits == WEIGHTS[kind] else "model"
+
+
 def decode_weights(model: torch.nn.Module, kind: str = "model") -> bool:
     """Decode `model` through the C step over its own weights ("model", the default) or over quantized copies of its
     products' weights, "int8" or "int4" (`cstep.DecodeStep.quantize`: made here, once each; about half and a

@@ -7,6 +7,7 @@ import warnings
 from dataclasses import asdict
 from typing import Any
 
+from kvrag import cpu
 from kvrag.cache.store import DiskStore, KVStore, SerializedStore, StoreWarning, TieredStore
 
 
@@ -95,7 +96,8 @@ class Upkeep:
         """Counts, bytes and the model fingerprint; the store's entries, and how many are orphans (no indexed
         chunk refers to them: `gc` removes them) or missing (indexed, not stored: recomputed when read); the stored
         bytes a token (`kv_bytes` over the tokens of the indexed chunks whose entries are stored) and the storage
-        dtype entries are written in (None for a store that keeps no serialized entries)."""
+        dtype entries are written in (None for a store that keeps no serialized entries); the weights answers decode
+        over ("model", or "int8" / "int4" copies: `KVModel(decode_weights=...)`)."""
         with self._lock:
             live = {r.key for r in self.index.records.values()}
             index = self.index
@@ -122,6 +124,7 @@ class Upkeep:
             "store_hits": self.store.hits,
             "store_misses": self.store.misses,
             "model": asdict(self.kvmodel.fingerprint),
+            "decode_weights": cpu.weights_read(self.kvmodel.model),  # what its answers decode over
             "fingerprint": self.kvmodel.fingerprint.digest,
             "embedder": self.embedder.source,
             "chunk_tokens": self.chunk_tokens,

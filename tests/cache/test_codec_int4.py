@@ -221,6 +221,7 @@ def test_an_engine_answers_over_int4_entries_and_info_reports_their_bytes(model_
 
     info = rag.info()
     assert info["storage_dtype"] == "int4" and info["kv_bytes_per_token"] > 0
+    assert info["decode_weights"] == "model"  # the 135M ships decoding over its own weights
     half = index("float16", "float16").info()
     assert half["storage_dtype"] == "float16"
     assert info["kv_bytes_per_token"] < 0.4 * half["kv_bytes_per_token"], (info, half)
