@@ -25,7 +25,7 @@ def store_root(tmp_path_factory):
 def kv(folder):
     from kvrag import KVModel
 
-    return KVModel.from_pretrained(folder, dtype="float32")
+    return KVModel.from_pretrained(folder, dtype="float32", decode_weights="model")  # the model's own tokens, as vLLM's
 
 
 @pytest.fixture(scope="session")

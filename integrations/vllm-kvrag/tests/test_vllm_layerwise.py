@@ -105,7 +105,7 @@ _SCRIPT = textwrap.dedent(
     extra = {"store": "disk", "path": root, "storage_dtype": "float32", "unkeyed": True, "layerwise": True}
     llm = LLM(model=folder, dtype="float32", max_model_len=4096, block_size=32, enforce_eager=True,
               kv_cache_memory_bytes=1 << 29, kv_transfer_config=connector_config(extra))
-    kv = KVModel.from_pretrained(folder, dtype="float32")
+    kv = KVModel.from_pretrained(folder, dtype="float32", decode_weights="model")
     store = DiskStore(root, "float32")
     executor = VLLMExecutor(kv, llm, store)
     out = []

@@ -72,7 +72,7 @@ def _answers(kv, llm, store) -> list[list[int]]:
 
 def test_two_workers_each_writing_its_own_kv_heads_answer_as_one_worker(tmp_path, monkeypatch):
     folder = catalog.resolve("qwen2.5-coder-0.5b")
-    kv = KVModel.from_pretrained(folder, dtype="float32")
+    kv = KVModel.from_pretrained(folder, dtype="float32", decode_weights="model")
     assert kv.model.config.num_key_value_heads == 2  # one a worker at TP=2
     store = DiskStore(tmp_path, "float32")
     hf = []
