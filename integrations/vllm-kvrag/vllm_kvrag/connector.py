@@ -159,6 +159,19 @@ class LoadSeam:
     def heads(self, stored: int, held: int) -> slice:
         return self._connector._heads(stored, held)
 
+    def worker_part(
+        self, entry: tuple[torch.Tensor, torch.Tensor], first: int, layers: int, held: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | str:
+        """Layers [first, first + layers) of an entry's keys and values, this worker's kv heads of them (views);
+        or, where the entry does not hold those (fewer layers, other heads, another head size), the reason a load
+        reports. The one check of an entry's shape against a worker's cache."""
+        heads = self.heads(entry[0].shape[1], held)
+        keys, values = entry[0][first : first + layers, heads], entry[1][first : first + layers, heads]
+        if len(keys) != layers or keys.shape[1] != held or keys.shape[-1] != width:
+            return (f" (its KV is {tuple(entry[0].shape)}; this worker's cache takes layers {first}.."
+                    f"{first + layers - 1} of {held} heads x {width})")
+        return keys, values
+
     def angles(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._connector._angles(delta)
 
@@ -391,11 +404,13 @@ class KVRAGConnector(KVConnectorBase_V1):
         found = self._entry(piece, lo, hi, ids)
         if isinstance(found, str):
             return found
-        layers = keys_out.shape[0]  # the layers this worker holds are the first `layers` of the entry's or fewer
-        heads = self._heads(found[0].shape[1], keys_out.shape[1])
-        keys, values = found[0][:layers, heads], found[1][:layers, heads]  # keys post-RoPE at the entry's start
-        if keys.shape != keys_out.shape or values.shape != values_out.shape:
-            return f" (its KV is {tuple(found[0].shape)}, this worker's cache takes {tuple(keys_out.shape)})"
+        # the layers this worker holds are the first of the entry's; keys post-RoPE at the entry's start
+        part = self.seam.worker_part(found, 0, keys_out.shape[0], keys_out.shape[1], keys_out.shape[3])
+        if isinstance(part, str):
+            return part
+        keys, values = part
+        if keys.shape[2] != keys_out.shape[2]:  # `_entry` read tokens [lo, hi): a kvrag bug, said as such
+            return f" (kvrag read {keys.shape[2]} tokens of the entry for {keys_out.shape[2]}: a bug in kvrag)"
         if piece.position != piece.start:
             assert self._repositioner is not None
             cos, sin = self._angles(piece.position - piece.start)

@@ -74,11 +74,10 @@ def _placed(
     found = seam.entry(piece, lo, hi, ids)
     if isinstance(found, str):
         return found
-    n = len(caches[0])
-    heads = seam.heads(found[0].shape[1], caches[0][0].shape[1])
-    keys, values = found[0][first : first + n, heads], found[1][first : first + n, heads]
-    if len(keys) != n or keys.shape[1] != caches[0][0].shape[1] or keys.shape[3] != caches[0][0].shape[3]:
-        return f" (its KV is {tuple(found[0].shape)}, this worker's cache takes layers {first}.. of {n})"
+    part = seam.worker_part(found, first, len(caches[0]), caches[0][0].shape[1], caches[0][0].shape[3])
+    if isinstance(part, str):
+        return part
+    keys, values = part
     cos = sin = None
     if piece.position != piece.start:
         cos, sin = seam.angles(piece.position - piece.start)

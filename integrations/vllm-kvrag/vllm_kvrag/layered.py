@@ -28,10 +28,9 @@ if TYPE_CHECKING:
 class _Staged:
     """One load's pieces, read and checked, to be written a layer at a time: tokens [begin, filled)."""
 
-    entries: list[tuple[torch.Tensor, torch.Tensor]]  # each piece's [L, H_kv, t, D] keys and values, as stored
+    entries: list[tuple[torch.Tensor, torch.Tensor]]  # each piece's [L, H_kv, t, D] keys and values: this worker's
     shifts: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor] | None]]  # (a, b) of the load's tokens, angles
     slots: torch.Tensor  # every token's slot, on the cache's device
-    heads: slice  # the kv heads of an entry this worker holds
 
 
 def start(connector: KVRAGConnector, loads: list[Load], layers: list[tuple[int, Any, torch.Tensor]]) -> LayerPipeline:
@@ -72,10 +71,7 @@ def _read(
     filled, at = load.end, 0
     for (piece, lo, hi, _), entry in zip(spans, found):
         if not isinstance(entry, str):
-            heads = seam.heads(entry[0].shape[1], held)
-            keys = entry[0][:, heads]
-            if len(keys) < need or keys.shape[1] != held or keys.shape[-1] != width:
-                entry = f" (its KV is {tuple(entry[0].shape)}; this worker takes {need} layers of {held} x {width})"
+            entry = seam.worker_part(entry, 0, need, held, width)  # its layers up to the last this worker holds
         if isinstance(entry, str):
             _missed(piece, entry)
             filled = lo
@@ -95,14 +91,14 @@ def _read(
     blocks = torch.tensor(load.block_ids, dtype=torch.int64)
     where = torch.cat(tokens)
     slots = (blocks[where // bs] * bs + where % bs).to(device)
-    return _Staged(entries, shifts, slots, seam.heads(entries[0][0].shape[1], held))
+    return _Staged(entries, shifts, slots)
 
 
 def _write_layer(seam: LoadSeam, load: _Staged, i: int, layer: Any, cache: torch.Tensor) -> None:
     """Write layer `i` of a staged load: one copy of its stored keys and values to the cache's device, the keys
     rotated there in float32, one write into the blocks."""
-    keys = torch.cat([k[i, load.heads] for k, _ in load.entries], dim=1).to(cache.device)  # [H_kv, T, D], as stored
-    values = torch.cat([v[i, load.heads] for _, v in load.entries], dim=1).to(cache.device)
+    keys = torch.cat([k[i] for k, _ in load.entries], dim=1).to(cache.device)  # [H_kv, T, D], as stored
+    values = torch.cat([v[i] for _, v in load.entries], dim=1).to(cache.device)
     out = torch.empty(keys.shape, dtype=seam.dtype, device=cache.device)
     for a, b, angles in load.shifts:
         if angles is None:
