@@ -16,7 +16,9 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from kvrag.cache.kv import ChunkKey, ChunkKV, StoredChunk
 from kvrag.cache.store import KVStore, StoreWarning
+from kvrag.cache.writer import StoreWriter
 from kvrag.errors import StoreError
+from kvrag.model.encode import length_batches
 from kvrag.model.runtime import ModelRuntime
 
 logger = logging.getLogger(__name__)
@@ -103,21 +105,34 @@ class ChunkSource:
         return kv
 
     def encode_and_store(
-        self, ids: Sequence[Sequence[int]], keys: Sequence[str], *, on_batch: Callable[[int], None] | None = None
+        self,
+        ids: Sequence[Sequence[int]],
+        keys: Sequence[str],
+        *,
+        on_batch: Callable[[int, int], None] | None = None,
+        queued: int = 1,
     ) -> None:
-        """Encode chunks and store their KV under `keys` (ingestion), a group of about one encoding forward at
-        a time: stored before the next is encoded, so memory holds one group's KV however many chunks.
+        """Encode chunks and store their KV under `keys` (ingestion), one full encoding forward at a time.
 
-        The model's lock is held for each group's forward only, so queries interleave with a long ingest; the
-        store is written outside it. A store that fails raises StoreError (ingestion must not lose KV).
+        The chunks are sorted by length into forwards of at most `batch_tokens` rows x width (the least padding);
+        each forward's KV goes to a writer thread (`kvrag.cache.writer`) that stores it while the next forward runs.
+        At most `queued` forwards' KV wait for it, so memory holds `queued` + 2 forwards' KV (the one encoding,
+        those waiting, the one being written) however many chunks.
+
+        The model's lock is held for each forward only, so queries interleave with a long ingest; the store is
+        written outside it. A store that fails raises StoreError here (ingestion must not lose KV) and nothing
+        after it is written. `on_batch(chunks, tokens)` after each forward.
         """
         model = self.kvmodel
-        for group in _groups([len(i) for i in ids], max(model.batch_tokens, 1)):
-            with model.lock:
-                kvs = model.encode_ids([ids[i] for i in group], on_batch=on_batch)
-            for i, kv in zip(group, kvs):
-                self.store.put(keys[i], kv)  # type: ignore[union-attr]
-            del kvs
+        lengths = [len(i) for i in ids]
+        with StoreWriter(self.store, queued=queued) as writer:  # type: ignore[arg-type]
+            for batch in length_batches(lengths, max(model.batch_tokens, 1)):
+                with model.lock:
+                    kvs = model.encode_ids([ids[i] for i in batch])  # one forward: the batch fits batch_tokens
+                writer.put([(keys[i], kv) for i, kv in zip(batch, kvs)])
+                del kvs
+                if on_batch is not None:
+                    on_batch(len(batch), sum(lengths[i] for i in batch))
 
     def keep(self, key: str, kv: ChunkKV, *, later: list[tuple[str, ChunkKV]] | None = None) -> ChunkKV:
         """Store freshly encoded KV; return it as a later load would (the same answer either way).
@@ -272,15 +287,3 @@ class Chunks:
         for i, kv in zip(fresh, encoded):
             self._kv[i] = source.keep(keys[i], kv, later=self._writes) if i in keys else kv
 
-
-def _groups(lengths: Sequence[int], tokens: int) -> list[list[int]]:
-    """Consecutive chunk indices in groups of about `tokens` tokens (at least one chunk a group)."""
-    groups: list[list[int]] = [[]]
-    total = 0
-    for i, n in enumerate(lengths):
-        if groups[-1] and total + n > tokens:
-            groups.append([])
-            total = 0
-        groups[-1].append(i)
-        total += n
-    return [g for g in groups if g]

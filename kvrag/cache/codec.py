@@ -74,21 +74,7 @@ def encode_entry(chunk: ChunkKV, *, key: str, dtype: str = "float16", secret: by
     `secret` keys the checksum (HMAC-SHA256): only a reader with the same secret accepts the entry.
     """
     check_storage_dtype(dtype)
-    keys, values = chunk.keys.detach().cpu(), chunk.values.detach().cpu()
-    if dtype == "int8":
-        kq, ks = _quantize(keys)
-        vq, vs = _quantize(values)
-        tensors = {"keys": kq, "keys_scale": ks, "values": vq, "values_scale": vs}
-    elif dtype == "int4":
-        kc, ks, km = int4.quantize(keys.transpose(2, 3))  # [L, H_kv, D, T]: each channel over the chunk's tokens
-        vc, vs, vm = int4.quantize(values)  # [L, H_kv, T, D_v]: each token over its channels
-        tensors = {"keys": kc, "keys_scale": ks, "keys_min": km, "values": vc, "values_scale": vs, "values_min": vm}
-    else:
-        tensors = {
-            "keys": keys.to(STORAGE_DTYPES[dtype]).contiguous(),
-            "values": values.to(STORAGE_DTYPES[dtype]).contiguous(),
-        }
-    tensors["token_ids"] = chunk.token_ids.detach().cpu().to(torch.int64).contiguous()
+    tensors = _stored_tensors(chunk, dtype)
     metadata = {
         "format": str(KV_FORMAT_VERSION),
         "key": key,
@@ -97,7 +83,7 @@ def encode_entry(chunk: ChunkKV, *, key: str, dtype: str = "float16", secret: by
         "dtype": dtype,
     }
     if dtype == "int4":  # what int4.dequantize needs besides the tensors: the layout and the values' head size
-        metadata.update({"int4": int4.LAYOUT, "value_dim": str(values.shape[-1])})
+        metadata.update({"int4": int4.LAYOUT, "value_dim": str(chunk.values.shape[-1])})
     metadata[CHECKSUM] = _digest(tensors, metadata, secret)
     return st_save(tensors, metadata=metadata)
 
@@ -137,24 +123,72 @@ def decode_entry(
     if not hmac.compare_digest(_digest(tensors, meta, secret), str(meta.get(CHECKSUM, ""))):
         return None
     try:
-        if meta["dtype"] == "int8":
-            keys = tensors["keys"].float() * tensors["keys_scale"]
-            values = tensors["values"].float() * tensors["values_scale"]
-        elif meta["dtype"] == "int4":
-            tokens = tensors["token_ids"].shape[0]
-            keys = int4.dequantize(tensors["keys"], tensors["keys_scale"], tensors["keys_min"], tokens)
-            keys = keys.transpose(2, 3)  # [L, H_kv, T, D] again (made contiguous below, after the cast)
-            values = int4.dequantize(
-                tensors["values"], tensors["values_scale"], tensors["values_min"], int(meta["value_dim"])
-            )
-        else:
-            keys, values = tensors["keys"], tensors["values"]
-        return ChunkKV(
-            token_ids=tensors["token_ids"].to(device),
-            keys=keys.to(device=device, dtype=dtype).contiguous(),
-            values=values.to(device=device, dtype=dtype),
-            start=int(meta["start"]),
-            encoder=encoder,
-        )
+        return _read_back(tensors, meta, encoder=encoder, dtype=dtype, device=device)
     except (KeyError, ValueError, RuntimeError, IndexError):  # tensors of a checksummed but forged shape
         return None
+
+
+def stored_form(chunk: ChunkKV, *, dtype: str = "float16") -> ChunkKV:
+    """`chunk` exactly as `decode_entry(encode_entry(chunk, dtype=dtype))` reads it back in its own dtype and on its
+    own device: the same casts and quantizers, without the serializing and the checksum (what `as_stored` needs)."""
+    check_storage_dtype(dtype)
+    meta = {"dtype": dtype, "start": str(chunk.start), "value_dim": str(chunk.values.shape[-1])}
+    back = _read_back(
+        _stored_tensors(chunk, dtype), meta, encoder=chunk.encoder, dtype=chunk.keys.dtype, device=chunk.keys.device
+    )
+    # a cast to the dtype a tensor has already is no copy: like a read, the stored form shares nothing with `chunk`
+    given = {t.untyped_storage().data_ptr() for t in (chunk.token_ids, chunk.keys, chunk.values)}
+    for name in ("token_ids", "keys", "values"):
+        if getattr(back, name).untyped_storage().data_ptr() in given:
+            setattr(back, name, getattr(back, name).clone())
+    return back
+
+
+def _stored_tensors(chunk: ChunkKV, dtype: str) -> dict[str, torch.Tensor]:
+    """The tensors an entry in storage dtype `dtype` holds, on the CPU."""
+    keys, values = chunk.keys.detach().cpu(), chunk.values.detach().cpu()
+    if dtype == "int8":
+        kq, ks = _quantize(keys)
+        vq, vs = _quantize(values)
+        tensors = {"keys": kq, "keys_scale": ks, "values": vq, "values_scale": vs}
+    elif dtype == "int4":
+        kc, ks, km = int4.quantize(keys.transpose(2, 3))  # [L, H_kv, D, T]: each channel over the chunk's tokens
+        vc, vs, vm = int4.quantize(values)  # [L, H_kv, T, D_v]: each token over its channels
+        tensors = {"keys": kc, "keys_scale": ks, "keys_min": km, "values": vc, "values_scale": vs, "values_min": vm}
+    else:
+        tensors = {
+            "keys": keys.to(STORAGE_DTYPES[dtype]).contiguous(),
+            "values": values.to(STORAGE_DTYPES[dtype]).contiguous(),
+        }
+    tensors["token_ids"] = chunk.token_ids.detach().cpu().to(torch.int64).contiguous()
+    return tensors
+
+
+def _read_back(
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, str],
+    *,
+    encoder: str,
+    dtype: torch.dtype | None,
+    device: torch.device | str,
+) -> ChunkKV:
+    """The ChunkKV an entry's tensors hold, in `dtype` on `device` (raises on tensors of the wrong shape)."""
+    if meta["dtype"] == "int8":
+        keys = tensors["keys"].float() * tensors["keys_scale"]
+        values = tensors["values"].float() * tensors["values_scale"]
+    elif meta["dtype"] == "int4":
+        tokens = tensors["token_ids"].shape[0]
+        keys = int4.dequantize(tensors["keys"], tensors["keys_scale"], tensors["keys_min"], tokens)
+        keys = keys.transpose(2, 3)  # [L, H_kv, T, D] again (made contiguous below, after the cast)
+        values = int4.dequantize(
+            tensors["values"], tensors["values_scale"], tensors["values_min"], int(meta["value_dim"])
+        )
+    else:
+        keys, values = tensors["keys"], tensors["values"]
+    return ChunkKV(
+        token_ids=tensors["token_ids"].to(device),
+        keys=keys.to(device=device, dtype=dtype).contiguous(),
+        values=values.to(device=device, dtype=dtype),
+        start=int(meta["start"]),
+        encoder=encoder,
+    )

@@ -29,17 +29,25 @@ def default_embedder_path() -> Path:
     )
 
 
+# Texts a forward on the CPU. sentence-transformers sorts texts by length and pads each batch to its longest: 8 chunks
+# a batch pad far less than its default 32 (33 chunks of 123-236 word pieces: 0.74 s against 1.11 s on 2 cores, the
+# vectors the same to 1.2e-7); an accelerator takes the default's larger batches.
+CPU_BATCH = 8
+
+
 class Embedder:
     """Normalized sentence embeddings; the inner product of two is their cosine similarity.
 
     Args:
         model: a sentence-transformers model name or folder; None is the embedded default.
         device: where to run it.
+        batch_size: texts a forward; None: CPU_BATCH on the CPU, sentence-transformers' default (32) elsewhere.
     """
 
-    def __init__(self, model: str | Path | None = None, *, device: str = "cpu") -> None:
+    def __init__(self, model: str | Path | None = None, *, device: str = "cpu", batch_size: int | None = None) -> None:
         from sentence_transformers import SentenceTransformer
 
+        self.batch_size = batch_size or (CPU_BATCH if str(device).startswith("cpu") else 32)
         self.name = str(model) if model is not None else None  # None: the embedded default
         self.source = str(model if model is not None else default_embedder_path())
         try:
@@ -50,7 +58,11 @@ class Embedder:
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """[N, dim] float32, unit length."""
         vectors = self.model.encode(
-            list(texts), normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+            list(texts),
+            batch_size=self.batch_size,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+            show_progress_bar=False,
         )
         return np.asarray(vectors, dtype=np.float32)
 

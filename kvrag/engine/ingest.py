@@ -5,6 +5,7 @@ committing the index is `kvrag.engine.rag`'s."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,12 +97,25 @@ class Ingesting:
         if not encode:
             missing = []  # KV on demand: computed at first retrieval
             self.kv_on_demand = True
+        if missing and on_progress is not None:
+            on_progress(0, len(missing))  # before anything is encoded: a caller may stop here (raise)
+        texts = [r.text for r in records]
+        embedding: _Beside | None = None
+
+        def embed() -> None:  # on a thread of its own, once: beside the forwards or beside the last writes
+            nonlocal embedding
+            if embedding is None:
+                embedding = _Beside(self.embedder.embed, texts)
+
+        if missing and _embeds_beside(self.kvmodel):
+            embed()
         try:
             encode_s = self._encode_and_store(
                 [records[i] for i in missing],
                 [chunk_ids[i] for i in missing],
                 progress=progress,
                 on_progress=on_progress,
+                on_encoded=embed,
             )
         except StoreError as err:  # a full disk, a Redis out of memory: what this ingest wrote goes again
             logger.error("ingest: the store failed (%s); removing what this ingest wrote", err)
@@ -114,7 +128,7 @@ class Ingesting:
                     else "the entries this ingest wrote were removed)"
                 )
             ) from err
-        vectors = self.embedder.embed([r.text for r in records])
+        vectors = embedding.result() if embedding is not None else self.embedder.embed(texts)
         with self._writing():
             # a `gc` or `delete` may have removed an entry this ingest found stored or wrote: store it again
             again = {r.key: i for i, r in enumerate(records) if r.key not in self.store}
@@ -194,25 +208,26 @@ class Ingesting:
         *,
         progress: bool,
         on_progress: Callable[[int, int], None] | None,
+        on_encoded: Callable[[], None] | None = None,
     ) -> float:
+        """Encode and store the chunks' KV with a progress bar; the seconds it took. `on_encoded()` once the last
+        forward is done, while the last writes may still go on."""
         if not records:
             return 0.0
         from tqdm.auto import tqdm
 
-        if on_progress is not None:
-            on_progress(0, len(records))  # before anything is encoded: a caller may stop here (raise)
         t0 = time.perf_counter()
         # counted in tokens, so the bar shows tokens a second and its ETA: the model's rate, whatever the chunks' sizes
         tokens = sum(map(len, ids))
         bar = tqdm(total=tokens, desc="encoding chunk KV", unit="tok", unit_scale=True, disable=not progress)
-        done = shown = 0
+        done = 0
 
-        def advance(n: int) -> None:
-            nonlocal done, shown
-            done += n
-            # a batch reports chunks, not which: their tokens by the share done (exact at the end)
-            bar.update(tokens * done // len(records) - shown)
-            shown = tokens * done // len(records)
+        def advance(chunks: int, batch_tokens: int) -> None:
+            nonlocal done
+            done += chunks
+            bar.update(batch_tokens)
+            if done == len(records) and on_encoded is not None:
+                on_encoded()
             if on_progress is not None:
                 on_progress(done, len(records))
 
@@ -268,6 +283,37 @@ class Ingesting:
                 if record.key not in live:
                     self.store.delete(record.key)
         return len(gone)
+
+
+def _embeds_beside(kvmodel: Any) -> bool:
+    """Whether the embedder runs beside the encoding forwards: where the model runs on an accelerator (torch lets go
+    of the GIL while it works). On the CPU it starts after the last forward, beside the last writes: the forward's
+    threads hold every core, and another torch thread pool beside them gains little on an idle machine and stalls
+    both on a busy one (docs/performance.md)."""
+    return kvmodel.prefix.keys.device.type != "cpu"
+
+
+class _Beside:
+    """`fn(*args)` on a thread of its own, its result (or its error) taken by `result`: work done beside the
+    encoding forwards. A daemon: an interrupted ingest neither waits for it nor keeps the process alive for it."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="kvrag-ingest-embed", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            self._result = fn(*args)
+        except BaseException as err:  # raised where the result is taken
+            self._error = err
 
 
 def _resolved(path: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
-from kvrag.cache.codec import check_storage_dtype, decode_entry, encode_entry
+from kvrag.cache.codec import check_storage_dtype, decode_entry, encode_entry, stored_form
 from kvrag.cache.kv import ChunkKV
 from kvrag.errors import InvalidRequestError, StoreError
 
@@ -242,15 +242,7 @@ class SerializedStore(KVStore):
         logger.debug("%s: wrote %s... (%d tokens)", type(self).__name__, key[:16], len(kv))
 
     def as_stored(self, kv: ChunkKV) -> ChunkKV:
-        back = decode_entry(
-            encode_entry(kv, key="0" * 64, dtype=self.storage_dtype),
-            key="0" * 64,
-            encoder=kv.encoder,
-            dtype=kv.keys.dtype,
-            device=kv.keys.device,
-        )
-        assert back is not None
-        return back
+        return stored_form(kv, dtype=self.storage_dtype)
 
     @abstractmethod
     def _read(self, key: str) -> bytes | None: ...

@@ -38,6 +38,7 @@ from kvrag.lab.bench.ttft import (
     TRANSFORMERS,
     context_texts,
     ingest_benchmark,
+    ingest_ratio,
     ttft_benchmark,
 )
 from kvrag.kvmodel import KVModel
@@ -292,13 +293,16 @@ def _storage_tables(result: dict[str, Any]) -> list[str]:
     ing = result["ingest"]
     lines = [
         "",
-        f"### Ingest ({ing['chunks']} chunks, {ing['tokens']} tokens, median of {ing['runs']})",
+        f"### Ingest ({ing['chunks']} chunks, {ing['tokens']} tokens, median of {ing['runs']} interleaved rounds)",
+        "",
+        "x raw: the median over rounds of the raw batched forward's time in that round over the row's.",
         "",
         "| | seconds | tokens/s | x raw |",
         "|---|---|---|---|",
     ]
     for name, s in ing["seconds"].items():
         lines.append(f"| {name} | {s:.3f} | {ing['tokens_per_s'][name]:.0f} | {ing['x_raw'][name]:.2f} |")
+    lines += ["", ingest_ratio(ing["x_raw"]) + "."]
     lines += ["", "### Store reads (every chunk of a context, `store.get`)", "", "| store | seconds | MB | MB/s |"]
     lines.append("|---|---|---|---|")
     for name, s in result["store_read"].items():
