@@ -28,6 +28,13 @@ def add_bench(sub: Any) -> None:
     bench.add_argument("--contexts", default="1000,4000", help="context sizes in tokens (default 1000,4000)")
     bench.add_argument("--tokens", type=int, default=32, help="tokens decoded a run (default 32)")
     bench.add_argument("--runs", type=int, default=3, help="timed runs of each, the median is kept (default 3)")
+    bench.add_argument(
+        "--rows",
+        default=None,
+        help="comma-separated decode rows to time (default every one: transformers_step, kvrag, kvrag_lookup, "
+        "kvrag_quote, kvrag_lookup_quote, kvrag_int8, kvrag_int4, kvrag_small_pages, kvrag_torch, kvrag_compiled, "
+        "memory_read, memory_read_int8, memory_read_int4); fewer rows take less time and memory",
+    )
 
     bench = sub.add_parser(
         "bench-dtype", help="first-token KL and answer agreement of a lower-precision dtype against float32"
@@ -95,12 +102,16 @@ def _bench_ingest(args: argparse.Namespace) -> None:
 
 
 def _bench_decode(args: argparse.Namespace) -> None:
-    from kvrag.lab.bench.decode import decode_benchmark
+    from kvrag.lab.bench.decode import ROWS, decode_benchmark
     from kvrag.kvmodel import KVModel
 
+    rows = parse_csv(args.rows, str, "--rows") if args.rows else None
+    if rows is not None and set(rows) - set(ROWS):
+        raise InvalidRequestError(f"--rows names unknown rows {sorted(set(rows) - set(ROWS))}: name some of "
+                                  f"{', '.join(ROWS)}")
     kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir)
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
-    decode_benchmark(kv, contexts=contexts, tokens=args.tokens, runs=args.runs)
+    decode_benchmark(kv, contexts=contexts, tokens=args.tokens, runs=args.runs, rows=rows)
 
 
 def _bench_dtype(args: argparse.Namespace) -> None:
@@ -212,11 +223,26 @@ def _bench(args: argparse.Namespace) -> None:
         print((args.out / "bench.md").read_text())
 
 
+def _with_peak_memory(command: Any) -> Any:
+    """A bench command whose output ends with the process's memory high-water mark (what the run needed at most)."""
+
+    def run(args: argparse.Namespace) -> None:
+        command(args)
+        import torch
+
+        from kvrag.lab.bench.ttft import peak_memory_line
+
+        device = torch.device(args.device) if getattr(args, "device", None) else None
+        print(peak_memory_line(device), file=sys.stderr if getattr(args, "json", False) else sys.stdout)
+
+    return run
+
+
 COMMANDS = {
-    "bench-ingest": _bench_ingest,
-    "bench-decode": _bench_decode,
-    "bench-dtype": _bench_dtype,
-    "bench-answers": _bench_answers,
-    "bench-vllm": _bench_vllm,
-    "bench": _bench,
+    "bench-ingest": _with_peak_memory(_bench_ingest),
+    "bench-decode": _with_peak_memory(_bench_decode),
+    "bench-dtype": _with_peak_memory(_bench_dtype),
+    "bench-answers": _with_peak_memory(_bench_answers),
+    "bench-vllm": _bench_vllm,  # its memory is the serving engine's, in processes of its own
+    "bench": _with_peak_memory(_bench),
 }

@@ -50,7 +50,7 @@ from kvrag.cpu.decode import (
     decodes_native,
     native_decoding,
 )
-from kvrag.lab.bench.ttft import context_texts
+from kvrag.lab.bench.ttft import context_texts, peak_memory, peak_memory_line
 from kvrag.lab.demo import sample_docs
 from kvrag.lab.roofline import Machine, forward_cost
 from kvrag.kvmodel import KVModel
@@ -58,6 +58,11 @@ from kvrag.run import pipeline
 from kvrag.run.generate import Sampling, decode
 
 QUOTE = "Copy the last paragraph above word for word."  # the question of the `_quote` rows
+# Every path `decode_benchmark` may time (those the model and machine take), in the order each round runs them.
+ROWS = (
+    "transformers_step", "kvrag", "kvrag_lookup", "kvrag_quote", "kvrag_lookup_quote", "kvrag_int8", "kvrag_int4",
+    "kvrag_small_pages", "kvrag_torch", "kvrag_compiled", "memory_read", "memory_read_int8", "memory_read_int4",
+)
 
 
 def _decode_time(
@@ -95,11 +100,13 @@ def decode_benchmark(
     contexts: Sequence[int] = (1000, 4000),
     tokens: int = 32,
     runs: int = 3,
+    rows: Sequence[str] | None = None,
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
     """Per context size: ms a token for kvrag's eager and compiled steps and the transformers forward (median of
     `runs`, interleaved), and the bandwidth floor; the ratios are to that floor. Where the fast step does not
-    take the model, only the transformers forward is timed.
+    take the model, only the transformers forward is timed. `rows` names the paths to time (default every one:
+    ROWS); the int8 and int4 copies of the weights are made only for rows that read them.
     Long by design: every path is timed inside one interleaved loop (a slow spell of the machine
     touches all alike), which splitting would scatter."""
     _, questions = sample_docs()
@@ -107,6 +114,9 @@ def decode_benchmark(
     machine = Machine.calibrate(kv.prefix.keys.dtype, kv.prefix.keys.device)
     bandwidth = machine.read_bytes
     fast = decoder_of(kv.model) is not None
+    wanted = set(ROWS if rows is None else rows)
+    if wanted - set(ROWS):
+        raise ValueError(f"unknown decode rows {sorted(wanted - set(ROWS))}: name some of {', '.join(ROWS)}")
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; fast step: {'yes' if fast else 'no'}")
     compiled_before, native_before = decodes_compiled(kv.model), decodes_native(kv.model)
     weights_before = decoded_weights(kv.model)
@@ -114,6 +124,7 @@ def decode_benchmark(
     paths: dict[str, Callable[[int], tuple[float, int, int]]] = {
         "transformers_step": lambda n: _decode_time(kv, question, texts, n, False)
     }
+    saved: dict[str, int] = {}  # bytes a step over int8 or int4 weights reads less than one over the model's
     if fast:
         if native_decoding(kv.model, True):
             paths["kvrag"] = lambda n: _on_step(kv, True, False, lambda: _decode_time(kv, question, texts, n, True))
@@ -121,16 +132,14 @@ def decode_benchmark(
                 if name:
                     paths["kvrag" + name] = functools.partial(_native, kv, asked, lambda: texts, False)
                 paths["kvrag_lookup" + name] = functools.partial(_native, kv, asked, lambda: texts, True)
-            saved: dict[str, int] = {}
             for kind in ("int8", "int4"):
-                if decode_weights(kv.model, kind):
+                if {"kvrag_" + kind, "memory_read_" + kind} & wanted and decode_weights(kv.model, kind):
                     saved[kind] = _saved_bytes(decoder_of(kv.model).native, int(kind[3:]))
                     paths["kvrag_" + kind] = functools.partial(_on_weights, kv, kind, question, lambda: texts)
             decode_weights(kv.model, "model")
-            small = _on_small_pages(decoder_of(kv.model))
-            if small is not None:
-                paths["kvrag_small_pages"] = lambda n: _with_step(
-                    kv, small, lambda: _on_step(kv, True, False, lambda: _decode_time(kv, question, texts, n, True))
+            if decoder_of(kv.model).native is not None:
+                paths["kvrag_small_pages"] = lambda n: _on_small_pages(
+                    kv, lambda: _on_step(kv, True, False, lambda: _decode_time(kv, question, texts, n, True))
                 )
         elif decoder_of(kv.model).graphs is not None:  # on CUDA the default step is the captured graph
             paths["kvrag"] = lambda n: _on_step(kv, True, False, lambda: _decode_time(kv, question, texts, n, True))
@@ -139,11 +148,13 @@ def decode_benchmark(
             kv, False, True, lambda: _decode_time(kv, question, texts, n, True)
         )
     reader = _MemoryRead(kv)
+    quantized_readers: dict[str, _MemoryRead] = {}
     if reader.runs():
         paths["memory_read"] = reader
-        quantized_readers = {kind: _MemoryRead(kv, less=less) for kind, less in saved.items()}
+        quantized_readers = {kind: _MemoryRead(kv, less=less, shared=reader) for kind, less in saved.items()}
         paths.update({"memory_read_" + kind: r for kind, r in quantized_readers.items()})
-    rows = []
+    paths = {name: path for name, path in paths.items() if name in wanted}
+    out = []
     compile_s = None
     try:
         for size in contexts:
@@ -155,20 +166,22 @@ def decode_benchmark(
                     quantized_reader.cached = reader.cached
                 if name == "kvrag_compiled" and compile_s is None:
                     compile_s = time.perf_counter() - t0
+            reader.release()
             times: dict[str, list[float]] = {name: [] for name in paths}
             cached = 0
             for _ in range(runs):
                 for name, path in paths.items():
                     t, cached, _steps = path(tokens)
                     times[name].append(t)
+                reader.release()  # a round's reads are over: the next round's small-pages copy never meets it
             machine = machine.best(Machine.calibrate(kv.prefix.keys.dtype, kv.prefix.keys.device))  # the best so far
-            rows.append(_row(kv, machine, times, cached, tokens, compile_s, log))
+            out.append(_row(kv, machine, times, cached, tokens, compile_s, log))
             reader.cached = 0
     finally:
         compile_decoding(kv.model, compiled_before)
         native_decoding(kv.model, native_before)
         decode_weights(kv.model, weights_before)
-    return rows
+    return out
 
 
 def _saved_bytes(step: cstep.DecodeStep, bits: int) -> int:
@@ -202,37 +215,56 @@ def _native(
 
 class _MemoryRead:
     """A path that reads, front to back, the bytes a step in the middle of the answer must read, from huge pages,
-    in C: the seconds of one read, in place of a token's."""
+    in C: the seconds of one read, in place of a token's.
 
-    def __init__(self, kv: KVModel, less: int = 0) -> None:
-        self.kv, self.cached, self.buffer, self.less = kv, 0, torch.empty(0), less
+    The readers of quantized steps read the front of the model's reader's buffer (`shared`): one buffer, as large as
+    the weights, for them all. It is made at a round's first read and let go after its last (`release`), so that it
+    never shares the peak with the small-pages copy of the weights.
+    """
+
+    def __init__(self, kv: KVModel, less: int = 0, shared: _MemoryRead | None = None) -> None:
+        self.kv, self.cached, self.buffer, self.less, self.shared = kv, 0, torch.empty(0), less, shared
 
     def runs(self) -> bool:
         return self.kv.prefix.keys.device.type == "cpu" and ckernel.available()
 
+    def release(self) -> None:
+        self.buffer = torch.empty(0)
+
     def __call__(self, tokens: int) -> tuple[float, int, int]:
         count = int(forward_cost(self.kv, 1, self.cached + tokens // 2).bytes - self.less) // 256 * 64  # 256 B a loop
-        if self.buffer.numel() != count:
-            self.buffer = hugepages.empty((count,), torch.float32).fill_(1)
+        buffer = (self.shared or self).holding(count)[:count]
         t0 = time.perf_counter()
-        ckernel.stream_read(self.buffer)
+        ckernel.stream_read(buffer)
         return time.perf_counter() - t0, self.cached, tokens
 
+    def holding(self, count: int) -> torch.Tensor:
+        """This reader's buffer, grown to `count` floats at least (a fresh one where it was released or short)."""
+        if self.buffer.numel() < count:
+            self.buffer = torch.empty(0)  # the old one goes first: never two at once
+            self.buffer = hugepages.empty((count,), torch.float32).fill_(1)
+        return self.buffer
 
-def _on_small_pages(decoder) -> cstep.DecodeStep | None:  # type: ignore[no-untyped-def]
-    """The C step over a copy of the decoder's weights in ordinary pages, or None where the C step does not take
-    the decoder."""
-    if decoder is None or decoder.native is None:
-        return None
+
+def _on_small_pages(kv: KVModel, run: Callable[[], tuple[float, int, int]]) -> tuple[float, int, int]:
+    """`run` with the model's C step over a copy of its weights in ordinary pages, made for this run and let go
+    after it (a whole copy of the weights: kept, it would sit on the bench's peak memory beside every other)."""
+    decoder = decoder_of(kv.model)
     shared = ("heads", "kv_heads", "head_dim", "norm", "eps", "scale")
     copied = SimpleNamespace(**{name: getattr(decoder, name) for name in shared})
-    copied.embed, copied.lm_head = _small(decoder.embed), SimpleNamespace(weight=_small(decoder.lm_head.weight))
+    copied.embed = _small(decoder.embed)
+    tied = decoder.lm_head.weight.data_ptr() == decoder.embed.data_ptr()  # one copy of tied embeddings, as the model
+    copied.lm_head = SimpleNamespace(weight=copied.embed if tied else _small(decoder.lm_head.weight))
     copied.layers = [copy.copy(layer) for layer in decoder.layers]
     for own in copied.layers:
         for name in ("qkv", "o", "gate_up", "down"):
             product = getattr(own, name)
             setattr(own, name, SimpleNamespace(weight=_small(product.weight), bias=product.bias))
-    return cstep.DecodeStep.of(copied)
+    step = cstep.DecodeStep.of(copied)
+    del copied
+    if step is None:
+        raise RuntimeError("the C step did not take a small-pages copy of weights it takes on huge pages")
+    return _with_step(kv, step, run)
 
 
 def _small(tensor: torch.Tensor) -> torch.Tensor:
@@ -282,10 +314,12 @@ def _row(
         "over_read": {name: m / reads[name] for name, m in ms.items()} if read else None,
         "bandwidth_gb_s": machine.read_bytes / 1e9,
         "compile_s": compile_s,
+        "peak_memory": peak_memory(kv.prefix.keys.device),  # the process's high-water mark so far
     }
     shown = ", ".join(f"{name} {m:.1f} ms/token ({m / (1000 * floor):.2f}x)" for name, m in ms.items())
     log(f"{cached:>6} cached tokens: floor {1000 * floor:.1f} ms ({machine.read_bytes / 1e9:.1f} GB/s); {shown}")
     if read:
         paired = ", ".join(f"{name} {m / reads[name]:.2f}x" for name, m in ms.items() if not name.startswith("memory"))
         log(f"{'':>6} against the paired read of the same bytes ({read:.1f} ms): {paired}")
+    log(f"{'':>6} {peak_memory_line(kv.prefix.keys.device)}")
     return row

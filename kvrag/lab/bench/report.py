@@ -39,6 +39,7 @@ from kvrag.lab.bench.ttft import (
     context_texts,
     ingest_benchmark,
     ingest_ratio,
+    peak_memory,
     ttft_benchmark,
 )
 from kvrag.kvmodel import KVModel
@@ -107,6 +108,7 @@ def run_bench(
         log(f"{dtype} storage against float16 storage")
         result[dtype] = quantized_error(kv, dtype, limit=1 if quick else 4, small=quick)
     result["seconds"] = time.perf_counter() - started
+    result["peak_memory"] = peak_memory(kv.prefix.keys.device)  # the whole run's high-water mark
     (folder / "bench.json").write_text(json.dumps(result, indent=1))
     (folder / "bench.md").write_text(markdown(result))
     plot(result, folder / "ttft.png")
@@ -330,6 +332,8 @@ def _storage_tables(result: dict[str, Any]) -> list[str]:
     lines.append("|---|" + "---|" * len(keys))
     for r in rows:
         lines.append(f"| {r['context_tokens']:,} | " + " | ".join(f"{r['peak_memory'][k]:.0f}" for k in keys) + " |")
+    if "peak_memory" in result:  # a bench.json from before it was kept
+        lines.append("| whole run | " + " | ".join(f"{result['peak_memory'].get(k, 0):.0f}" for k in keys) + " |")
     return lines
 
 

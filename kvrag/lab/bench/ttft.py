@@ -188,12 +188,22 @@ def _past_eos(kv: KVModel) -> Iterator[None]:
         kv.eos_ids = eos
 
 
-def _peak_memory(device: torch.device) -> dict[str, float]:
+def peak_memory(device: torch.device | None = None) -> dict[str, float]:
+    """The process's memory high-water mark so far (ru_maxrss, MiB), and on CUDA the most the device held."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     peak = {"rss_high_water_mb": rss / (1 << 20) if sys.platform == "darwin" else rss / 1024}
-    if device.type == "cuda":
+    if device is not None and device.type == "cuda":
         peak["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / (1 << 20)
     return peak
+
+
+def peak_memory_line(device: torch.device | None = None) -> str:
+    """`peak_memory` as the line every bench ends its output with."""
+    peak = peak_memory(device)
+    line = f"peak memory: {peak['rss_high_water_mb']:,.0f} MiB resident (the process's high-water mark, ru_maxrss)"
+    if "cuda_max_allocated_mb" in peak:
+        line += f", {peak['cuda_max_allocated_mb']:,.0f} MiB allocated on the GPU at most"
+    return line
 
 
 def ttft_benchmark(
@@ -312,7 +322,7 @@ def _row(
         "ttft_s": {name: statistics.median(t) for name, t in times.items()},
         "runs_s": times,
         "phases_s": {name: _median_phases(p, times[name]) for name, p in phases.items()},
-        "peak_memory": _peak_memory(device),
+        "peak_memory": peak_memory(device),
     }
 
 
