@@ -71,8 +71,13 @@ def chunk_key(
     *,
     salt: str = "",
     secret: bytes = b"",
+    context: Sequence[int] = (),
 ) -> ChunkKey:
     """The store key of a chunk's KV: format version, model fingerprint, prefix ids and chunk ids, chained.
+
+    `context`: the ids a chunk encoded in its document's context was encoded behind (its run's earlier chunks,
+    `kvrag.model.encode.encode_runs`); such KV is another chunk's than the same ids encoded alone, so it has its own
+    key. Empty (a chunk encoded alone) leaves the key as it always was.
 
     A cache made by another model, dtype, template or format version hashes differently and is a miss.
     `salt` separates namespaces (a tenant, an approximate-KV plan) that must never share entries. With a
@@ -83,7 +88,7 @@ def chunk_key(
     for part in (f"kvrag-kv/{KV_FORMAT_VERSION}", model_digest, salt):
         h.update(part.encode())
         h.update(b"\x00")
-    for ids in (prefix_ids, chunk_ids):
+    for ids in (prefix_ids, chunk_ids, *((context,) if len(context) else ())):
         h.update(len(ids).to_bytes(8, "little"))
         h.update(_id_bytes(ids))
     return ChunkKey(h.hexdigest())

@@ -58,7 +58,8 @@ def add_bench(sub: Any) -> None:
         "--strategies",
         default="full_prefill_top1,full_prefill_top3,default",
         help="comma-separated; default is the model's shipped default, a name ending in _int8 or _int4 that "
-        "strategy decoded over those weights (default: full_prefill_top1,full_prefill_top3,default)",
+        "strategy decoded over those weights, one ending in @doc that strategy over chunks encoded in their "
+        "documents' context (default: full_prefill_top1,full_prefill_top3,default)",
     )
     bench.add_argument("--max-new-tokens", type=int, default=48, help="most tokens an answer decodes (default 48)")
     bench.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
@@ -146,7 +147,7 @@ def _bench_answers(args: argparse.Namespace) -> None:
 
     strategies = parse_csv(args.strategies, str, "--strategies")
     for name in strategies:
-        base = quantized(name)[0].removesuffix("+parts").partition(":")[0]
+        base = quantized(name.removesuffix("@doc"))[0].removesuffix("+parts").partition(":")[0]
         if base != "default":
             get_strategy(base)  # an unknown name is refused before the model loads
     if not 1 <= args.limit <= 10_000 or args.max_new_tokens < 1:

@@ -630,7 +630,7 @@ def chat_items(rng: random.Random, style: ChatStyle, family: str, half: str, pai
                 who = rng.choice(style.people)
                 sessions.append((rng.choice(style.others[kind]).format(who=who, v=other), None))
         rng.shuffle(sessions)
-        chunks = [Chunk(f"session-{i}", _session(rng, style, s)) for i, (s, _) in enumerate(sessions)]
+        chunks = [Chunk(f"session-{i}", _session(rng, style, s), "conversation") for i, (s, _) in enumerate(sessions)]
         targets = [f"session-{i}" for i, (_, k) in enumerate(sessions) if k in asked]
         by_kind = {k: f"session-{i}" for i, (_, k) in enumerate(sessions) if k}
         if pair:
@@ -667,7 +667,7 @@ def chat_unanswerable(rng: random.Random, style: ChatStyle, family: str, half: s
             for other in values[1:]:
                 sessions.append(rng.choice(style.others[kind]).format(who=rng.choice(style.people), v=other))
         rng.shuffle(sessions)
-        chunks = [Chunk(f"session-{i}", _session(rng, style, s)) for i, s in enumerate(sessions)]
+        chunks = [Chunk(f"session-{i}", _session(rng, style, s), "conversation") for i, s in enumerate(sessions)]
         question = rng.choice(style.asks[missing])
         yield StudyItem(
             f"{half}-{family}-{n}", family, question, [], chunks, chunks[0].id, kind=f"{half}/{missing}", answerable=False

@@ -15,6 +15,7 @@ import torch
 from kvrag.cache.kv import ChunkKV
 from kvrag.compat import with_cache
 from kvrag.model.recompute import Prefill, StitchedCache
+from kvrag.model.rope import Repositioner
 
 
 def crop(cache: Any, n: int) -> None:
@@ -80,15 +81,27 @@ class PaddedBatch:
         return cls(model, rows, room, torch.stack([p.logits[-1] for p in prefills]).float())
 
     @classmethod
-    def of_chunks(cls, model: torch.nn.Module, prefix: ChunkKV, chunks: Sequence[ChunkKV], room: int) -> PaddedBatch:
-        """One row a chunk: the prefix, then the chunk's stored KV at its canonical start (no re-positioning)."""
+    def of_chunks(
+        cls,
+        model: torch.nn.Module,
+        prefix: ChunkKV,
+        chunks: Sequence[ChunkKV],
+        room: int,
+        repositioner: Repositioner | None = None,
+    ) -> PaddedBatch:
+        """One row a chunk: the prefix, then the chunk's stored KV at its canonical start. A chunk encoded elsewhere
+        (in its document's context) is moved there by `repositioner`; without one it is refused."""
         rows = []
         for chunk in chunks:
+            keys = chunk.keys
             if chunk.start != len(prefix):
-                raise ValueError(f"a chunk encoded at {chunk.start} does not follow the {len(prefix)}-token prefix")
+                if repositioner is None:
+                    raise ValueError(f"a chunk encoded at {chunk.start} does not follow the {len(prefix)}-token prefix")
+                deltas = torch.full((len(chunk),), len(prefix) - chunk.start, dtype=torch.long)
+                keys = repositioner.shift(chunk.keys, deltas)
             rows.append(
                 [
-                    (torch.cat((prefix.keys[i], chunk.keys[i]), 1), torch.cat((prefix.values[i], chunk.values[i]), 1))
+                    (torch.cat((prefix.keys[i], keys[i]), 1), torch.cat((prefix.values[i], chunk.values[i]), 1))
                     for i in range(prefix.keys.shape[0])
                 ]
             )

@@ -20,7 +20,7 @@ from kvrag import cpu
 from kvrag.cache.kv import ChunkKey, ChunkKV, chunk_key, encoder_id
 from kvrag.errors import ContextOverflowError, InvalidRequestError, UnsupportedModelError
 from kvrag.model.catalog import named, shipped_decode_weights
-from kvrag.model.encode import DEFAULT_BATCH_TOKENS, encode_chunks, encode_prefix
+from kvrag.model.encode import DEFAULT_BATCH_TOKENS, context_runs, encode_chunks, encode_prefix, encode_runs
 from kvrag.model.layout import PromptLayout
 from kvrag.model.loading import (
     check_architecture,
@@ -203,11 +203,58 @@ class ModelRuntime:
             encoder=self.encoder_id,
         )
 
-    def chunk_key(self, chunk: ChunkKV | Sequence[int], *, namespace: str = "", secret: bytes = b"") -> ChunkKey:
+    def encode_in_context(self, documents: Sequence[Sequence[str]]) -> list[list[ChunkKV]]:
+        """Each document's chunks (texts, in document order) encoded in its context: a chunk behind the document's
+        earlier chunks, in runs of at most `context_window` tokens (`kvrag.model.encode.encode_runs`); one ChunkKV a
+        chunk, each at the position it holds in its run. A document's chunks stitched in order are then exactly its
+        full prefill, where a run holds them all."""
+        ids = [[self.chunk_ids(i, t) for i, t in enumerate(doc)] for doc in documents]
+        runs = [[[doc[i] for i in run] for run in self.context_runs(doc)] for doc in ids]
+        with self.lock:
+            encoded = self.encode_runs_ids([run for doc in runs for run in doc])
+        out, n = [], 0
+        for doc in runs:
+            out.append([kv for run in encoded[n : n + len(doc)] for kv in run])
+            n += len(doc)
+        return out
+
+    @property
+    def context_window(self) -> int:
+        """The most tokens of a document a run encodes in one context: an encoding forward's width, within the
+        model's positions."""
+        return max(1, min(self.batch_tokens, self.max_positions - len(self.chunk_prefix)))
+
+    def context_runs(self, chunk_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        """One document's chunks (ids, in order) as runs of consecutive chunk indices, each within `context_window`."""
+        return context_runs([len(ids) for ids in chunk_ids], self.context_window)
+
+    def encode_runs_ids(
+        self, runs: Sequence[Sequence[Sequence[int]]], *, on_batch: Callable[[int], None] | None = None
+    ) -> list[list[ChunkKV]]:
+        """Encode runs of chunks (ids) each in its run's context behind the chunk prefix; the caller holds `lock`."""
+        return encode_runs(
+            self.model,
+            self.chunk_prefix,
+            runs,
+            batch_tokens=self.batch_tokens,
+            on_batch=on_batch,
+            encoder=self.encoder_id,
+        )
+
+    def chunk_key(
+        self,
+        chunk: ChunkKV | Sequence[int],
+        *,
+        namespace: str = "",
+        secret: bytes = b"",
+        context: Sequence[int] = (),
+    ) -> ChunkKey:
         """The store key of a chunk under this model, dtype, chunk prefix, `namespace` and `secret` (the one key
-        function)."""
+        function); `context`: the ids it was encoded behind in its run (none: encoded alone)."""
         ids = chunk.token_ids.tolist() if isinstance(chunk, ChunkKV) else list(chunk)
-        return chunk_key(self.fingerprint.digest, self.chunk_prefix_ids, ids, salt=namespace, secret=secret)
+        return chunk_key(
+            self.fingerprint.digest, self.chunk_prefix_ids, ids, salt=namespace, secret=secret, context=context
+        )
 
     # -- prompts ----------------------------------------------------------------------------------------
 

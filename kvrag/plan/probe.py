@@ -230,7 +230,9 @@ class Probe:
             return out
         chunks = self._chunks.kv(scored) if isinstance(self._chunks, Chunks) else [self._chunks[c] for c in scored]
         suffix = torch.tensor(self.suffix_ids, device=self.prefix.keys.device)
-        batch = PaddedBatch.of_chunks(self.model, self.chunk_prefix, chunks, room=len(suffix))
+        batch = PaddedBatch.of_chunks(
+            self.model, self.chunk_prefix, chunks, room=len(suffix), repositioner=self.repositioner
+        )
         logits = batch.forward(suffix.expand(len(chunks), -1), 0)  # [C, S, V]
         logp = torch.log_softmax(logits[:, :-1], dim=-1)
         picked = logp.gather(-1, suffix[1:].expand(len(chunks), -1).unsqueeze(-1)).squeeze(-1)  # [C, S-1]

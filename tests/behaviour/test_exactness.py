@@ -10,7 +10,7 @@ import torch
 from tiny import ARCHS, VOCAB, tiny_model
 
 from kvrag.cache.kv import ChunkKV
-from kvrag.model.encode import encode_chunks, encode_prefix, stacked_kv
+from kvrag.model.encode import encode_chunks, encode_prefix, encode_runs, stacked_kv
 from kvrag.model.rope import Repositioner
 from kvrag.run.generate import Sampling, decode
 from kvrag.run.recompute import full_prefill, recompute
@@ -151,3 +151,19 @@ def test_eager_attention_gives_the_same_result(arch):
     )
     ref, _ = reference(model, prefix_ids, chunk_ids, suffix_ids, [1, 0])
     assert max_diff(got.logits, ref.logits) < TOL
+
+
+def test_a_documents_chunks_encoded_in_context_and_stitched_in_order_equal_its_full_prefill(setup):
+    """Chunks encoded in their document's context (one run) and stitched in document order: nothing recomputed,
+    exactly the full prefill; the same chunks encoded alone are not."""
+    model, rep, prefix, alone, prefix_ids, chunk_ids, suffix_ids = setup
+    (run,) = encode_runs(model, prefix, [chunk_ids])
+    assert [kv.start for kv in run] == [7, 7 + 11, 7 + 11 + 6]
+    ref, _ = reference(model, prefix_ids, chunk_ids, suffix_ids, [0, 1, 2])
+    got = recompute(model, rep, prefix, run, [0, 1, 2], {}, suffix_ids, logits_to_keep=len(suffix_ids))
+    assert got.recomputed_tokens == 0
+    assert max_diff(got.logits, ref.logits) < TOL
+    plain = recompute(model, rep, prefix, alone, [0, 1, 2], {}, suffix_ids, logits_to_keep=len(suffix_ids))
+    assert max_diff(plain.logits, ref.logits) > 1e-2, "chunks encoded alone should not be exact here"
+    # a run's first chunk is encoded alone: its KV is the alone encoding's
+    assert max_diff(run[0].keys, alone[0].keys) < TOL and max_diff(run[1].keys, alone[1].keys) > 1e-3

@@ -10,6 +10,10 @@ A plain strategy name decodes over the model's own weights (`kvrag bench-answers
 its shipped decode weights); one ending in `_int8` or `_int4` (`default_int8`) is that strategy decoded over
 quantized weights (`kvrag.cpu.decode_weights`, on for its answers only); its `same` counts the items whose answer is
 word for word the one the strategy gives over the model's own weights (listed too).
+
+A name ending in `@doc` (after any `_int8`/`_int4`: `default@doc`) answers over the chunks encoded in their
+document's context (`KVModel.encode_in_context`): an item's chunks of one document (`Chunk.document`), in the item's
+order, each behind that document's earlier chunks; kept in a store of their own, at the keys of their texts.
 """
 
 from __future__ import annotations
@@ -43,20 +47,25 @@ def whole_answers(
 ) -> dict[str, Any]:
     """Time and score every strategy's whole answer on the items of `data` (see the module docstring)."""
     items, _ = load_items(data, limit=limit, seed=seed)
-    rag = KVRAG(kv, embedder=Embedder(), store=MemoryStore())
+    embedder = Embedder()
+    rag = KVRAG(kv, embedder=embedder, store=MemoryStore())
+    in_context = KVRAG(kv, embedder=embedder, store=MemoryStore()) if any(map(_in_context, strategies)) else None
     options = dict(max_new_tokens=max_new_tokens, stop=["\n"])
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     for n, item in enumerate(items):
         texts = [c.text for c in item.chunks]
         rag.store_kv(texts)
+        if in_context is not None:
+            store_in_context(in_context, item.chunks)
         vectors = torch.as_tensor(rag.embedder.embed(texts))
         scores = (vectors @ torch.as_tensor(rag.embedder.embed([item.question]))[0]).tolist()
         if n == 0:  # untimed: the first answer of each strategy builds kernels and buffers
             for strategy in strategies:
-                _answer(rag, strategy, item.question, texts, scores, options)
+                _answer(in_context if _in_context(strategy) else rag, strategy, item.question, texts, scores, options)
         for strategy in strategies:
-            answer = _answer(rag, strategy, item.question, texts, scores, options)
+            engine = in_context if _in_context(strategy) else rag
+            answer = _answer(engine, strategy, item.question, texts, scores, options)
             rows.append(
                 {
                     "item": item.id,
@@ -88,10 +97,27 @@ def whole_answers(
     }
 
 
+def _in_context(strategy: str) -> bool:
+    return strategy.endswith("@doc")
+
+
+def store_in_context(rag: KVRAG, chunks: Sequence[Any]) -> None:
+    """Store an item's chunks' KV encoded in their documents' context, at the keys of their texts (a study item's
+    chunks, `kvrag.lab.study.data.Chunk`: a document's chunks in the item's order)."""
+    documents: dict[str, list[int]] = {}
+    for i, chunk in enumerate(chunks):
+        documents.setdefault(chunk.document, []).append(i)
+    groups = list(documents.values())
+    encoded = rag.kvmodel.encode_in_context([[chunks[i].text for i in group] for group in groups])
+    for group, kvs in zip(groups, encoded):
+        for i, kv in zip(group, kvs):
+            rag.source.put(rag.source.key(kv.token_ids.tolist()), kv)
+
+
 def _answer(rag: KVRAG, strategy: str, question: str, texts: list[str], scores: list[float],
             options: dict[str, Any]) -> Any:
     """One answer of `strategy` (a name ending in `_int8` or `_int4`: decoded over those weights)."""
-    base, kind = quantized(strategy)
+    base, kind = quantized(strategy.removesuffix("@doc"))
     if kind != "model" and not decode_weights(rag.kvmodel.model, kind):
         raise ValueError(f"{strategy}: the C decode step does not take {kind} weights for this model on this machine")
     try:
@@ -136,7 +162,7 @@ def summary(rows: Sequence[dict[str, Any]], strategies: Sequence[str]) -> dict[s
                 "answer_s": statistics.median(r["answer_s"] for r in mine),
                 "new_tokens": statistics.median(r["new_tokens"] for r in mine),
             }
-            base = quantized(strategy)[0]
+            base = quantized(strategy.removesuffix("@doc"))[0] + ("@doc" if _in_context(strategy) else "")
             if base != strategy and base in strategies:
                 own = {r["item"]: r["text"] for r in rows if r["strategy"] == base}
                 out[family][strategy]["same"] = sum(r["text"] == own.get(r["item"]) for r in mine)

@@ -32,6 +32,13 @@ _API_ENTRIES = Path(__file__).resolve().parents[2] / "data" / "python_docs" / "a
 class Chunk:
     id: str
     text: str
+    doc: str = ""  # the document (or conversation) it is a part of, when the data names it
+
+    @property
+    def document(self) -> str:
+        """The document it is a part of: as the data names it, else its id's part before the last '#' ("pkg#2" is
+        "pkg"'s), else its own id (a chunk that is a whole document)."""
+        return self.doc or self.id.rpartition("#")[0] or self.id
 
 
 @dataclass(slots=True)
@@ -95,7 +102,7 @@ class StudyItem:
             "family": self.family,
             "question": self.question,
             "answers": self.answers,
-            "chunks": [{"id": c.id, "text": c.text} for c in self.chunks],
+            "chunks": [{"id": c.id, "text": c.text, **({"document": c.doc} if c.doc else {})} for c in self.chunks],
             "target": self.target,
         }
         if self.variant:
@@ -184,7 +191,9 @@ def parse_item(row: Any) -> StudyItem:
             raise ValueError(f"chunk {n} must be an object with string 'id' and 'text'")
         if not c["text"].strip():
             raise ValueError(f"chunk {n} ('{c['id']}') has no text")
-        parsed.append(Chunk(c["id"], c["text"]))
+        if not isinstance(c.get("document", ""), str):
+            raise ValueError(f"chunk {n} ('{c['id']}'): 'document' must be a string when given")
+        parsed.append(Chunk(c["id"], c["text"], c.get("document", "")))
     ids = [c.id for c in parsed]
     if len(set(ids)) != len(ids):
         raise ValueError("chunk ids repeat within the item")
