@@ -54,13 +54,15 @@ class ChunkSource:
                 secret=secret,
             )
 
-    def key(self, ids: Sequence[int]) -> ChunkKey:
-        """A chunk's store key under this model, its chunk prefix, this namespace and secret."""
-        return self.kvmodel.chunk_key(ids, namespace=self.namespace, secret=self.secret)
+    def key(self, ids: Sequence[int], context: Sequence[int] = ()) -> ChunkKey:
+        """A chunk's store key under this model, its chunk prefix, this namespace and secret; `context`: the ids it
+        was encoded behind in its document's run (none: alone)."""
+        return self.kvmodel.chunk_key(ids, namespace=self.namespace, secret=self.secret, context=context)
 
-    def chunks(self, given: Sequence[str | ChunkKV]) -> Chunks:
-        """One request's chunks (their ids checked against the model now, their KV fetched when read)."""
-        return Chunks(self, given)
+    def chunks(self, given: Sequence[str | ChunkKV], keys: Sequence[str | None] | None = None) -> Chunks:
+        """One request's chunks (their ids checked against the model now, their KV fetched when read); `keys`: the
+        store keys of chunks encoded in their document's context (None for one encoded alone)."""
+        return Chunks(self, given, keys)
 
     def load(self, key: str, ids: Sequence[int] | None = None) -> ChunkKV | None:
         """A chunk's stored KV; a store that fails to answer is a miss (the chunk is recomputed) and a warning.
@@ -109,10 +111,14 @@ class ChunkSource:
         ids: Sequence[Sequence[int]],
         keys: Sequence[str],
         *,
+        runs: Sequence[Sequence[int]] | None = None,
         on_batch: Callable[[int, int], None] | None = None,
         queued: int = 1,
     ) -> None:
         """Encode chunks and store their KV under `keys` (ingestion), one full encoding forward at a time.
+
+        `runs`: indices into `ids`, a document's chunks each encoded behind its run's earlier ones
+        (`kvrag.model.encode.encode_runs`); None encodes each chunk alone.
 
         The chunks are sorted by length into forwards of at most `batch_tokens` rows x width (the least padding);
         each forward's KV goes to a writer thread (`kvrag.cache.writer`) that stores it while the next forward runs.
@@ -124,15 +130,17 @@ class ChunkSource:
         after it is written. `on_batch(chunks, tokens)` after each forward.
         """
         model = self.kvmodel
-        lengths = [len(i) for i in ids]
+        runs = [[i] for i in range(len(ids))] if runs is None else runs
+        lengths = [sum(len(ids[i]) for i in run) for run in runs]
         with StoreWriter(self.store, queued=queued) as writer:  # type: ignore[arg-type]
             for batch in length_batches(lengths, max(model.batch_tokens, 1)):
-                with model.lock:
-                    kvs = model.encode_ids([ids[i] for i in batch])  # one forward: the batch fits batch_tokens
-                writer.put([(keys[i], kv) for i, kv in zip(batch, kvs)])
+                chunks = [i for r in batch for i in runs[r]]
+                with model.lock:  # one forward: the batch fits batch_tokens
+                    kvs = [kv for run in model.encode_runs_ids([[ids[i] for i in runs[r]] for r in batch]) for kv in run]
+                writer.put([(keys[i], kv) for i, kv in zip(chunks, kvs)])
                 del kvs
                 if on_batch is not None:
-                    on_batch(len(batch), sum(lengths[i] for i in batch))
+                    on_batch(len(chunks), sum(lengths[r] for r in batch))
 
     def keep(self, key: str, kv: ChunkKV, *, later: list[tuple[str, ChunkKV]] | None = None) -> ChunkKV:
         """Store freshly encoded KV; return it as a later load would (the same answer either way).
@@ -170,9 +178,14 @@ class Chunks:
         encode_s: seconds spent encoding them; load_s: seconds spent reading the store.
     """
 
-    def __init__(self, source: ChunkSource, given: Sequence[str | ChunkKV]) -> None:
+    def __init__(
+        self, source: ChunkSource, given: Sequence[str | ChunkKV], keys: Sequence[str | None] | None = None
+    ) -> None:
         self.source = source
         self.given = list(given)
+        # a chunk encoded in its document's context is stored at its record's key; a miss of it is encoded alone
+        # and not stored there (that key holds in-context KV only)
+        self.context_keys = list(keys) if keys is not None else [None] * len(self.given)
         self.ids = [source.kvmodel.chunk_ids(i, c) for i, c in enumerate(self.given)]
         self._kv: list[ChunkKV | None] = [c if isinstance(c, ChunkKV) else None for c in self.given]
         self._tried = [False] * len(self.given)  # the store was asked (a miss is not asked again)
@@ -221,8 +234,8 @@ class Chunks:
         source, found, keys = self.source, {}, {}
         start = len(source.kvmodel.chunk_prefix)
         for i in dict.fromkeys(wanted):
-            if self._kv[i] is not None or source.store is None:
-                continue
+            if self._kv[i] is not None or source.store is None or self.context_keys[i] is not None:
+                continue  # an in-context entry's start is its own: read here, handed over as KV
             keys[i] = key = source.key(self.ids[i])
             self._tried[i] = True  # a miss here is not asked again: `kv` encodes it
             if source.holds(key):
@@ -257,7 +270,7 @@ class Chunks:
             return
         for i in range(len(self.given)) if indices is None else indices:
             if self._kv[i] is None and not self._tried[i]:
-                self._load(i, self.source.key(self.ids[i]))
+                self._load(i, self.key(i))
 
     def _load(self, i: int, key: str) -> None:
         t0 = time.perf_counter()
@@ -267,9 +280,13 @@ class Chunks:
         self._hit[i] = self._kv[i] is not None
         logger.debug("chunk %d: %s from the store (%s...)", i, "read" if self._hit[i] else "missed", key[:16])
 
+    def key(self, i: int) -> str:
+        """Chunk i's store key: its record's, for one encoded in its document's context, else its ids'."""
+        return self.context_keys[i] or self.source.key(self.ids[i])
+
     def _fetch(self, missing: list[int]) -> None:
         source, model = self.source, self.source.kvmodel
-        keys = {i: source.key(self.ids[i]) for i in missing} if source.store is not None else {}
+        keys = {i: self.key(i) for i in missing} if source.store is not None else {}
         for i in keys:
             if not self._tried[i]:
                 self._load(i, keys[i])
@@ -284,6 +301,10 @@ class Chunks:
         self.encode_s += time.perf_counter() - t0
         self.encoded += len(fresh)
         logger.debug("chunks %s encoded (not stored: %s)", fresh, [i for i in fresh if i not in keys])
+        alone = [i for i in fresh if self.context_keys[i] is not None]
+        if alone:
+            logger.info("chunks %s: their in-context KV is not stored (evicted or deleted): encoded alone", alone)
         for i, kv in zip(fresh, encoded):
-            self._kv[i] = source.keep(keys[i], kv, later=self._writes) if i in keys else kv
+            kept = i in keys and self.context_keys[i] is None  # in-context keys never get KV encoded alone
+            self._kv[i] = source.keep(keys[i], kv, later=self._writes) if kept else kv
 

@@ -45,6 +45,14 @@ def add_ingest(sub: Any) -> None:
         help="float16 (default), bfloat16, float32, int8, or int4 (keys per channel, "
         "values per token: under a third of float16's bytes; docs/usage.md)",
     )
+    ingest.add_argument(
+        "--encoding",
+        choices=("alone", "document"),
+        default=None,
+        help="alone (default): each chunk's KV encoded behind the prompt prefix only; document: behind its "
+        "document's earlier chunks too (a document's chunks read in order are then exactly its full prefill; "
+        "docs/usage.md)",
+    )
     ingest.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     ingest.add_argument(
         "--yes",
@@ -156,6 +164,7 @@ def _ingest(args: argparse.Namespace) -> None:
         require_store=True,
         secret=secret_of(args),
         lock_timeout_s=args.lock_timeout,
+        encoding=args.encoding,
     )
     if args.max_file_mb is not None and not 0 < args.max_file_mb <= 1 << 20:
         raise InvalidRequestError(f"--max-file-mb must be a positive number of megabytes, got {args.max_file_mb}")
@@ -277,6 +286,7 @@ _INDEX_FLAGS = {
     "overlap": ("--overlap", 20),
     "storage_dtype": ("--storage-dtype", "float16"),
     "namespace": ("--namespace", ""),
+    "encoding": ("--encoding", "alone"),
 }
 
 

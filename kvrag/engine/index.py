@@ -33,6 +33,7 @@ class ChunkRecord:
     key: str = ""  # the KV store key (kvrag.cache.kv.chunk_key)
     n_tokens: int = 0  # LM tokens of the chunk
     row: int = -1  # FAISS id
+    after: int = 0  # earlier chunks of its document its KV was encoded behind (0: encoded alone; `KVRAG(encoding=)`)
 
 
 SCALARS = (str, int, float, bool, type(None))
@@ -252,17 +253,22 @@ class ChunkIndex:
         return index
 
 
-_RECORD_TYPES = {"id": str, "doc_id": str, "text": str, "metadata": dict, "key": str, "n_tokens": int, "row": int}
+_RECORD_TYPES = {
+    "id": str, "doc_id": str, "text": str, "metadata": dict, "key": str, "n_tokens": int, "row": int, "after": int
+}
 
 
 def _record(fields: Any) -> ChunkRecord:
-    """A chunk record read back, every field of its type (a row FAISS can hold)."""
+    """A chunk record read back, every field of its type (a row FAISS can hold); `after` may be missing (an index
+    written before documents were encoded in context: every chunk alone)."""
+    if isinstance(fields, dict) and "after" not in fields:
+        fields = {**fields, "after": 0}
     if not isinstance(fields, dict) or set(fields) != set(_RECORD_TYPES):
         raise ValueError(f"a record with the fields {sorted(fields) if isinstance(fields, dict) else fields!r}")
     for name, kind in _RECORD_TYPES.items():
         if not isinstance(fields[name], kind) or isinstance(fields[name], bool):
             raise ValueError(f"a record whose {name} is {fields[name]!r}")
-    if not 0 <= fields["row"] < 2**62 or fields["n_tokens"] < 0:
+    if not 0 <= fields["row"] < 2**62 or fields["n_tokens"] < 0 or fields["after"] < 0:
         raise ValueError(f"a record whose row is {fields['row']} or n_tokens {fields['n_tokens']}")
     return ChunkRecord(**fields)
 

@@ -21,6 +21,17 @@ from kvrag.errors import (
 
 logger = logging.getLogger(__name__)
 
+# How ingestion encodes a document's chunks (`KVRAG(encoding=...)`): each alone behind the prompt prefix, or each
+# behind its document's earlier chunks (`KVModel.encode_in_context`).
+ENCODINGS = ("alone", "document")
+
+
+def check_encoding(encoding: Any) -> str:
+    """An engine's encoding, one of ENCODINGS."""
+    if encoding not in ENCODINGS:
+        raise InvalidRequestError(f"encoding must be one of {', '.join(map(repr, ENCODINGS))}, got {encoding!r}")
+    return encoding
+
 
 @dataclass(slots=True)
 class IngestStats:
@@ -90,13 +101,13 @@ class Ingesting:
             )
         # Encoding takes the model's lock one group at a time and no folder lock: queries in this process and
         # readers in others go on meanwhile. Only the commit holds the locks.
-        records, chunk_ids = self._chunk_records(docs, split)
-        seen: set[str] = set()
+        records, chunk_ids, runs = self._chunk_records(docs, split, in_context=encode and self.encoding == "document")
         stored = [r.key in self.store for r in records]
-        missing = [i for i, r in enumerate(records) if not stored[i] and not (r.key in seen or seen.add(r.key))]
+        missing_runs = _runs_holding(runs, records, [i for i in range(len(records)) if not stored[i]])
         if not encode:
-            missing = []  # KV on demand: computed at first retrieval
+            missing_runs = []  # KV on demand: computed at first retrieval (alone, whatever the encoding)
             self.kv_on_demand = True
+        missing = [i for run in missing_runs for i in run]  # a run is encoded whole: its chunks' context
         if missing and on_progress is not None:
             on_progress(0, len(missing))  # before anything is encoded: a caller may stop here (raise)
         texts = [r.text for r in records]
@@ -111,11 +122,7 @@ class Ingesting:
             embed()
         try:
             encode_s = self._encode_and_store(
-                [records[i] for i in missing],
-                [chunk_ids[i] for i in missing],
-                progress=progress,
-                on_progress=on_progress,
-                on_encoded=embed,
+                records, chunk_ids, missing_runs, progress=progress, on_progress=on_progress, on_encoded=embed
             )
         except StoreError as err:  # a full disk, a Redis out of memory: what this ingest wrote goes again
             logger.error("ingest: the store failed (%s); removing what this ingest wrote", err)
@@ -131,10 +138,12 @@ class Ingesting:
         vectors = embedding.result() if embedding is not None else self.embedder.embed(texts)
         with self._writing():
             # a `gc` or `delete` may have removed an entry this ingest found stored or wrote: store it again
-            again = {r.key: i for i, r in enumerate(records) if r.key not in self.store}
+            again = [i for i, r in enumerate(records) if r.key not in self.store]
             bounded = getattr(getattr(self.store, "back", self.store), "max_bytes", None) is not None
             if again and encode and not bounded:  # in a bounded store an evicted entry is only a later miss
-                self.source.encode_and_store([chunk_ids[i] for i in again.values()], list(again))
+                self.source.encode_and_store(
+                    chunk_ids, [r.key for r in records], runs=_runs_holding(runs, records, again)
+                )
             before = self.index
             self.index = before.copy()
             try:
@@ -176,49 +185,62 @@ class Ingesting:
                 left += 1
         return left
 
-    def _chunk_records(self, docs: Sequence[Any], split: bool) -> tuple[list[ChunkRecord], list[list[int]]]:
-        """Each document's chunks as index records (ids, text, metadata, store key), and their token ids."""
+    def _chunk_records(
+        self, docs: Sequence[Any], split: bool, *, in_context: bool
+    ) -> tuple[list[ChunkRecord], list[list[int]], list[list[int]]]:
+        """Each document's chunks as index records (ids, text, metadata, store key), their token ids, and the runs
+        they are encoded in (record indices: a chunk a run, or `in_context` a document's consecutive chunks within
+        the model's context window, each behind its run's earlier ones)."""
         records: list[ChunkRecord] = []
         chunk_ids: list[list[int]] = []
+        runs: list[list[int]] = []
         for doc in docs:
             texts = (
                 split_text(doc.text, self.kvmodel.tokenizer, chunk_tokens=self.chunk_tokens, overlap=self.overlap)
                 if split
                 else [doc.text.strip()]
             )
-            for n, text in enumerate(texts):
-                ids = self.kvmodel.chunk_ids(n, text)
-                records.append(
-                    ChunkRecord(
-                        id=f"{doc.id}#{n}",
-                        doc_id=doc.id,
-                        text=text,
-                        metadata=dict(doc.metadata),
-                        key=self.source.key(ids),
-                        n_tokens=len(ids),
+            ids = [self.kvmodel.chunk_ids(n, text) for n, text in enumerate(texts)]
+            in_doc = self.kvmodel.context_runs(ids) if in_context else [[n] for n in range(len(ids))]
+            first = len(records)
+            for run in in_doc:
+                for after, n in enumerate(run):
+                    context = [t for m in run[:after] for t in ids[m]]
+                    records.append(
+                        ChunkRecord(
+                            id=f"{doc.id}#{n}",
+                            doc_id=doc.id,
+                            text=texts[n],
+                            metadata=dict(doc.metadata),
+                            key=self.source.key(ids[n], context),
+                            n_tokens=len(ids[n]),
+                            after=after,
+                        )
                     )
-                )
-                chunk_ids.append(ids)
-        return records, chunk_ids
+                    chunk_ids.append(ids[n])
+                runs.append([first + n for n in run])
+        return records, chunk_ids, runs
 
     def _encode_and_store(
         self,
         records: Sequence[ChunkRecord],
         ids: Sequence[list[int]],
+        runs: Sequence[Sequence[int]],
         *,
         progress: bool,
         on_progress: Callable[[int, int], None] | None,
         on_encoded: Callable[[], None] | None = None,
     ) -> float:
-        """Encode and store the chunks' KV with a progress bar; the seconds it took. `on_encoded()` once the last
-        forward is done, while the last writes may still go on."""
-        if not records:
+        """Encode and store the KV of the chunks of `runs` (indices into `records` and `ids`) with a progress bar;
+        the seconds it took. `on_encoded()` once the last forward is done, while the last writes may still go on."""
+        todo = [i for run in runs for i in run]
+        if not todo:
             return 0.0
         from tqdm.auto import tqdm
 
         t0 = time.perf_counter()
         # counted in tokens, so the bar shows tokens a second and its ETA: the model's rate, whatever the chunks' sizes
-        tokens = sum(map(len, ids))
+        tokens = sum(len(ids[i]) for i in todo)
         bar = tqdm(total=tokens, desc="encoding chunk KV", unit="tok", unit_scale=True, disable=not progress)
         done = 0
 
@@ -226,13 +248,13 @@ class Ingesting:
             nonlocal done
             done += chunks
             bar.update(batch_tokens)
-            if done == len(records) and on_encoded is not None:
+            if done == len(todo) and on_encoded is not None:
                 on_encoded()
             if on_progress is not None:
-                on_progress(done, len(records))
+                on_progress(done, len(todo))
 
         try:
-            self.source.encode_and_store(ids, [r.key for r in records], on_batch=advance)
+            self.source.encode_and_store(ids, [r.key for r in records], runs=runs, on_batch=advance)
         finally:
             bar.close()
         return time.perf_counter() - t0
@@ -250,7 +272,9 @@ class Ingesting:
         seen: set[str] = set()
         missing = [i for i, k in enumerate(keys) if k not in self.store and not (k in seen or seen.add(k))]
         records = [ChunkRecord(id=f"given#{i}", doc_id="", text=texts[i], key=keys[i]) for i in missing]
-        encode_s = self._encode_and_store(records, [ids[i] for i in missing], progress=progress, on_progress=None)
+        encode_s = self._encode_and_store(
+            records, [ids[i] for i in missing], [[n] for n in range(len(missing))], progress=progress, on_progress=None
+        )
         return IngestStats(
             documents=0,
             chunks=len(texts),
@@ -321,3 +345,16 @@ def _resolved(path: str) -> str:
         return str(Path(path).resolve())
     except (OSError, RuntimeError, ValueError):
         return ""
+
+
+def _runs_holding(runs: Sequence[Sequence[int]], records: Sequence[ChunkRecord], wanted: Sequence[int]) -> list[list[int]]:
+    """The runs that hold any of the `wanted` records, each once (a run whose chunks' keys another run has, the same
+    document ingested twice, is encoded once)."""
+    wanted_set, seen = set(wanted), set()
+    out = []
+    for run in runs:
+        keys = tuple(records[i].key for i in run)
+        if wanted_set.intersection(run) and keys not in seen:
+            seen.add(keys)
+            out.append(list(run))
+    return out

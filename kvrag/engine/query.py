@@ -97,8 +97,9 @@ class Querying:
             if not sources:
                 raise NoMatchError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
             request.with_chunks([s.text for s in sources], [s.score for s in sources])
+            given = self.source.chunks(request.chunks, self._context_keys(sources))
             if split_parts is None:
-                yield from self._answer(request, sources, t0, time.perf_counter() - t0, phases)
+                yield from self._answer(request, sources, t0, time.perf_counter() - t0, phases, given)
                 return
 
             def retrieve(part: str) -> run_parts.Retrieved | None:  # a hop's own retrieval
@@ -106,9 +107,18 @@ class Querying:
                 if not found:
                     return None
                 texts = [s.text for s in found]
-                return run_parts.Retrieved(texts, [s.score for s in found], self.source.chunks(texts), found)
+                chunks = self.source.chunks(texts, self._context_keys(found))
+                return run_parts.Retrieved(texts, [s.score for s in found], chunks, found)
 
-            yield from self._answer_parts(request, split_parts, sources, t0, time.perf_counter() - t0, retrieve)
+            yield from self._answer_parts(
+                request, split_parts, sources, t0, time.perf_counter() - t0, retrieve, given=given
+            )
+
+    def _context_keys(self, sources: Sequence[Source]) -> list[str | None]:
+        """The store key of each retrieved chunk encoded in its document's context (its record's), else None."""
+        with self._lock:
+            records = [self.index.records.get(s.id) for s in sources]
+        return [r.key if r is not None and r.after else None for r in records]
 
     def _with_default(self, request: Request) -> Request:
         """The one place an engine's request gets its default: the index's tuned one, else the model's shipped one."""
@@ -231,7 +241,8 @@ class Querying:
         request = Request.of(question, texts, scores=scores, **options)
         split_parts = self._parts(question, parts, options)
         with self._admitted():
-            given = self.source.chunks(request.chunks)  # tokenized once: the keys here, the KV in the pipeline
+            # tokenized once: the keys here, the KV in the pipeline (retrieved chunks' in-context keys kept)
+            given = self.source.chunks(request.chunks, self._context_keys(chunks) if retrieved else None)
             if retrieved:
                 sources = [replace(c, metadata=dict(c.metadata)) for c in chunks]
             else:

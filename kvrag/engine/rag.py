@@ -29,7 +29,7 @@ from kvrag.engine.aio import in_thread, to_thread
 from kvrag.engine.embed import Embedder
 from kvrag.engine.folder import MANIFEST, IndexFolder
 from kvrag.engine.index import ChunkIndex
-from kvrag.engine.ingest import Ingesting, IngestStats  # noqa: E402
+from kvrag.engine.ingest import Ingesting, IngestStats, check_encoding  # noqa: E402
 from kvrag.engine.query import Querying  # noqa: E402
 from kvrag.engine.upkeep import Upkeep, describe_store, durable_store
 from kvrag.errors import (
@@ -73,6 +73,11 @@ class KVRAG(Ingesting, Querying, Upkeep):
             raises BusyError at once instead of growing memory without bound.
         lock_timeout_s: the longest wait for the index folder's lock held by another process, then
             LockTimeoutError naming it; None (default): a few seconds to read, longer to write (`IndexFolder`).
+        encoding: how ingestion encodes a document's chunks: "alone" (default), each behind the prompt prefix only,
+            or "document", each behind its document's earlier chunks (in runs within the model's context window,
+            `KVModel.encode_in_context`): a document's chunks read in order are then exactly its full prefill, and
+            each chunk's KV has read what came before it. Kept with the index; its records say how each chunk was
+            encoded (a chunk whose in-context KV is missing from the store is encoded alone).
 
     With a namespace the store is that namespace's view (`KVStore.scoped`): its own Redis key prefix or
     disk subfolder, so `info`, `keys()` and `gc` see this tenant's entries only.
@@ -100,8 +105,10 @@ class KVRAG(Ingesting, Querying, Upkeep):
         read_only: bool = False,
         max_in_flight: int = 32,
         lock_timeout_s: float | None = None,
+        encoding: str = "alone",
     ) -> None:
         self.kvmodel = kv
+        self.encoding = check_encoding(encoding)
         self.executor = executor or kv.executor  # what runs the plans: in-process by default
         self.embedder = embedder
         self.namespace = check_namespace(namespace) if namespace else ""
@@ -171,6 +178,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         cpu_kernels: bool = True,
         create: bool = True,
         lock_timeout_s: float | None = None,
+        encoding: str | None = None,
     ) -> KVRAG:
         """An engine on the embedded defaults (or the given model and embedder), loading `path` if it holds an index.
 
@@ -182,9 +190,12 @@ class KVRAG(Ingesting, Querying, Upkeep):
         folder, or a `KVModel` already loaded (the one a `KVRAGLLM` or `ChatKVRAG` holds: one copy of the weights
         serves both; an index at `path` must have been built with that model). `create=False` refuses a `path`
         that holds no index (IndexLoadError naming it) instead of starting a new, empty one there: for code that
-        only reads an index, where a mistyped path would otherwise answer from nothing. `lock_timeout_s` is `KVRAG`'s.
+        only reads an index, where a mistyped path would otherwise answer from nothing. `lock_timeout_s` and
+        `encoding` are `KVRAG`'s (None: the index's, "alone" for a new one).
         """
-        check_secret(secret)  # a bad secret or namespace is refused before the model loads or a folder is made
+        check_secret(secret)  # a bad secret, encoding or namespace is refused before the model loads or a folder is made
+        if encoding is not None:
+            check_encoding(encoding)
         if namespace:
             check_namespace(namespace)
         if not create and path is not None and IndexFolder(path).uncommitted():
@@ -210,6 +221,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
                 cpu_kernels=cpu_kernels,
                 model=model if isinstance(model, KVModel) else None,
                 lock_timeout_s=lock_timeout_s,
+                encoding=encoding,
             )
         if isinstance(model, KVModel):
             kv, source = model, model.loaded_from
@@ -243,6 +255,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
             require_store=require_store,
             secret=secret,
             lock_timeout_s=lock_timeout_s,
+            encoding=encoding or "alone",
         )
 
     @classmethod
@@ -264,6 +277,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         cpu_kernels: bool = True,
         model: KVModel | None = None,
         lock_timeout_s: float | None = None,
+        encoding: str | None = None,
     ) -> KVRAG:
         """Open an index folder written by an engine with a path; the model and embedder are those it was built with.
 
@@ -272,7 +286,8 @@ class KVRAG(Ingesting, Querying, Upkeep):
         chunk recomputed for lack of stored KV is not stored). `max_kv_bytes` bounds its disk store (default: the
         bound it was built with, if any). `compile_decode`, `decode_weights` and `cpu_kernels` are those of `KVModel`;
         `model`, a `KVModel` already loaded with the index's model, is used instead of loading another copy
-        (refused, naming both, when its weights are not the index's). `lock_timeout_s` is `KVRAG`'s.
+        (refused, naming both, when its weights are not the index's). `lock_timeout_s` is `KVRAG`'s; `encoding`
+        too, for what is ingested from now on (None: the index's).
         """
         folder = IndexFolder(
             path,
@@ -334,6 +349,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
             secret=secret,
             read_only=read_only,
             lock_timeout_s=lock_timeout_s,
+            encoding=encoding or manifest.get("encoding", "alone"),
         )
         engine.kv_on_demand = manifest.get("kv_on_demand") is True
         engine.source.read_only = not kv_writes
@@ -376,6 +392,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
                 "storage_dtype": getattr(getattr(self.store, "back", self.store), "storage_dtype", "float16"),
                 "kv_max_bytes": getattr(getattr(self.store, "back", self.store), "max_bytes", None),
                 "kv_on_demand": self.kv_on_demand,
+                "encoding": self.encoding,
                 "namespace": self.namespace,
                 "kv_store": describe_store(self.store),  # where the KV went (`info` shows it beside the store opened)
             },

@@ -129,6 +129,8 @@ class Upkeep:
             "embedder": self.embedder.source,
             "chunk_tokens": self.chunk_tokens,
             "overlap": self.overlap,
+            "encoding": self.encoding,  # how ingestion encodes a document's chunks
+            "chunks_in_context": sum(r.after > 0 for r in index.records.values()),  # encoded behind earlier chunks
             "namespace": self.namespace,
         }
 

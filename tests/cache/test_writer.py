@@ -49,8 +49,10 @@ def test_every_chunk_is_stored_as_it_encodes_alone_in_full_sorted_forwards(kv, m
     source = ChunkSource(kv, Recording())
     keys = [source.key(i) for i in ids]
     forwards, batches = [], []
-    encode = kv.encode_ids
-    monkeypatch.setattr(kv, "encode_ids", lambda rows, **kw: forwards.append([len(r) for r in rows]) or encode(rows))
+    encode = kv.encode_runs_ids
+    monkeypatch.setattr(
+        kv, "encode_runs_ids", lambda runs, **kw: forwards.append([sum(map(len, r)) for r in runs]) or encode(runs)
+    )
     source.encode_and_store(ids, keys, on_batch=lambda chunks, tokens: batches.append((chunks, tokens)))
     monkeypatch.undo()
     lengths = [len(i) for i in ids]

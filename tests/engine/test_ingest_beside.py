@@ -33,8 +33,8 @@ class ThreadEmbedder(HashEmbedder):
 def kv(monkeypatch):
     kv = KVModel(tiny_model("llama"), byte_tokenizer(), batch_tokens=80)  # several forwards
     kv.forwards = []
-    encode = kv.encode_ids
-    monkeypatch.setattr(kv, "encode_ids", lambda rows, **kw: kv.forwards.append(len(rows)) or encode(rows, **kw))
+    encode = kv.encode_runs_ids  # ingestion's one encoding forward
+    monkeypatch.setattr(kv, "encode_runs_ids", lambda runs, **kw: kv.forwards.append(len(runs)) or encode(runs, **kw))
     return kv
 
 
