@@ -81,6 +81,7 @@ def encode_entry(chunk: ChunkKV, *, key: str, dtype: str = "float16", secret: by
         "encoder": chunk.encoder,
         "start": str(chunk.start),
         "dtype": dtype,
+        **({"behind": chunk.behind} if chunk.behind else {}),
     }
     if dtype == "int4":  # what int4.dequantize needs besides the tensors: the layout and the values' head size
         metadata.update({"int4": int4.LAYOUT, "value_dim": str(chunk.values.shape[-1])})
@@ -132,7 +133,12 @@ def stored_form(chunk: ChunkKV, *, dtype: str = "float16") -> ChunkKV:
     """`chunk` exactly as `decode_entry(encode_entry(chunk, dtype=dtype))` reads it back in its own dtype and on its
     own device: the same casts and quantizers, without the serializing and the checksum (what `as_stored` needs)."""
     check_storage_dtype(dtype)
-    meta = {"dtype": dtype, "start": str(chunk.start), "value_dim": str(chunk.values.shape[-1])}
+    meta = {
+        "dtype": dtype,
+        "start": str(chunk.start),
+        "value_dim": str(chunk.values.shape[-1]),
+        **({"behind": chunk.behind} if chunk.behind else {}),
+    }
     back = _read_back(
         _stored_tensors(chunk, dtype), meta, encoder=chunk.encoder, dtype=chunk.keys.dtype, device=chunk.keys.device
     )
@@ -191,4 +197,5 @@ def _read_back(
         values=values.to(device=device, dtype=dtype),
         start=int(meta["start"]),
         encoder=encoder,
+        behind=str(meta.get("behind", "")),
     )

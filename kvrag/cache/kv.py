@@ -29,6 +29,9 @@ class ChunkKV:
     values: torch.Tensor  # [L, H_kv, T, D_v], position-free
     start: int  # logical position of the first token when encoded (len(prefix) for a chunk)
     encoder: str = ""  # encoder_id of the model and prefix that produced it ("" when unknown)
+    # `ids_digest` of the tokens it was encoded behind after the prefix: "" for a chunk encoded alone; a chunk encoded
+    # in its document's context (`kvrag.model.encode.encode_runs`) names its run's earlier chunks' ids
+    behind: str = ""
 
     def __post_init__(self) -> None:
         if self.keys.shape[:3] != self.values.shape[:3] or self.keys.shape[2] != self.token_ids.shape[0]:
@@ -48,12 +51,18 @@ class ChunkKV:
             self.values.to(device=device, dtype=dtype),
             self.start,
             self.encoder,
+            self.behind,
         )
 
     @property
     def nbytes(self) -> int:
         """Bytes held by keys and values."""
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+def ids_digest(ids: Sequence[int]) -> str:
+    """What `ChunkKV.behind` holds for a chunk encoded behind `ids` (after the prefix): "" for none."""
+    return hashlib.sha256(_id_bytes(ids)).hexdigest()[:32] if len(ids) else ""
 
 
 def encoder_id(model_digest: str, prefix_ids: Sequence[int]) -> str:

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from kvrag.cache.kv import ChunkKV
+from kvrag.cache.kv import ChunkKV, ids_digest
 from kvrag.compat import with_cache
 
 DEFAULT_BATCH_TOKENS = 4096
@@ -155,6 +155,7 @@ def encode_runs(
                         values=values,
                         start=at,
                         encoder=encoder,
+                        behind=ids_digest(ids[row, :offset].tolist()),
                     )
                 )
                 at += len(chunk)

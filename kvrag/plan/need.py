@@ -8,7 +8,8 @@ The signals that choose the plan read how the model and the retriever see the ch
   best chunk's **lift** says how much any chunk bears on the question; its **margin** over the second best says
   whether one chunk stands out.
 
-The plan: no lift -> abstain (the one-chunk answer is decoded as a draft, the answer says the documents do not
+The plan: the chunks are one document's, encoded in its context (`KVRAG(encoding="document")`), all of one run ->
+read them whole in the document's order (exactly its full prefill, nothing recomputed); else no lift -> abstain (the one-chunk answer is decoded as a draft, the answer says the documents do not
 say); the model's best chunk leads the rest clearly -> that chunk alone (exactly a full prefill over it, at the cost
 of the suffix: its pass was the likelihood pass); else -> the best chunks by either ranking, stitched with the
 model's best next to the question and all but the first recomputed (exactly a full prefill over those chunks in
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from kvrag.cache.kv import ids_digest
 from kvrag.plan.strategies import Plan, PlanRequest, by_score, register_strategy
 from kvrag.rank import content_words, words
 from kvrag.plan.strategies import target_of as _target
@@ -98,10 +100,49 @@ def covering(request: PlanRequest, order: list[int], likelihood: torch.Tensor) -
     return sorted(read[:-1]) + read[-1:]
 
 
+def in_place(request: PlanRequest, order: list[int]) -> set[int]:
+    """The chunks of `order` whose stored KV is already their KV in a full prefill over `order`: each encoded right
+    behind the prefix and exactly the chunks before it there (`ChunkKV.behind`, `start`), as the first chunk
+    encoded alone is, and a document's chunks encoded in its context and read in its order are. Without a probe to
+    read the chunks' KV: the first chunk alone."""
+    probe = request.probe
+    if probe is None:
+        return {order[0]}
+    kvs, prefix = probe.chunks, len(probe.prefix)
+    kept, before = set(), []
+    for c in order:
+        if kvs[c].start == prefix + len(before) and kvs[c].behind == ids_digest(before):
+            kept.add(c)
+        before += kvs[c].token_ids.tolist()
+    return kept
+
+
+def document_order(request: PlanRequest) -> list[int] | None:
+    """The chunks in the one order in which each is in place (`in_place`): one document's chunks encoded in its
+    context, all there, read as encoded; None where the chunks are not that (encoded alone, or not all of a run)."""
+    probe = request.probe
+    if probe is None or len(request.lengths) < 2:
+        return None
+    kvs, prefix = probe.chunks, len(probe.prefix)
+    if not any(kv.behind for kv in kvs):
+        return None
+    left, order, before = set(range(len(kvs))), [], []
+    while left:
+        nxt = [c for c in sorted(left) if kvs[c].start == prefix + len(before) and kvs[c].behind == ids_digest(before)]
+        if not nxt:
+            return None
+        order.append(nxt[0])
+        left.discard(nxt[0])
+        before += kvs[nxt[0]].token_ids.tolist()
+    return order
+
+
 def _exact_over(order: list[int], request: PlanRequest) -> dict[int, torch.Tensor]:
-    """What makes a plan over `order` exactly a full prefill over it: every chunk but the first recomputed (the
-    first chunk's stored KV, encoded right behind the prefix, is its full-prefill KV)."""
-    return {c: torch.arange(request.lengths[c]) for c in order[1:]}
+    """What makes a plan over `order` exactly a full prefill over it: every chunk recomputed but those whose stored
+    KV is their full-prefill KV there already (`in_place`: the first, encoded alone right behind the prefix; a
+    document's chunks in its order)."""
+    kept = in_place(request, order)
+    return {c: torch.arange(request.lengths[c]) for c in order if c not in kept}
 
 
 @register_strategy(
@@ -126,13 +167,25 @@ def _several(request: PlanRequest, best: int) -> tuple[list[int], int]:
     return order, len(order) - len(base)
 
 
+def whole_document(request: PlanRequest) -> Plan | None:
+    """The chunks read whole in their document's order where they are one document's encoded in its context, all of
+    one run (`document_order`): exactly its full prefill, nothing recomputed and nothing measured; else None."""
+    whole = document_order(request)
+    if whole is None:
+        return None
+    reason = f"{len(whole)} chunks of one document, each in its context: read whole in its order"
+    return Plan(order=whole, reason=reason, signals={"document": float(len(whole))})
+
+
 @register_strategy(
     "by_need",
     needs_target=True,
     picker="likelihood_all",
     budgeted=False,
-    description="by what the question needs: the model's best chunk alone where it stands out, else the best few "
-    "stitched with it last (exact over them), and 'the documents do not say' where no chunk bears on it",
+    description="by what the question needs: one document's chunks encoded in its context read whole in its order; "
+    "else the model's best chunk alone where it stands out, else the best few stitched with it last (exact over "
+    "them), and 'the documents do not say' where no chunk bears on it",
+    before_pick=whole_document,
 )
 def _by_need(request: PlanRequest) -> Plan:
     best = _target(request)

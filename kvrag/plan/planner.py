@@ -52,6 +52,20 @@ def make_plan(request: Request, lengths: Sequence[int], probe: Probe | None) -> 
     budget = request.budget if request.budget is not None else DEFAULT_BUDGET
     picker_name = default_picker(strategy, request.picker, request.target)
     picked, targets = None, None
+    if strategy.before_pick is not None:  # a plan that needs no target where it applies: no picker runs for it
+        early = strategy.before_pick(
+            PlanRequest(
+                lengths=list(lengths),
+                target=None,
+                budget=budget,
+                scores=list(request.scores) if request.scores is not None else None,
+                strict=request.strict,
+                probe=probe,
+            )
+        )
+        if early is not None:
+            plan = check_plan(early, lengths, strategy.name)
+            return Decision(plan, None, None, int(budget * sum(lengths) + 1e-9), None, float(budget))
     if strategy.needs_target:
         chosen = get_picker(picker_name)(len(lengths), request.scores, request.target, probe)  # type: ignore[arg-type]
         targets = [operator.index(c) for c in chosen] if isinstance(chosen, (list, tuple)) else [chosen]

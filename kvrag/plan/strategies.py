@@ -73,6 +73,9 @@ class Strategy:
     picker: str | None = None  # a picker this strategy always uses (attention_select), else the caller's
     budgeted: bool = True  # whether its plan depends on the budget (run non-strict); studies run it at each budget
     reads_kv: bool = True  # whether its plans reuse stored chunk KV (a full prefill's never do)
+    # a plan made before any picker runs, where it applies (None: the picker runs, then `build`); its request has no
+    # target. by_need's reads a document encoded in its context whole, so no likelihood pass is paid for it
+    before_pick: Callable[[PlanRequest], Plan | None] | None = None
 
 
 STRATEGIES: dict[str, Strategy] = {}
@@ -90,6 +93,7 @@ def register_strategy(
     picker: str | None = None,
     budgeted: bool = True,
     reads_kv: bool = True,
+    before_pick: Callable[[PlanRequest], Plan | None] | None = None,
 ) -> Callable[[Callable[[PlanRequest], Plan]], Callable[[PlanRequest], Plan]]:
     """Register a plan builder under `name` (replacing any earlier one of that name).
 
@@ -102,7 +106,14 @@ def register_strategy(
 
     def add(build: Callable[[PlanRequest], Plan]) -> Callable[[PlanRequest], Plan]:
         STRATEGIES[name] = Strategy(
-            name, build, needs_target, description or (build.__doc__ or "").strip(), picker, budgeted, reads_kv
+            name,
+            build,
+            needs_target,
+            description or (build.__doc__ or "").strip(),
+            picker,
+            budgeted,
+            reads_kv,
+            before_pick,
         )
         if build.__module__.startswith("kvrag.") and name not in _SHIPPED:
             _SHIPPED.append(name)

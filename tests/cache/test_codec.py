@@ -54,3 +54,18 @@ def test_another_key_or_encoder_and_damaged_bytes_are_misses():
 def test_an_unknown_storage_dtype_is_refused():
     with pytest.raises(InvalidRequestError, match="storage"):
         encode_entry(chunk(), key="k", dtype="float8")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int4"])
+def test_what_a_chunk_was_encoded_behind_is_kept_and_covered_by_the_checksum(dtype):
+    from dataclasses import replace
+
+    from kvrag.cache.codec import stored_form
+    from kvrag.cache.kv import ids_digest
+
+    c = replace(chunk(), behind=ids_digest([7, 8, 9]))
+    blob = encode_entry(c, key="k", dtype=dtype)
+    assert read(blob).behind == c.behind == stored_form(c, dtype=dtype).behind
+    assert read(encode_entry(chunk(), key="k", dtype=dtype)).behind == ""  # encoded alone
+    forged = blob.replace(c.behind.encode(), ids_digest([1]).encode())
+    assert len(forged) == len(blob) and read(forged) is None

@@ -40,3 +40,11 @@ def test_to_casts_keys_and_values_and_keeps_ids_and_position():
     half = c.to(dtype=torch.float16)
     assert half.keys.dtype == half.values.dtype == torch.float16 and half.token_ids.dtype == torch.int64
     assert len(half) == 4 and half.start == 7 and half.nbytes == c.nbytes // 2
+
+
+def test_a_chunk_encoded_in_context_has_a_key_of_its_own_and_alone_keeps_the_old_one():
+    alone = chunk_key("m", [1, 2], [3, 4])
+    assert chunk_key("m", [1, 2], [3, 4], context=()) == alone
+    assert chunk_key("m", [1, 2], [3, 4], context=[5]) not in (alone, chunk_key("m", [1, 2], [3, 4], context=[6]))
+    # the context is its own field: ids moved from the chunk into the context make another key
+    assert chunk_key("m", [1, 2], [4], context=[3]) != chunk_key("m", [1, 2], [3, 4])

@@ -131,3 +131,60 @@ def test_a_lone_chunk_is_read_alone_and_its_signals_are_plain_json(kv, enc, monk
     a = kv.answer(Q, enc[:1], strategy="by_need", max_new_tokens=2)
     assert a.stats.order == [0] and a.stats.signals["margin"] == 0.0
     json.dumps(a.to_dict(), allow_nan=False)
+
+
+@pytest.fixture(scope="module")
+def in_context(kv):
+    (run,) = kv.encode_in_context([CHUNKS])
+    return run
+
+
+def full_prefill_logits(kv, chunk_ids, order):
+    with torch.inference_mode():
+        return kv.model(input_ids=torch.tensor([kv.prompt_ids(Q, chunk_ids, order)]), logits_to_keep=1).logits[0, -1]
+
+
+def test_one_documents_chunks_encoded_in_context_are_read_whole_in_its_order_with_no_pass_and_no_recompute(
+    kv, in_context
+):
+    shuffled = [2, 0, 4, 1, 3]  # retrieval's order: the plan puts them back in the document's
+    given = [in_context[i] for i in shuffled]
+    run = kv.prefill(Q, given, strategy="by_need", scores=[SCORES[i] for i in shuffled])
+    plan = run.decision.plan
+    assert [shuffled[c] for c in plan.order] == [0, 1, 2, 3, 4] and not plan.recompute
+    assert plan.reason.startswith("5 chunks of one document") and run.decision.picker is None
+    assert not run.probe.extra_work  # no likelihood pass was paid for it
+    ids = [c.token_ids.tolist() for c in given]
+    assert (run.prefill.logits[-1] - full_prefill_logits(kv, ids, plan.order).float()).abs().max() < 1e-4
+
+
+def test_a_run_with_a_chunk_missing_is_planned_by_need_and_stays_exact_over_what_it_reads(kv, in_context, monkeypatch):
+    monkeypatch.setattr(need, "names", lambda request: {})
+    monkeypatch.setattr(need, "ABSTAIN_LIFT", float("-inf"))
+    monkeypatch.setattr(need, "ONE_CHUNK_MARGIN", float("inf"))
+    monkeypatch.setattr(need, "AGREE_MARGIN", float("inf"))
+    given = in_context[1:]  # the run's first chunk is not there: no chunk is where it was encoded
+    run = kv.prefill(Q, given, strategy="by_need", scores=SCORES[1:])
+    plan = run.decision.plan
+    assert not plan.reason.startswith("4 chunks of one document") and run.decision.picker == "likelihood_all"
+    assert set(plan.recompute) == set(plan.order)  # each read behind other chunks than the ones it was encoded behind
+    ids = [c.token_ids.tolist() for c in given]
+    assert (run.prefill.logits[-1] - full_prefill_logits(kv, ids, plan.order).float()).abs().max() < 1e-4
+
+
+def test_in_place_keeps_exactly_the_chunks_encoded_behind_what_precedes_them(kv, enc, in_context):
+    from kvrag.plan.strategies import PlanRequest
+
+    both = [*in_context[:3], enc[3]]  # a run's first three chunks, then one encoded alone
+
+    def request(chunks):
+        probe = kv.prefill(Q, chunks, strategy="reuse").probe
+        return PlanRequest(lengths=[len(c) for c in chunks], target=None, budget=0.0, probe=probe)
+
+    req = request(both)
+    assert need.in_place(req, [0, 1, 2, 3]) == {0, 1, 2}
+    assert need.in_place(req, [1, 0, 2, 3]) == set()  # chunk 0 is alone-like, but not first
+    assert need.in_place(req, [3, 0, 1]) == {3}  # the alone chunk first; the run's chunks sit behind it
+    assert need.document_order(req) is None  # the alone chunk belongs to no run
+    assert need.document_order(request(in_context[:3][::-1])) == [2, 1, 0]
+    assert need.document_order(request(list(enc))) is None  # chunks encoded alone are no document
