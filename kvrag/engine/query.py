@@ -114,6 +114,13 @@ class Querying:
                 request, split_parts, sources, t0, time.perf_counter() - t0, retrieve, given=given
             )
 
+    def _context_keys_of_texts(self, texts: Sequence[str]) -> list[str | None] | None:
+        """The store key of each text that an indexed chunk encoded in its document's context holds, else None; None
+        for an index with no such chunk."""
+        with self._lock:
+            by_text = {r.text: r.key for r in self.index.records.values() if r.after}
+        return [by_text.get(t) for t in texts] if by_text else None
+
     def _context_keys(self, sources: Sequence[Source]) -> list[str | None]:
         """The store key of each retrieved chunk encoded in its document's context (its record's), else None."""
         with self._lock:
@@ -241,8 +248,10 @@ class Querying:
         request = Request.of(question, texts, scores=scores, **options)
         split_parts = self._parts(question, parts, options)
         with self._admitted():
-            # tokenized once: the keys here, the KV in the pipeline (retrieved chunks' in-context keys kept)
-            given = self.source.chunks(request.chunks, self._context_keys(chunks) if retrieved else None)
+            # tokenized once: the keys here, the KV in the pipeline; a chunk encoded in its document's context is read
+            # at its record's key (found by id for retrieved sources, by text for texts: a framework's nodes)
+            keys = self._context_keys(chunks) if retrieved else self._context_keys_of_texts(texts)
+            given = self.source.chunks(request.chunks, keys)
             if retrieved:
                 sources = [replace(c, metadata=dict(c.metadata)) for c in chunks]
             else:
@@ -258,7 +267,7 @@ class Querying:
             by_key = {r.key: r for r in self.index.records.values()}
         sources = []
         for i, text in enumerate(request.chunks):
-            record = by_key.get(self.source.key(given.ids[i]))
+            record = by_key.get(given.key(i))
             sources.append(
                 Source(
                     id=record.id if record else f"given#{i}",

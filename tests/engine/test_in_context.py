@@ -80,3 +80,12 @@ def test_the_encoding_is_kept_with_the_index_and_old_records_read_as_alone(kv, e
     assert _record(fields).after == 0
     with pytest.raises(InvalidRequestError, match="encoding must be one of"):
         engine(kv, embedder, "context")
+
+
+def test_a_frameworks_texts_read_the_in_context_entries_of_the_chunks_that_hold_them(kv, embedder):
+    rag = engine(kv, embedder, "document")
+    rag.ingest([STORY], progress=False)
+    texts = [r.text for r in sorted(rag.index.records.values(), key=lambda r: r.after)]
+    answer = rag.answer("Who keeps the keys?", texts, strategy="reuse", max_new_tokens=4)
+    assert answer.stats.chunks_encoded == 0 and answer.stats.store_hits == len(texts)
+    assert [s.id for s in answer.sources] == [r.id for r in sorted(rag.index.records.values(), key=lambda r: r.after)]

@@ -400,16 +400,22 @@ def ingest_benchmark(
     texts: Sequence[str] | None = None,
     print_fn: Callable[[str], None] = print,
 ) -> dict:
-    """Chunks/s and tokens/s of raw forward, kvrag encoding, and ingestion into memory and disk stores.
+    """Chunks/s and tokens/s of raw forward, kvrag encoding (alone, and in its document's context), and ingestion
+    into memory and disk stores.
 
-    The chunks are `texts`, or else `copies` copies of the bundled excerpt's chunks.
+    The chunks are `texts` (one document for the in-context row), or else `copies` copies of the bundled excerpt's
+    chunks (a copy a document).
     """
+    texts_given = texts
     if texts is None:
         chunks, _ = sample_docs()
         texts = [f"{c['text']}\n(copy {n})" for n in range(copies) for c in chunks]
     ids = [kv.chunk_ids(i, t) for i, t in enumerate(texts)]
     tokens = sum(map(len, ids))
     embedder = embedder or Embedder()
+    per_copy = len(ids) // max(copies, 1) if texts_given is None else len(ids)
+    documents = [ids[n : n + per_copy] for n in range(0, len(ids), max(per_copy, 1))]
+    runs = [[doc[i] for i in run] for doc in documents for run in kv.context_runs(doc)]
 
     def ingest(store_factory: Callable[[], Any]) -> Callable[[], None]:
         def run() -> None:
@@ -425,6 +431,8 @@ def ingest_benchmark(
             "kvrag encode_chunks": lambda: encode_chunks(
                 kv.model, kv.chunk_prefix, ids, batch_tokens=kv.batch_tokens, encoder=kv.encoder_id
             ),
+            # the same chunks, a copy of the excerpt a document, each chunk behind its document's earlier ones
+            "kvrag encode in context": lambda: kv.encode_runs_ids(runs),
             "ingest, memory store": ingest(MemoryStore),
             "ingest, memory + disk (fp16)": ingest(
                 lambda: TieredStore(MemoryStore(), DiskStore(f"{tmp}/{next(counter)}"))
