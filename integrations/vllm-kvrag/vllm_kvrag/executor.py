@@ -115,12 +115,14 @@ class PlannedRequests:
     def _entry(self, ids: list[int], chunk: ChunkKV) -> str:
         """The store key holding this chunk's KV exactly as the plan uses it (stored now if it is not)."""
         key = self.source.key(ids)
-        if chunk.start != len(self.kvmodel.prefix):  # replaced KV (a slice of a full prefill): its own entry
+        if chunk.start != len(self.kvmodel.prefix) or chunk.behind:
+            # replaced KV (a slice of a full prefill) or KV encoded in its document's context: an entry of its own,
+            # keyed by where it was encoded and what it was encoded behind
             key = chunk_key(
                 self.kvmodel.fingerprint.digest,
                 [chunk.start],
                 ids,
-                salt=f"{self.source.namespace}/at",
+                salt=f"{self.source.namespace}/at/{chunk.behind}",
                 secret=self.source.secret,
             )
         if key not in self.store:

@@ -415,7 +415,7 @@ def ingest_benchmark(
     embedder = embedder or Embedder()
     per_copy = len(ids) // max(copies, 1) if texts_given is None else len(ids)
     documents = [ids[n : n + per_copy] for n in range(0, len(ids), max(per_copy, 1))]
-    runs = [[doc[i] for i in run] for doc in documents for run in kv.context_runs(doc)]
+    in_context = [[doc[i] for i in run] for doc in documents for run in kv.context_runs(doc)]
 
     def ingest(store_factory: Callable[[], Any]) -> Callable[[], None]:
         def run() -> None:
@@ -432,7 +432,7 @@ def ingest_benchmark(
                 kv.model, kv.chunk_prefix, ids, batch_tokens=kv.batch_tokens, encoder=kv.encoder_id
             ),
             # the same chunks, a copy of the excerpt a document, each chunk behind its document's earlier ones
-            "kvrag encode in context": lambda: kv.encode_runs_ids(runs),
+            "kvrag encode in context": lambda: kv.encode_runs_ids(in_context),
             "ingest, memory store": ingest(MemoryStore),
             "ingest, memory + disk (fp16)": ingest(
                 lambda: TieredStore(MemoryStore(), DiskStore(f"{tmp}/{next(counter)}"))
