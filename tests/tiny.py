@@ -210,13 +210,15 @@ STRATEGY_QUESTION = "When does the archive open?"
 
 def edit_manifest(folder: Any, **changes: Any) -> None:
     """Change fields of an index folder's manifest as its owner would: re-signed with the user's key (what an edit
-    by someone without the key cannot do; tests of that edit write the file by hand)."""
+    by someone without the key cannot do; tests of that edit write the file by hand). A field given as ... is
+    removed (a manifest written before the field was)."""
     import json
 
     from kvrag.engine.folder import MANIFEST, IndexFolder
 
     path = folder / MANIFEST
     manifest = {**json.loads(path.read_text()), **changes}
+    manifest = {k: v for k, v in manifest.items() if v is not ...}
     if "mac" in manifest:
         manifest["mac"] = IndexFolder(folder)._mac(manifest)
     path.write_text(json.dumps(manifest))

@@ -49,9 +49,9 @@ def add_ingest(sub: Any) -> None:
         "--encoding",
         choices=("alone", "document"),
         default=None,
-        help="alone (default): each chunk's KV encoded behind the prompt prefix only; document: behind its "
-        "document's earlier chunks too (a document's chunks read in order are then exactly its full prefill; "
-        "docs/usage.md)",
+        help="document (default for a new index): each chunk's KV encoded behind its document's earlier chunks (a "
+        "document's chunks read in order are then exactly its full prefill); alone: behind the prompt prefix only "
+        "(docs/usage.md)",
     )
     ingest.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     ingest.add_argument(
@@ -286,8 +286,10 @@ _INDEX_FLAGS = {
     "overlap": ("--overlap", 20),
     "storage_dtype": ("--storage-dtype", "float16"),
     "namespace": ("--namespace", ""),
-    "encoding": ("--encoding", "alone"),
+    "encoding": ("--encoding", "document"),
 }
+# what an existing index whose manifest lacks a flag's key was built with (it predates the flag)
+_BUILT_BEFORE = {"encoding": "alone"}
 
 
 def _index_settings(args: argparse.Namespace) -> None:
@@ -308,7 +310,7 @@ def _index_settings(args: argparse.Namespace) -> None:
         return
     manifest = folder.manifest()
     for key, (flag, default) in _INDEX_FLAGS.items():
-        given, built = getattr(args, key), manifest.get(key, default)
+        given, built = getattr(args, key), manifest.get(key, _BUILT_BEFORE.get(key, default))
         if key == "dtype" and given is not None:
             given = None if given == "auto" else str(resolve_dtype(given, args.device)).removeprefix("torch.")
         same = given is None or given == built or (key == "model" and same_model(given, built))

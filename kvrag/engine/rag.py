@@ -73,11 +73,12 @@ class KVRAG(Ingesting, Querying, Upkeep):
             raises BusyError at once instead of growing memory without bound.
         lock_timeout_s: the longest wait for the index folder's lock held by another process, then
             LockTimeoutError naming it; None (default): a few seconds to read, longer to write (`IndexFolder`).
-        encoding: how ingestion encodes a document's chunks: "alone" (default), each behind the prompt prefix only,
-            or "document", each behind its document's earlier chunks (in runs within the model's context window,
-            `KVModel.encode_in_context`): a document's chunks read in order are then exactly its full prefill, and
-            each chunk's KV has read what came before it. Kept with the index; its records say how each chunk was
-            encoded (a chunk whose in-context KV is missing from the store is encoded alone).
+        encoding: how ingestion encodes a document's chunks: "document" (default), each behind its document's
+            earlier chunks (in runs within the model's context window, `KVModel.encode_in_context`): a document's
+            chunks read in order are then exactly its full prefill, and each chunk's KV has read what came before
+            it; or "alone", each behind the prompt prefix only (what indexes built before "document" hold). Kept
+            with the index; its records say how each chunk was encoded (a chunk whose in-context KV is missing from
+            the store is encoded alone). Chosen on held-out sources: docs/study.md.
 
     With a namespace the store is that namespace's view (`KVStore.scoped`): its own Redis key prefix or
     disk subfolder, so `info`, `keys()` and `gc` see this tenant's entries only.
@@ -105,7 +106,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         read_only: bool = False,
         max_in_flight: int = 32,
         lock_timeout_s: float | None = None,
-        encoding: str = "alone",
+        encoding: str = "document",
     ) -> None:
         self.kvmodel = kv
         self.encoding = check_encoding(encoding)
@@ -191,7 +192,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         serves both; an index at `path` must have been built with that model). `create=False` refuses a `path`
         that holds no index (IndexLoadError naming it) instead of starting a new, empty one there: for code that
         only reads an index, where a mistyped path would otherwise answer from nothing. `lock_timeout_s` and
-        `encoding` are `KVRAG`'s (None: the index's, "alone" for a new one).
+        `encoding` are `KVRAG`'s (None: the index's, "document" for a new one).
         """
         check_secret(secret)  # a bad secret, encoding or namespace is refused before the model loads or a folder is made
         if encoding is not None:
@@ -255,7 +256,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
             require_store=require_store,
             secret=secret,
             lock_timeout_s=lock_timeout_s,
-            encoding=encoding or "alone",
+            encoding=encoding or "document",
         )
 
     @classmethod
@@ -349,7 +350,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
             secret=secret,
             read_only=read_only,
             lock_timeout_s=lock_timeout_s,
-            encoding=encoding or manifest.get("encoding", "alone"),
+            encoding=encoding or manifest.get("encoding", "alone"),  # an index from before encodings: alone
         )
         engine.kv_on_demand = manifest.get("kv_on_demand") is True
         engine.source.read_only = not kv_writes

@@ -21,6 +21,13 @@ class Upkeep:
             return None
         return self.folder.manifest().get("kv_store")
 
+    def _run_before(self, record: Any) -> list[Any] | None:
+        """The records of the chunks a chunk encoded in its document's context was encoded behind (its run's earlier
+        chunks), or None where they are not all indexed. The caller holds the lock."""
+        n = int(record.id.rpartition("#")[2])
+        earlier = [self.index.records.get(f"{record.doc_id}#{m}") for m in range(n - record.after, n)]
+        return None if any(r is None for r in earlier) else earlier
+
     def gc(self, *, dry_run: bool = False) -> dict[str, int]:
         """Delete the store's entries that no indexed chunk refers to (a killed ingest's, a deleted document's
         when another chunk shared nothing) and dead writers' temporary files; return what was (or, with
@@ -57,13 +64,17 @@ class Upkeep:
             self._check_writable("repair entries")
         with self._lock:
             records = sorted(self.index.records.values(), key=lambda r: r.id)
+            before = {r.id: self._run_before(r) for r in records if r.after}
         disks = _disk_stores(self.store)
         ok, damaged, missing, absent = 0, [], 0, []
         with warnings.catch_warnings():  # each failure is reported in the result, not warned about one by one
             warnings.simplefilter("ignore", StoreWarning)
             for record in records:
                 ids = self.kvmodel.chunk_ids(0, record.text)
-                if self.source.key(ids) != record.key:
+                context = [t for r in before.get(record.id) or [] for t in self.kvmodel.chunk_ids(0, r.text)]
+                if record.after and before.get(record.id) is None:
+                    missing += 1  # its document's earlier chunks are not indexed as they were: recomputed alone
+                elif self.source.key(ids, context) != record.key:
                     missing += 1  # another model's or prefix's key cannot be read here: recomputed when used
                 elif any(d.irregular(record.key) for d in disks):
                     damaged.append((record, ids))  # a link, folder or FIFO at its name: never read, never an entry
@@ -80,8 +91,15 @@ class Upkeep:
             with self._writing():
                 for record, _ in damaged:
                     self.store.delete(record.key)  # the bad entry goes first: a tier must not serve it again
-                todo = {r.key: ids for r, ids in [*damaged, *fill]}  # one entry a key: chunks may share one
-                self.source.encode_and_store(list(todo.values()), list(todo))
+                # one entry a key (chunks may share one); one in context is encoded behind its run's earlier chunks,
+                # which are stored again with it (the same KV their entries hold)
+                todo = {r.key: [*before.get(r.id, []), r] for r, _ in [*damaged, *fill]}
+                chunks, keys, runs = [], [], []
+                for run in todo.values():
+                    runs.append(list(range(len(chunks), len(chunks) + len(run))))
+                    chunks += [self.kvmodel.chunk_ids(0, r.text) for r in run]
+                    keys += [r.key for r in run]
+                self.source.encode_and_store(chunks, keys, runs=runs)
         return {
             "checked": len(records),
             "ok": ok,

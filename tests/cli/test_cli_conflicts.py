@@ -61,6 +61,7 @@ def ingest(capsys, setup, index, *flags):
         (["--storage-dtype", "float16"], "--storage-dtype float16", "storage_dtype", "bfloat16"),
         (["--namespace", "tenant-b"], "--namespace tenant-b", "namespace", "tenant-a"),
         (["--namespace", ""], "--namespace ''", "namespace", "tenant-a"),
+        (["--encoding", "alone"], "--encoding alone", "encoding", "document"),
         (
             ["--model", "HuggingFaceTB/SmolLM2-135M-Instruct"],
             "--model HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -116,7 +117,7 @@ def test_a_fresh_index_takes_the_defaults(capsys, setup, monkeypatch):
         "float16",
         "",
     )
-    assert manifest["dtype"] == "float32" and manifest["model"] == str(model)
+    assert manifest["dtype"] == "float32" and manifest["model"] == str(model) and manifest["encoding"] == "document"
     code, _, err = ingest(capsys, setup, fresh, "--model", root / "other")
     assert code == 2 and f"--model {root / 'other'} conflicts" in err and f"built with model {model}:" in err
 
@@ -130,6 +131,19 @@ def test_an_index_of_the_embedded_default_model_conflicts_with_any_model_named(c
         f"kvrag: error: --model {setup[1]} conflicts with the index at {copy}, built with model None (the embedded "
         "default): drop the flag or ingest into a new folder\n"
     )
+
+
+def test_an_index_built_before_encodings_keeps_its_chunks_alone(capsys, setup, index, tmp_path, monkeypatch):
+    monkeypatch.setattr("kvrag.engine.rag.Embedder", NamedHashEmbedder)
+    copy = tmp_path / "copy"
+    shutil.copytree(index, copy)
+    manifest = IndexFolder(copy).manifest()
+    edit_manifest(copy, encoding=...)  # as an index written before the field was
+    code, _, err = ingest(capsys, setup, copy, "--encoding", "document")
+    assert code == 2 and "--encoding document conflicts" in err and "built with encoding alone:" in err
+    code, _, err = ingest(capsys, setup, copy)
+    assert code == 0, err
+    assert IndexFolder(copy).manifest()["encoding"] == "alone" and manifest["encoding"] == "document"
 
 
 def test_the_help_states_the_defaults(capsys):

@@ -89,3 +89,19 @@ def test_a_frameworks_texts_read_the_in_context_entries_of_the_chunks_that_hold_
     answer = rag.answer("Who keeps the keys?", texts, strategy="reuse", max_new_tokens=4)
     assert answer.stats.chunks_encoded == 0 and answer.stats.store_hits == len(texts)
     assert [s.id for s in answer.sources] == [r.id for r in sorted(rag.index.records.values(), key=lambda r: r.after)]
+
+
+def test_verify_checks_in_context_entries_and_repair_writes_them_back_in_context(kv, embedder, tmp_path):
+    rag = KVRAG.from_defaults(tmp_path / "index", model=kv, chunk_tokens=60, overlap=0, secret="")
+    assert rag.encoding == "document"  # a new index's default
+    rag.ingest([STORY], progress=False)
+    n = len(rag.index.records)
+    assert rag.verify() == {**rag.verify(), "checked": n, "ok": n, "missing": 0, "damaged": 0}
+    last = max(rag.index.records.values(), key=lambda r: r.after)
+    want = rag.store.get(last.key)
+    rag.store.delete(last.key)
+    assert rag.verify()["missing"] == 1
+    assert rag.verify(repair=True)["filled"] == 1
+    back = rag.store.get(last.key)
+    assert back.start == want.start and back.behind == want.behind and torch.allclose(back.keys, want.keys)
+    assert rag.verify()["ok"] == n
