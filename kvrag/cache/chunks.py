@@ -263,6 +263,10 @@ class Chunks:
             for key, kv in writes:
                 self.source.put(key, kv)
 
+    def holds(self, indices: Iterable[int]) -> bool:
+        """Whether the KV of every one of `indices` is in hand (read or given): `kv` of them then encodes nothing."""
+        return all(self._kv[i] is not None for i in indices)
+
     def prefetch(self, indices: Iterable[int] | None = None) -> None:
         """Read the stored KV of `indices` (default: every chunk) now, encoding nothing: called before the model's
         lock is taken, so a slow or hung store delays this request only, never another one waiting for the model."""

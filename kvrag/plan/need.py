@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from kvrag.cache.kv import ids_digest
-from kvrag.plan.strategies import Plan, PlanRequest, by_score, register_strategy
+from kvrag.plan.strategies import Plan, PlanRequest, by_score, exact_over, register_strategy
 from kvrag.rank import content_words, words
 from kvrag.plan.strategies import target_of as _target
 
@@ -100,25 +100,8 @@ def covering(request: PlanRequest, order: list[int], likelihood: torch.Tensor) -
     return sorted(read[:-1]) + read[-1:]
 
 
-def in_place(request: PlanRequest, order: list[int]) -> set[int]:
-    """The chunks of `order` whose stored KV is already their KV in a full prefill over `order`: each encoded right
-    behind the prefix and exactly the chunks before it there (`ChunkKV.behind`, `start`), as the first chunk
-    encoded alone is, and a document's chunks encoded in its context and read in its order are. Without a probe to
-    read the chunks' KV: the first chunk alone."""
-    probe = request.probe
-    if probe is None:
-        return {order[0]}
-    kvs, prefix = probe.chunks, len(probe.prefix)
-    kept, before = set(), []
-    for c in order:
-        if kvs[c].start == prefix + len(before) and kvs[c].behind == ids_digest(before):
-            kept.add(c)
-        before += kvs[c].token_ids.tolist()
-    return kept
-
-
 def document_order(request: PlanRequest) -> list[int] | None:
-    """The chunks in the one order in which each is in place (`in_place`): one document's chunks encoded in its
+    """The chunks in the one order in which each is in place (`kvrag.plan.strategies.in_place`): one document's chunks encoded in its
     context, all there, read as encoded; None where the chunks are not that (encoded alone, or not all of a run)."""
     probe = request.probe
     if probe is None or len(request.lengths) < 2:
@@ -137,14 +120,6 @@ def document_order(request: PlanRequest) -> list[int] | None:
     return order
 
 
-def _exact_over(order: list[int], request: PlanRequest) -> dict[int, torch.Tensor]:
-    """What makes a plan over `order` exactly a full prefill over it: every chunk recomputed but those whose stored
-    KV is their full-prefill KV there already (`in_place`: the first, encoded alone right behind the prefix; a
-    document's chunks in its order)."""
-    kept = in_place(request, order)
-    return {c: torch.arange(request.lengths[c]) for c in order if c not in kept}
-
-
 @register_strategy(
     "best_few",
     needs_target=True,
@@ -155,7 +130,7 @@ def _exact_over(order: list[int], request: PlanRequest) -> dict[int, torch.Tenso
 )
 def _best_few(request: PlanRequest) -> Plan:
     order, _ = _several(request, _target(request))
-    return Plan(order=order, recompute=_exact_over(order, request))
+    return Plan(order=order, recompute=exact_over(request, order))
 
 
 def _several(request: PlanRequest, best: int) -> tuple[list[int], int]:
@@ -193,7 +168,7 @@ def _by_need(request: PlanRequest) -> Plan:
     lift, margin = seen["lift"], seen["margin"]
     if lift < ABSTAIN_LIFT:
         reason = f"no chunk bears on the question (lift {lift:.2f} < {ABSTAIN_LIFT})"
-        return Plan(order=[best], abstain=True, reason=reason, signals=seen)
+        return Plan(order=[best], recompute=exact_over(request, [best]), abstain=True, reason=reason, signals=seen)
     agree = int(seen["retriever_best"]) == best
     if len(request.lengths) == 1 or margin > (AGREE_MARGIN if agree else ONE_CHUNK_MARGIN):
         why = " and the retriever's" if agree else ""
@@ -201,10 +176,10 @@ def _by_need(request: PlanRequest) -> Plan:
         order = covering(request, [best], request.probe.question_likelihood())  # type: ignore[union-attr]
         seen["named"] = float(len(order) - 1)
         if len(order) == 1:
-            return Plan(order=order, reason=reason, signals=seen)
+            return Plan(order=order, recompute=exact_over(request, order), reason=reason, signals=seen)
         reason = f"{len(order)} chunks: {reason}, and those holding the question's other names"
-        return Plan(order=order, recompute=_exact_over(order, request), reason=reason, signals=seen)
+        return Plan(order=order, recompute=exact_over(request, order), reason=reason, signals=seen)
     order, named = _several(request, best)
     seen["named"] = float(named)
     reason = f"{len(order)} chunks: no chunk stands out (the model's best leads by {margin:.2f})"
-    return Plan(order=order, recompute=_exact_over(order, request), reason=reason, signals=seen)
+    return Plan(order=order, recompute=exact_over(request, order), reason=reason, signals=seen)

@@ -140,6 +140,17 @@ class Probe:
         with self.lock:
             return self._chunks.kv() if isinstance(self._chunks, Chunks) else list(self._chunks)
 
+    def kv_of(self, indices: Sequence[int]) -> list[ChunkKV]:
+        """The KV of these chunks only (a plan that reads a few of many chunks reads those): read from the store
+        without the model's lock, which only a miss to encode takes."""
+        if not isinstance(self._chunks, Chunks):
+            return [self._chunks[c] for c in indices]
+        self._chunks.prefetch(indices)
+        if self._chunks.holds(indices):
+            return self._chunks.kv(indices)
+        with self.lock:
+            return self._chunks.kv(indices)
+
     @_measurement()
     def value_deviation(self, order: Sequence[int], *, check_layer: int = 1) -> torch.Tensor:
         """Per context token (stitched order), the squared distance between fresh and reused values at `check_layer`.

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from kvrag.cache.kv import ChunkKV
+from kvrag.cache.kv import ChunkKV, ids_digest
 from kvrag.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -405,10 +405,37 @@ def _target_tempered(request: PlanRequest) -> Plan:
     needs_target=True,
     budgeted=False,
     description="the picked target alone behind the prefix, its stored KV as is: exactly a full prefill over that "
-    "one chunk, at the cost of the suffix",
+    "one chunk, at the cost of the suffix (a chunk encoded behind its document's earlier chunks is recomputed)",
 )
 def _target_only(request: PlanRequest) -> Plan:
-    return Plan(order=[target_of(request)])  # a lone chunk's KV, encoded behind the prefix, is its full-prefill KV
+    order = [target_of(request)]  # a lone chunk's KV, encoded behind the prefix, is its full-prefill KV
+    return Plan(order=order, recompute=exact_over(request, order))
+
+
+def in_place(request: PlanRequest, order: list[int]) -> set[int]:
+    """The chunks of `order` whose stored KV is already their KV in a full prefill over `order`: each encoded right
+    behind the prefix and exactly the chunks before it there (`ChunkKV.behind`, `start`), as a first chunk encoded
+    alone is, and a document's chunks encoded in its context and read in its order are. Reads the KV of `order`'s
+    chunks only. Without a probe to read them: the first chunk alone."""
+    probe = request.probe
+    if probe is None:
+        return {order[0]}
+    prefix = len(probe.prefix)
+    kept, before = set(), []
+    for c, kv in zip(order, probe.kv_of(order)):
+        if kv.start == prefix + len(before) and kv.behind == ids_digest(before):
+            kept.add(c)
+        before += kv.token_ids.tolist()
+    return kept
+
+
+def exact_over(request: PlanRequest, order: list[int]) -> dict[int, torch.Tensor]:
+    """What makes a plan over `order` exactly a full prefill over it: every chunk recomputed but those whose stored
+    KV is their full-prefill KV there already (`in_place`: a first chunk encoded alone; a document's chunks encoded
+    in its context, in its order). A chunk encoded behind its document's earlier chunks and read without them is
+    recomputed."""
+    kept = in_place(request, order)
+    return {c: torch.arange(request.lengths[c]) for c in order if c not in kept}
 
 
 def __getattr__(name: str) -> Any:

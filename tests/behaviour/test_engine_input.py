@@ -152,15 +152,15 @@ def test_a_5_mb_document_through_the_api_and_the_cli(tmp_path, capsys, monkeypat
     rag.kvmodel.batch_tokens = 1 << 16
     import kvrag.model.runtime  # the one encoding set-up
 
-    real_encode, calls = kvrag.model.runtime.encode_chunks, []
+    real_encode, calls = kvrag.model.runtime.encode_runs, []
 
-    def recording(model, prefix, ids, **kw):
-        calls.append(sum(map(len, ids)))
-        return real_encode(model, prefix, ids, **kw)
+    def recording(model, prefix, runs, **kw):
+        calls.append(sum(len(ids) for run in runs for ids in run))
+        return real_encode(model, prefix, runs, **kw)
 
-    monkeypatch.setattr(kvrag.model.runtime, "encode_chunks", recording)
+    monkeypatch.setattr(kvrag.model.runtime, "encode_runs", recording)
     stats = rag.ingest(big, progress=False)
-    monkeypatch.setattr(kvrag.model.runtime, "encode_chunks", real_encode)
+    monkeypatch.setattr(kvrag.model.runtime, "encode_runs", real_encode)
     assert stats.documents == 1 and stats.tokens > 5_000_000 and stats.chunks > 12_000
     # Ingestion holds one group's KV at a time (about one encoding forward), never the whole document's.
     assert (

@@ -173,7 +173,7 @@ def test_a_run_with_a_chunk_missing_is_planned_by_need_and_stays_exact_over_what
 
 
 def test_in_place_keeps_exactly_the_chunks_encoded_behind_what_precedes_them(kv, enc, in_context):
-    from kvrag.plan.strategies import PlanRequest
+    from kvrag.plan.strategies import PlanRequest, in_place
 
     both = [*in_context[:3], enc[3]]  # a run's first three chunks, then one encoded alone
 
@@ -182,9 +182,9 @@ def test_in_place_keeps_exactly_the_chunks_encoded_behind_what_precedes_them(kv,
         return PlanRequest(lengths=[len(c) for c in chunks], target=None, budget=0.0, probe=probe)
 
     req = request(both)
-    assert need.in_place(req, [0, 1, 2, 3]) == {0, 1, 2}
-    assert need.in_place(req, [1, 0, 2, 3]) == set()  # chunk 0 is alone-like, but not first
-    assert need.in_place(req, [3, 0, 1]) == {3}  # the alone chunk first; the run's chunks sit behind it
+    assert in_place(req, [0, 1, 2, 3]) == {0, 1, 2}
+    assert in_place(req, [1, 0, 2, 3]) == set()  # chunk 0 is alone-like, but not first
+    assert in_place(req, [3, 0, 1]) == {3}  # the alone chunk first; the run's chunks sit behind it
     assert need.document_order(req) is None  # the alone chunk belongs to no run
     assert need.document_order(request(in_context[:3][::-1])) == [2, 1, 0]
     assert need.document_order(request(list(enc))) is None  # chunks encoded alone are no document
