@@ -136,7 +136,9 @@ class ChunkSource:
             for batch in length_batches(lengths, max(model.batch_tokens, 1)):
                 chunks = [i for r in batch for i in runs[r]]
                 with model.lock:  # one forward: the batch fits batch_tokens
-                    kvs = [kv for run in model.encode_runs_ids([[ids[i] for i in runs[r]] for r in batch]) for kv in run]
+                    encoded = model.encode_runs_ids([[ids[i] for i in runs[r]] for r in batch])
+                kvs = [kv for run in encoded for kv in run]
+                del encoded
                 writer.put([(keys[i], kv) for i, kv in zip(chunks, kvs)])
                 del kvs
                 if on_batch is not None:

@@ -347,7 +347,9 @@ def _resolved(path: str) -> str:
         return ""
 
 
-def _runs_holding(runs: Sequence[Sequence[int]], records: Sequence[ChunkRecord], wanted: Sequence[int]) -> list[list[int]]:
+def _runs_holding(
+    runs: Sequence[Sequence[int]], records: Sequence[ChunkRecord], wanted: Sequence[int]
+) -> list[list[int]]:
     """The runs that hold any of the `wanted` records, each once (a run whose chunks' keys another run has, the same
     document ingested twice, is encoded once)."""
     wanted_set, seen = set(wanted), set()

@@ -194,7 +194,8 @@ class KVRAG(Ingesting, Querying, Upkeep):
         only reads an index, where a mistyped path would otherwise answer from nothing. `lock_timeout_s` and
         `encoding` are `KVRAG`'s (None: the index's, "document" for a new one).
         """
-        check_secret(secret)  # a bad secret, encoding or namespace is refused before the model loads or a folder is made
+        # a bad secret, encoding or namespace is refused before the model loads or a folder is made
+        check_secret(secret)
         if encoding is not None:
             check_encoding(encoding)
         if namespace:

@@ -9,14 +9,15 @@ The signals that choose the plan read how the model and the retriever see the ch
   whether one chunk stands out.
 
 The plan: the chunks are one document's, encoded in its context (`KVRAG(encoding="document")`), all of one run ->
-read them whole in the document's order (exactly its full prefill, nothing recomputed); else no lift -> abstain (the one-chunk answer is decoded as a draft, the answer says the documents do not
-say); the model's best chunk leads the rest clearly -> that chunk alone (exactly a full prefill over it, at the cost
-of the suffix: its pass was the likelihood pass); else -> the best chunks by either ranking, stitched with the
-model's best next to the question and all but the first recomputed (exactly a full prefill over those chunks in
-that order). Whichever plan it reads, every name the question shares with the retrieved chunks is read: a word of
-the question that one or a few retrieved chunks hold (what tells one document from its neighbours, whatever the
-wording) pulls in the model's best chunk holding it, so a question about two things reads both. The thresholds are
-chosen on held-out sources (docs/study.md).
+read them whole in the document's order (exactly its full prefill, nothing recomputed, nothing measured); else no
+lift -> abstain (the one-chunk answer is decoded as a draft, the answer says the documents do not say); the model's
+best chunk leads the rest clearly -> that chunk alone (exactly a full prefill over it, at the cost of the suffix: its
+pass was the likelihood pass; a chunk encoded behind its document's earlier chunks is recomputed); else -> the best
+chunks by either ranking, stitched with the model's best next to the question and every chunk not already in place
+recomputed (exactly a full prefill over those chunks in that order). Whichever plan it reads, every name the
+question shares with the retrieved chunks is read: a word of the question that one or a few retrieved chunks hold
+(what tells one document from its neighbours, whatever the wording) pulls in the model's best chunk holding it, so a
+question about two things reads both. The thresholds are chosen on held-out sources (docs/study.md).
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def covering(request: PlanRequest, order: list[int], likelihood: torch.Tensor) -
 
 
 def document_order(request: PlanRequest) -> list[int] | None:
-    """The chunks in the one order in which each is in place (`kvrag.plan.strategies.in_place`): one document's chunks encoded in its
-    context, all there, read as encoded; None where the chunks are not that (encoded alone, or not all of a run)."""
+    """The chunks in the one order in which each is in place (`kvrag.plan.strategies.in_place`): one document's
+    chunks encoded in its context, all there, read as encoded; None where the chunks are not that (encoded alone, or
+    not all of a run)."""
     probe = request.probe
     if probe is None or len(request.lengths) < 2:
         return None
