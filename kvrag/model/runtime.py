@@ -20,7 +20,7 @@ from kvrag import cpu
 from kvrag.cache.kv import ChunkKey, ChunkKV, chunk_key, encoder_id
 from kvrag.errors import ContextOverflowError, InvalidRequestError, UnsupportedModelError
 from kvrag.model.catalog import named, shipped_decode_weights
-from kvrag.model.encode import DEFAULT_BATCH_TOKENS, context_runs, encode_chunks, encode_prefix, encode_runs
+from kvrag.model.encode import DEFAULT_BATCH_TOKENS, context_runs, encode_prefix, encode_runs
 from kvrag.model.layout import PromptLayout
 from kvrag.model.loading import (
     check_architecture,
@@ -194,14 +194,7 @@ class ModelRuntime:
     ) -> list[ChunkKV]:
         """Encode chunks given as token ids behind the chunk prefix (the one encoding set-up); the caller holds
         `lock`. `on_batch(n)` after each forward of n chunks."""
-        return encode_chunks(
-            self.model,
-            self.chunk_prefix,
-            ids,
-            batch_tokens=self.batch_tokens,
-            on_batch=on_batch,
-            encoder=self.encoder_id,
-        )
+        return [run[0] for run in self.encode_runs_ids([[chunk] for chunk in ids], on_batch=on_batch)]
 
     def encode_in_context(self, documents: Sequence[Sequence[str]]) -> list[list[ChunkKV]]:
         """Each document's chunks (texts, in document order) encoded in its context: a chunk behind the document's

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrag.cache.kv import ids_digest
-from kvrag.plan.strategies import Plan, PlanRequest, by_score, exact_over, register_strategy
+from kvrag.plan.strategies import Plan, PlanRequest, by_score, exact_over, register_strategy, sits_after
 from kvrag.rank import content_words, words
 from kvrag.plan.strategies import target_of as _target
 
@@ -113,7 +112,7 @@ def document_order(request: PlanRequest) -> list[int] | None:
         return None
     left, order, before = set(range(len(kvs))), [], []
     while left:
-        nxt = [c for c in sorted(left) if kvs[c].start == prefix + len(before) and kvs[c].behind == ids_digest(before)]
+        nxt = [c for c in sorted(left) if sits_after(kvs[c], prefix, before)]
         if not nxt:
             return None
         order.append(nxt[0])

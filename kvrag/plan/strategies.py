@@ -423,10 +423,16 @@ def in_place(request: PlanRequest, order: list[int]) -> set[int]:
     prefix = len(probe.prefix)
     kept, before = set(), []
     for c, kv in zip(order, probe.kv_of(order)):
-        if kv.start == prefix + len(before) and kv.behind == ids_digest(before):
+        if sits_after(kv, prefix, before):
             kept.add(c)
         before += kv.token_ids.tolist()
     return kept
+
+
+def sits_after(kv: ChunkKV, prefix: int, before: list[int]) -> bool:
+    """Whether `kv` was encoded right behind a `prefix`-token prefix and exactly the tokens `before` (its position
+    and `ChunkKV.behind`): read there, it is its full-prefill KV."""
+    return kv.start == prefix + len(before) and kv.behind == ids_digest(before)
 
 
 def exact_over(request: PlanRequest, order: list[int]) -> dict[int, torch.Tensor]:
