@@ -180,6 +180,7 @@ def test_a_named_model_decodes_over_its_shipped_weights_unless_told_otherwise():
     from kvrag import KVModel
 
     assert catalog.shipped_decode_weights(catalog.QWEN_05B.weights) == "int4"
+    assert catalog.shipped_decode_weights(catalog.QWEN_15B.weights) == "int4"
     assert catalog.shipped_decode_weights("hub:someone/else@main") == "model"
     named = catalog.QWEN_05B.weights  # a model object of its own each (the state belongs to the model object)
     assert KVModel(tiny_model("qwen2", seed=97), byte_tokenizer(), weights_id=named).cpu_state.decode_weights == "int4"
