@@ -158,16 +158,16 @@ class Ingesting:
             except BaseException:
                 self.index = before  # nothing half-added: the index stays as committed
                 raise
+        hits = sum(stored) - sum(stored[i] for i in missing)  # a stored chunk of a run encoded again is not a hit
         logger.info(
-            "ingest: %d documents, %d chunks, %d encoded, %d already stored", len(docs), len(records), len(missing),
-            sum(stored),
+            "ingest: %d documents, %d chunks, %d encoded, %d already stored", len(docs), len(records), len(missing), hits
         )
         return IngestStats(
             documents=len(docs),
             chunks=len(records),
             tokens=sum(r.n_tokens for r in records),
             encoded=len(missing),
-            store_hits=sum(stored),
+            store_hits=hits,
             seconds=time.perf_counter() - t0,
             encode_s=encode_s,
             skipped=skipped,
