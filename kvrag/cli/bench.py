@@ -58,8 +58,9 @@ def add_bench(sub: Any) -> None:
         "--strategies",
         default="full_prefill_top1,full_prefill_top3,default",
         help="comma-separated; default is the model's shipped default, a name ending in _int8 or _int4 that "
-        "strategy decoded over those weights, one ending in @doc that strategy over chunks encoded in their "
-        "documents' context (default: full_prefill_top1,full_prefill_top3,default)",
+        "strategy decoded over those weights; after an @, marks joined by +: doc (chunks encoded in their "
+        "documents' context) and a storage dtype (entries stored so and read back: default@doc+int4) "
+        "(default: full_prefill_top1,full_prefill_top3,default)",
     )
     bench.add_argument("--max-new-tokens", type=int, default=48, help="most tokens an answer decodes (default 48)")
     bench.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
@@ -141,13 +142,17 @@ def _bench_dtype(args: argparse.Namespace) -> None:
 
 
 def _bench_answers(args: argparse.Namespace) -> None:
-    from kvrag.lab.bench.answers import markdown, quantized, whole_answers
+    from kvrag.lab.bench.answers import keeping, markdown, quantized, whole_answers
     from kvrag.kvmodel import KVModel
     from kvrag.plan.strategies import get_strategy
 
     strategies = parse_csv(args.strategies, str, "--strategies")
     for name in strategies:
-        base = quantized(name.removesuffix("@doc"))[0].removesuffix("+parts").partition(":")[0]
+        try:
+            keeping(name)
+        except ValueError as err:
+            raise InvalidRequestError(f"--strategies: {err}") from None
+        base = quantized(name.partition("@")[0])[0].removesuffix("+parts").partition(":")[0]
         if base != "default":
             get_strategy(base)  # an unknown name is refused before the model loads
     if not 1 <= args.limit <= 10_000 or args.max_new_tokens < 1:

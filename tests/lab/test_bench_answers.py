@@ -56,3 +56,35 @@ def test_a_bench_name_may_fix_the_picker_and_split_the_question():
     assert _strategy("default") == {} and _strategy("default+parts") == {"parts": "auto"}
     assert _strategy("target_only:gap+parts") == {"strategy": "target_only", "picker": "gap", "parts": "auto"}
     assert _strategy("best_few") == {"strategy": "best_few"}
+
+
+def test_marks_after_the_at_say_how_the_chunks_kv_is_kept_and_a_storage_row_pairs_with_the_models_dtype():
+    from kvrag.lab.bench.answers import keeping
+
+    assert keeping("default") == (False, None) and keeping("default@doc") == (True, None)
+    assert keeping("default_int4@doc+int4") == (True, "int4") and keeping("target_only:gap@int8") == (False, "int8")
+    for bad in ("default@docs", "default@int4+int8", "default@int3"):
+        with pytest.raises(ValueError, match="after '@'"):
+            keeping(bad)
+    rows = [
+        {"item": i, "family": "f", "strategy": s, "correct": True, "ttft_s": 0.1, "answer_s": 0.2, "new_tokens": 3,
+         "text": text}
+        for i, (own, int4) in enumerate([("a", "a"), ("b", "c")])
+        for s, text in (("default@doc", own), ("default@doc+int4", int4))
+    ]
+    assert summary(rows, ["default@doc", "default@doc+int4"])["all"]["default@doc+int4"]["same"] == 1
+
+
+def test_a_storage_mark_answers_over_entries_written_in_that_dtype_and_read_back(capsys):
+    from kvrag import KVModel
+
+    kv = KVModel.from_pretrained()
+    result = whole_answers(kv, data="builtin:open_qa", limit=1, max_new_tokens=4, log=lambda m: None,
+                           strategies=["default@doc", "default@doc+float32", "default@doc+int4"])
+    by = {r["strategy"]: r for r in result["rows"]}
+    # float32 entries hold the model's bfloat16 KV exactly: the same answer; int4 entries are read back de-quantized
+    assert by["default@doc+float32"]["text"] == by["default@doc"]["text"]
+    assert result["summary"]["all"]["default@doc+float32"]["same"] == 1
+    assert "same" in result["summary"]["all"]["default@doc+int4"]
+    assert main(["bench-answers", "--strategies", "default@doc+int3"]) == 2
+    assert "after '@'" in capsys.readouterr().err

@@ -11,20 +11,26 @@ its shipped decode weights); one ending in `_int8` or `_int4` (`default_int8`) i
 quantized weights (`kvrag.cpu.decode_weights`, on for its answers only); its `same` counts the items whose answer is
 word for word the one the strategy gives over the model's own weights (listed too).
 
-A name ending in `@doc` (after any `_int8`/`_int4`: `default@doc`) answers over the chunks encoded in their
-document's context (`KVModel.encode_in_context`): an item's chunks of one document (`Chunk.document`), in the item's
-order, each behind that document's earlier chunks; kept in a store of their own, at the keys of their texts.
+After any `_int8`/`_int4`, marks after an `@`, joined by `+`, say how the chunks' KV is kept. `doc`
+(`default@doc`) answers over the chunks encoded in their document's context (`KVModel.encode_in_context`): an
+item's chunks of one document (`Chunk.document`), in the item's order, each behind that document's earlier chunks.
+A storage dtype (`float16`, `int8`, `int4`: `default@doc+int4`) answers over entries written to a disk store in
+that dtype and read back, as an index ingested with `--storage-dtype` holds them; its `same` counts the answers word
+for word those over the KV kept in the model's dtype (`default@doc`). Each kind of marks has a store of its own,
+the entries at the keys of their texts.
 """
 
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 from typing import Any, Callable, Sequence
 
 import torch
 
-from kvrag.cache.store import MemoryStore
+from kvrag.cache.codec import STORAGE_DTYPES
+from kvrag.cache.store import DiskStore, MemoryStore, TieredStore
 from kvrag.cpu import decode_weights
 from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
@@ -48,43 +54,48 @@ def whole_answers(
     """Time and score every strategy's whole answer on the items of `data` (see the module docstring)."""
     items, _ = load_items(data, limit=limit, seed=seed)
     embedder = Embedder()
-    rag = KVRAG(kv, embedder=embedder, store=MemoryStore())
-    in_context = KVRAG(kv, embedder=embedder, store=MemoryStore()) if any(map(_in_context, strategies)) else None
     options = dict(max_new_tokens=max_new_tokens, stop=["\n"])
     rows: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    for n, item in enumerate(items):
-        texts = [c.text for c in item.chunks]
-        rag.store_kv(texts)
-        if in_context is not None:
-            store_in_context(in_context, item.chunks)
-        vectors = torch.as_tensor(rag.embedder.embed(texts))
-        scores = (vectors @ torch.as_tensor(rag.embedder.embed([item.question]))[0]).tolist()
-        if n == 0:  # untimed: the first answer of each strategy builds kernels and buffers
-            for strategy in strategies:
-                _answer(in_context if _in_context(strategy) else rag, strategy, item.question, texts, scores, options)
+    with tempfile.TemporaryDirectory(prefix="kvrag-bench-answers-") as tmp:
+        engines: dict[tuple[bool, str | None], KVRAG] = {}
         for strategy in strategies:
-            engine = in_context if _in_context(strategy) else rag
-            answer = _answer(engine, strategy, item.question, texts, scores, options)
-            rows.append(
-                {
-                    "item": item.id,
-                    "family": item.family,
-                    "strategy": strategy,
-                    "parts": len(answer.parts),
-                    "composed": answer.composed,
-                    "correct": item.is_correct(answer.text),
-                    "ttft_s": answer.stats.ttft_s,
-                    "answer_s": answer.stats.total_s,
-                    "new_tokens": answer.stats.new_tokens,
-                    "text": answer.text,
-                    "abstained": answer.abstained,
-                    "reason": answer.stats.reason,
-                    "signals": answer.stats.signals,
-                    "order": answer.stats.order,
-                }
-            )
-        log(f"{n + 1}/{len(items)} items, {time.perf_counter() - t0:.0f} s")
+            kept = keeping(strategy)
+            if kept not in engines:
+                store = MemoryStore() if kept[1] is None else TieredStore(
+                    MemoryStore(), DiskStore(f"{tmp}/{len(engines)}", kept[1])
+                )
+                engines[kept] = KVRAG(kv, embedder=embedder, store=store)
+        t0 = time.perf_counter()
+        for n, item in enumerate(items):
+            texts = [c.text for c in item.chunks]
+            for (in_context, _), engine in engines.items():
+                store_in_context(engine, item.chunks) if in_context else engine.store_kv(texts)
+            vectors = torch.as_tensor(embedder.embed(texts))
+            scores = (vectors @ torch.as_tensor(embedder.embed([item.question]))[0]).tolist()
+            if n == 0:  # untimed: the first answer of each strategy builds kernels and buffers
+                for strategy in strategies:
+                    _answer(engines[keeping(strategy)], strategy, item.question, texts, scores, options)
+            for strategy in strategies:
+                answer = _answer(engines[keeping(strategy)], strategy, item.question, texts, scores, options)
+                rows.append(
+                    {
+                        "item": item.id,
+                        "family": item.family,
+                        "strategy": strategy,
+                        "parts": len(answer.parts),
+                        "composed": answer.composed,
+                        "correct": item.is_correct(answer.text),
+                        "ttft_s": answer.stats.ttft_s,
+                        "answer_s": answer.stats.total_s,
+                        "new_tokens": answer.stats.new_tokens,
+                        "text": answer.text,
+                        "abstained": answer.abstained,
+                        "reason": answer.stats.reason,
+                        "signals": answer.stats.signals,
+                        "order": answer.stats.order,
+                    }
+                )
+                log(f"{n + 1}/{len(items)} items, {time.perf_counter() - t0:.0f} s")
     return {
         "model": _model_name(kv),
         "threads": torch.get_num_threads(),
@@ -97,8 +108,25 @@ def whole_answers(
     }
 
 
-def _in_context(strategy: str) -> bool:
-    return strategy.endswith("@doc")
+def keeping(strategy: str) -> tuple[bool, str | None]:
+    """How a bench name keeps its chunks' KV: (encoded in their document's context, the storage dtype or None for
+    the model's own dtype in memory). "default@doc+int4" is (True, "int4"); ValueError on a mark it does not know."""
+    marks = strategy.partition("@")[2]
+    in_context, dtype = False, None
+    for mark in filter(None, marks.split("+")):
+        if mark == "doc":
+            in_context = True
+        elif mark in STORAGE_DTYPES and dtype is None:
+            dtype = mark
+        else:
+            raise ValueError(f"{strategy}: after '@' name doc and at most one of {', '.join(STORAGE_DTYPES)}, "
+                             "joined by '+' (default@doc+int4)")
+    return in_context, dtype
+
+
+def _name(strategy: str) -> str:
+    """A bench name without its marks: "default_int4@doc+int4" is "default_int4"."""
+    return strategy.partition("@")[0]
 
 
 def store_in_context(rag: KVRAG, chunks: Sequence[Any]) -> None:
@@ -117,7 +145,7 @@ def store_in_context(rag: KVRAG, chunks: Sequence[Any]) -> None:
 def _answer(rag: KVRAG, strategy: str, question: str, texts: list[str], scores: list[float],
             options: dict[str, Any]) -> Any:
     """One answer of `strategy` (a name ending in `_int8` or `_int4`: decoded over those weights)."""
-    base, kind = quantized(strategy.removesuffix("@doc"))
+    base, kind = quantized(_name(strategy))
     if kind != "model" and not decode_weights(rag.kvmodel.model, kind):
         raise ValueError(f"{strategy}: the C decode step does not take {kind} weights for this model on this machine")
     try:
@@ -162,7 +190,7 @@ def summary(rows: Sequence[dict[str, Any]], strategies: Sequence[str]) -> dict[s
                 "answer_s": statistics.median(r["answer_s"] for r in mine),
                 "new_tokens": statistics.median(r["new_tokens"] for r in mine),
             }
-            base = quantized(strategy.removesuffix("@doc"))[0] + ("@doc" if _in_context(strategy) else "")
+            base = quantized(_name(strategy))[0] + ("@doc" if keeping(strategy)[0] else "")
             if base != strategy and base in strategies:
                 own = {r["item"]: r["text"] for r in rows if r["strategy"] == base}
                 out[family][strategy]["same"] = sum(r["text"] == own.get(r["item"]) for r in mine)
