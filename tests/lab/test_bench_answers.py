@@ -88,3 +88,10 @@ def test_a_storage_mark_answers_over_entries_written_in_that_dtype_and_read_back
     assert "same" in result["summary"]["all"]["default@doc+int4"]
     assert main(["bench-answers", "--strategies", "default@doc+int3"]) == 2
     assert "after '@'" in capsys.readouterr().err
+
+
+def test_a_rows_same_is_counted_against_the_row_that_differs_from_it_in_one_thing_only():
+    from kvrag.lab.bench.answers import same_as
+
+    assert same_as("default_int4@doc+int4") == "default_int4@doc" and same_as("default@int8") == "default"
+    assert same_as("default_int4@doc") == "default@doc" and same_as("best_few_int8") == "best_few"

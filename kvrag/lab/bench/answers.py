@@ -16,7 +16,7 @@ After any `_int8`/`_int4`, marks after an `@`, joined by `+`, say how the chunks
 item's chunks of one document (`Chunk.document`), in the item's order, each behind that document's earlier chunks.
 A storage dtype (`float16`, `int8`, `int4`: `default@doc+int4`) answers over entries written to a disk store in
 that dtype and read back, as an index ingested with `--storage-dtype` holds them; its `same` counts the answers word
-for word those over the KV kept in the model's dtype (`default@doc`). Each kind of marks has a store of its own,
+for word those over the KV kept in the model's dtype (`default_int4@doc+int4` against `default_int4@doc`). Each kind of marks has a store of its own,
 the entries at the keys of their texts.
 """
 
@@ -124,6 +124,15 @@ def keeping(strategy: str) -> tuple[bool, str | None]:
     return in_context, dtype
 
 
+def same_as(strategy: str) -> str:
+    """The row a bench name's `same` is counted against: with a storage mark, the name kept in the model's dtype
+    ("default_int4@doc+int4" -> "default_int4@doc"); else decoded over the model's own weights ("default_int4@doc"
+    -> "default@doc")."""
+    in_context, dtype = keeping(strategy)
+    doc = "@doc" if in_context else ""
+    return _name(strategy) + doc if dtype is not None else quantized(_name(strategy))[0] + doc
+
+
 def _name(strategy: str) -> str:
     """A bench name without its marks: "default_int4@doc+int4" is "default_int4"."""
     return strategy.partition("@")[0]
@@ -190,7 +199,7 @@ def summary(rows: Sequence[dict[str, Any]], strategies: Sequence[str]) -> dict[s
                 "answer_s": statistics.median(r["answer_s"] for r in mine),
                 "new_tokens": statistics.median(r["new_tokens"] for r in mine),
             }
-            base = quantized(_name(strategy))[0] + ("@doc" if keeping(strategy)[0] else "")
+            base = same_as(strategy)
             if base != strategy and base in strategies:
                 own = {r["item"]: r["text"] for r in rows if r["strategy"] == base}
                 out[family][strategy]["same"] = sum(r["text"] == own.get(r["item"]) for r in mine)
