@@ -80,7 +80,18 @@ def add_bench(sub: Any) -> None:
     model_args(bench)
     compile_arg(bench)
     bench.add_argument("--out", required=True, type=Path, help="folder for bench.json, bench.md and ttft.png")
-    bench.add_argument("--contexts", default=None, help="context sizes in tokens (default 1000,2000,4000,8000)")
+    bench.add_argument(
+        "--contexts",
+        default=None,
+        help="context sizes in tokens (default 1000,2000,4000,8000; long ones such as 16000,32000 are measured "
+        "where they fit the model and the machine's free memory, else named as not measured)",
+    )
+    bench.add_argument(
+        "--sections",
+        default="ttft,ingest,storage",
+        help="comma-separated: ttft (first token and whole answers a context size), ingest, storage "
+        "(default all; ttft alone times the answers without the store and ingest sections)",
+    )
     bench.add_argument("--chunk-tokens", type=int, default=None, help="tokens a chunk (default 200)")
     bench.add_argument(
         "--strategies",
@@ -177,7 +188,7 @@ def _bench_vllm(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from kvrag.lab.bench.report import run_bench
+    from kvrag.lab.bench.report import SECTIONS, run_bench
     from kvrag.kvmodel import KVModel
     from kvrag.plan.pickers import get_picker
     from kvrag.plan.strategies import BUILTIN_STRATEGIES, get_strategy
@@ -192,6 +203,10 @@ def _bench(args: argparse.Namespace) -> None:
         get_strategy(strategy)
         if picker:
             get_picker(picker)
+    sections = parse_csv(args.sections, str, "--sections")
+    if set(sections) - set(SECTIONS):
+        raise InvalidRequestError(f"--sections names unknown sections {sorted(set(sections) - set(SECTIONS))}: name "
+                                  f"some of {', '.join(SECTIONS)}")
     chunk_tokens = args.chunk_tokens or (50 if quick else 200)
     runs = args.runs or (1 if quick else 5)
     answer_tokens = args.answer_tokens if args.answer_tokens is not None else (4 if quick else 32)
@@ -220,6 +235,7 @@ def _bench(args: argparse.Namespace) -> None:
         runs=runs,
         answer_tokens=answer_tokens,
         quick=quick,
+        sections=sections,
         command=command,
         log=log,
     )

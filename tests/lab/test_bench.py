@@ -216,3 +216,40 @@ def test_floors_use_the_best_calibration_of_the_run(tmp_path, monkeypatch, capsy
     (row,) = bench_decode.decode_benchmark(kv, contexts=(150,), tokens=4, runs=1, log=print)
     assert row["bandwidth_gb_s"] == 50.0  # the second, faster calibration, taken after the rounds
     assert "(50.0 GB/s)" in capsys.readouterr().out
+
+
+def test_a_bench_of_one_section_names_the_sizes_that_do_not_fit_and_gives_each_size_its_own_peak(
+    tmp_path, capsys, monkeypatch
+):
+    import os
+
+    from kvrag.lab.bench import ttft
+
+    model = save_tiny(tmp_path / "model")
+    out = tmp_path / "bench"
+    too_long = 1 << 20  # past every position the tiny model takes
+    code = main(["bench", "--quick", "--model", str(model), "--out", str(out), "--strategies", "reuse",
+                 "--sections", "ttft", "--contexts", f"150,{too_long},300"])
+    printed = capsys.readouterr().out
+    result = json.loads((out / "bench.json").read_text())
+    assert code == 0 and result["sections"] == ["ttft"]
+    assert [r["context_tokens"] >= size for r, size in zip(result["ttft"], (150, 300))] == [True, True]
+    (skip,) = result["skipped"]
+    assert skip["context_tokens"] == too_long and "the model takes" in skip["reason"]
+    assert f"Not measured at {too_long:,} context tokens" in printed and "Peak memory" in printed
+    assert "ingest" not in result and "bytes_per_token" not in result and "Ingest" not in printed
+    if os.access("/proc/self/clear_refs", os.W_OK):  # Linux lets a process reset its own high-water mark
+        assert [r["peak_scope"] for r in result["ttft"]] == ["size", "size"]
+        assert max(r["peak_memory"]["rss_high_water_mb"] for r in result["ttft"]) <= (
+            result["peak_memory"]["rss_high_water_mb"])
+
+    monkeypatch.setattr(ttft, "_free_bytes", lambda device: 1 << 20)  # a machine with 1 MiB free
+    none = tmp_path / "none"
+    code = main(["bench", "--quick", "--model", str(model), "--out", str(none), "--sections", "ttft"])
+    result = json.loads((none / "bench.json").read_text())
+    assert code == 0 and result["ttft"] == [] and len(result["skipped"]) == 2
+    assert all("GiB beside the model, 0.0 GiB are free" in s["reason"] for s in result["skipped"])
+    assert not (none / "ttft.png").exists()  # a plot only of sizes timed
+    capsys.readouterr()
+    assert main(["bench", "--out", str(out), "--sections", "ttft,decode"]) == 2
+    assert "unknown sections ['decode']" in capsys.readouterr().err

@@ -47,6 +47,9 @@ from kvrag.plan.defaults import shipped_default
 from kvrag.plan.strategies import BUILTIN_STRATEGIES
 
 FILES = ("bench.json", "bench.md", "ttft.png")
+# What a run measures: time to first token and whole answers a context size (ttft), ingest throughput, storage
+# (store reads, bytes a token, int8 and int4 error); `--sections ttft` times the answers alone, in minutes.
+SECTIONS = ("ttft", "ingest", "storage")
 BREAKDOWN = ("reuse", "target_recompute")
 
 
@@ -60,10 +63,14 @@ def run_bench(
     runs: int = 5,
     answer_tokens: int = ANSWER_TOKENS,
     quick: bool = False,
+    sections: Sequence[str] = SECTIONS,
     command: str = "",
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Every benchmark section in one process; writes FILES into `out` and returns what bench.json holds."""
+    """The benchmark's `sections` in one process; writes FILES into `out` (ttft.png where a size was timed) and
+    returns what bench.json holds."""
+    if not sections or set(sections) - set(SECTIONS):
+        raise ValueError(f"sections must be some of {', '.join(SECTIONS)}, got {list(sections)}")
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -79,39 +86,47 @@ def run_bench(
         "answer_tokens": answer_tokens,
         "default": shipped_default(kv.fingerprint.weights),  # what the answers named DEFAULT ran
     }
-    log(f"time to first token, median of {runs} runs, {torch.get_num_threads()} threads, {kv.prefix.keys.device}")
-    partial = folder / "bench.json"
-    result["ttft"] = ttft_benchmark(
-        kv,
-        rag,
-        contexts=contexts,
-        chunk_tokens=chunk_tokens,
-        strategies=strategies,
-        runs=runs,
-        answer_tokens=answer_tokens,
-        log=log,
-        on_row=lambda rows: partial.write_text(json.dumps({**result, "ttft": rows, "partial": True}, indent=1)),
-    )
-    log("ingest throughput")
-    result["ingest"] = ingest_benchmark(
-        kv,
-        texts=context_texts(kv, min(contexts) if quick else 2000, chunk_tokens),
-        runs=1 if quick else min(runs, 3),
-        embedder=embedder,
-        print_fn=log,
-    )
-    log("storage")
-    chunks = kv.encode(context_texts(kv, min(max(contexts), 4000), chunk_tokens))
-    result["bytes_per_token"] = bytes_per_token(kv, chunks)
-    result["store_read"] = read_bandwidth(kv, chunks, runs=1 if quick else 3, log=log)
-    for dtype in ("int8", "int4"):
-        log(f"{dtype} storage against float16 storage")
-        result[dtype] = quantized_error(kv, dtype, limit=1 if quick else 4, small=quick)
+    result["sections"] = [name for name in SECTIONS if name in sections]
+    result["skipped"] = []  # context sizes that do not fit the model or the machine: {"context_tokens", "reason"}
+    result["ttft"] = []
+    if "ttft" in sections:
+        log(f"time to first token, median of {runs} runs, {torch.get_num_threads()} threads, {kv.prefix.keys.device}")
+        partial = folder / "bench.json"
+        result["ttft"] = ttft_benchmark(
+            kv,
+            rag,
+            contexts=contexts,
+            chunk_tokens=chunk_tokens,
+            strategies=strategies,
+            runs=runs,
+            answer_tokens=answer_tokens,
+            log=log,
+            on_row=lambda rows: partial.write_text(json.dumps({**result, "ttft": rows, "partial": True}, indent=1)),
+            on_skip=result["skipped"].append,
+        )
+    if "ingest" in sections:
+        log("ingest throughput")
+        result["ingest"] = ingest_benchmark(
+            kv,
+            texts=context_texts(kv, min(contexts) if quick else 2000, chunk_tokens),
+            runs=1 if quick else min(runs, 3),
+            embedder=embedder,
+            print_fn=log,
+        )
+    if "storage" in sections:
+        log("storage")
+        chunks = kv.encode(context_texts(kv, min(max(contexts), 4000), chunk_tokens))
+        result["bytes_per_token"] = bytes_per_token(kv, chunks)
+        result["store_read"] = read_bandwidth(kv, chunks, runs=1 if quick else 3, log=log)
+        for dtype in ("int8", "int4"):
+            log(f"{dtype} storage against float16 storage")
+            result[dtype] = quantized_error(kv, dtype, limit=1 if quick else 4, small=quick)
     result["seconds"] = time.perf_counter() - started
     result["peak_memory"] = peak_memory(kv.prefix.keys.device)  # the whole run's high-water mark
     (folder / "bench.json").write_text(json.dumps(result, indent=1))
     (folder / "bench.md").write_text(markdown(result))
-    plot(result, folder / "ttft.png")
+    if result["ttft"]:
+        plot(result, folder / "ttft.png")
     return result
 
 
@@ -172,11 +187,18 @@ def markdown(result: dict[str, Any]) -> str:
         ),
         "",
     ]
-    lines += _ttft_tables(result)
-    if "answer_s" in result["ttft"][0]:
-        lines += _answer_table(result)
-    lines += _phase_table(result)
-    lines += _storage_tables(result)
+    if result["ttft"]:
+        lines += _ttft_tables(result)
+        if "answer_s" in result["ttft"][0]:
+            lines += _answer_table(result)
+        lines += _phase_table(result)
+    for skip in result.get("skipped", []):
+        lines += ["", f"Not measured at {skip['context_tokens']:,} context tokens: {skip['reason']}."]
+    if "ingest" in result:
+        lines += _ingest_table(result)
+    if "bytes_per_token" in result:
+        lines += _storage_tables(result)
+    lines += _peak_table(result)
     return "\n".join(lines) + "\n"
 
 
@@ -290,8 +312,8 @@ def _phase_table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _storage_tables(result: dict[str, Any]) -> list[str]:
-    """Ingest throughput, store reads, bytes a token, int8 and int4 error and peak memory."""
+def _ingest_table(result: dict[str, Any]) -> list[str]:
+    """Ingest throughput beside the raw batched forward."""
     ing = result["ingest"]
     lines = [
         "",
@@ -304,8 +326,12 @@ def _storage_tables(result: dict[str, Any]) -> list[str]:
     ]
     for name, s in ing["seconds"].items():
         lines.append(f"| {name} | {s:.3f} | {ing['tokens_per_s'][name]:.0f} | {ing['x_raw'][name]:.2f} |")
-    lines += ["", ingest_ratio(ing["x_raw"]) + "."]
-    lines += ["", "### Store reads (every chunk of a context, `store.get`)", "", "| store | seconds | MB | MB/s |"]
+    return lines + ["", ingest_ratio(ing["x_raw"]) + "."]
+
+
+def _storage_tables(result: dict[str, Any]) -> list[str]:
+    """Store reads, bytes a token, int8 and int4 error."""
+    lines = ["", "### Store reads (every chunk of a context, `store.get`)", "", "| store | seconds | MB | MB/s |"]
     lines.append("|---|---|---|---|")
     for name, s in result["store_read"].items():
         lines.append(f"| {name} | {s['seconds']:.4f} | {s['stored_mb']:.1f} | {s['mb_per_s']:.0f} |")
@@ -325,13 +351,21 @@ def _storage_tables(result: dict[str, Any]) -> list[str]:
         ]
         for name, k in q["first_token_kl"].items():
             lines.append(f"| {name} | {k['mean']:.5f} | {k['median']:.5f} | {k['max']:.5f} |")
+    return lines
+
+
+def _peak_table(result: dict[str, Any]) -> list[str]:
+    """Peak memory of each context size timed (its own where the system lets the mark be reset) and of the run."""
     rows = result["ttft"]
-    lines += ["", "### Peak memory (high-water mark after each size)", ""]
-    keys = list(rows[0]["peak_memory"])
+    keys = list(rows[0]["peak_memory"] if rows else result.get("peak_memory", {}))
+    lines = ["", "### Peak memory (MiB: each size's high-water mark, then the whole run's)", ""]
     lines.append("| context | " + " | ".join(keys) + " |")
     lines.append("|---|" + "---|" * len(keys))
     for r in rows:
-        lines.append(f"| {r['context_tokens']:,} | " + " | ".join(f"{r['peak_memory'][k]:.0f}" for k in keys) + " |")
+        scope = "" if r.get("peak_scope", "size") == "size" else " (the run's so far)"
+        lines.append(
+            f"| {r['context_tokens']:,}{scope} | " + " | ".join(f"{r['peak_memory'][k]:.0f}" for k in keys) + " |"
+        )
     if "peak_memory" in result:  # a bench.json from before it was kept
         lines.append("| whole run | " + " | ".join(f"{result['peak_memory'].get(k, 0):.0f}" for k in keys) + " |")
     return lines

@@ -39,7 +39,7 @@ from kvrag.engine.documents import split_text
 from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
 from kvrag.lab.demo import sample_docs
-from kvrag.lab.roofline import Machine, forward_cost
+from kvrag.lab.roofline import Machine, forward_cost, kv_bytes_per_token
 from kvrag.model.encode import length_batches, encode_chunks, prefix_cache
 from kvrag.kvmodel import KVModel
 from kvrag.plan.strategies import BUILTIN_STRATEGIES
@@ -188,13 +188,84 @@ def _past_eos(kv: KVModel) -> Iterator[None]:
         kv.eos_ids = eos
 
 
-def peak_memory(device: torch.device | None = None) -> dict[str, float]:
-    """The process's memory high-water mark so far (ru_maxrss, MiB), and on CUDA the most the device held."""
+_EARLIER_MB: dict[str, float] = {}  # high-water marks from before the last reset: a reset never lowers the run's
+
+
+def _high_water_mb(device: torch.device | None) -> dict[str, float]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     peak = {"rss_high_water_mb": rss / (1 << 20) if sys.platform == "darwin" else rss / 1024}
     if device is not None and device.type == "cuda":
         peak["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / (1 << 20)
     return peak
+
+
+def peak_memory(device: torch.device | None = None, *, since_reset: bool = False) -> dict[str, float]:
+    """The process's memory high-water mark (ru_maxrss, MiB), and on CUDA the most the device held: over the whole
+    run, or since the last `reset_peak_memory` (where the system let it reset the mark: `peak_scope`)."""
+    now = _high_water_mb(device)
+    if since_reset:
+        return now
+    return {k: max(v, _EARLIER_MB.get(k, 0.0)) for k, v in now.items()}
+
+
+def reset_peak_memory(device: torch.device | None = None) -> None:
+    """Start a new high-water mark for `peak_memory(since_reset=True)`, keeping the whole run's: Linux resets a
+    process's resident high-water mark through /proc/self/clear_refs, CUDA its peak statistics."""
+    for k, v in _high_water_mb(device).items():
+        _EARLIER_MB[k] = max(v, _EARLIER_MB.get(k, 0.0))
+    if device is not None and device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or not allowed: the marks stay the whole run's
+        _EARLIER_MB.clear()
+
+
+def peak_scope() -> str:
+    """What `peak_memory(since_reset=True)` covers: "size" after a reset the system made, else "run"."""
+    return "size" if _EARLIER_MB else "run"
+
+
+def fits(kv: KVModel, tokens: int, answer_tokens: int) -> str | None:
+    """Why a context of `tokens` cannot be benched on this machine, or None: the model's positions, then memory.
+
+    The memory asked is an estimate, on the large side: the context's KV four times (the engine's store, a
+    stitched cache, full prefill's and transformers' caches), full prefill's activations over the whole prompt
+    (its MLP's three intermediate tensors and four of the hidden size, a token each) and a dense attention mask,
+    against what the system has free now (MemAvailable; on CUDA the device's free memory).
+    """
+    positions = len(kv.prefix) + tokens + 64 + answer_tokens  # 64: the question and the assistant's header
+    if positions > kv.max_positions:
+        return (f"a context of {tokens:,} tokens needs about {positions:,} positions with its question and answer; "
+                f"the model takes {kv.max_positions:,}")
+    config = kv.model.config
+    element = kv.prefix.keys.element_size()
+    total = len(kv.prefix) + tokens + 64
+    need = (
+        4 * kv_bytes_per_token(kv) * total
+        + total * (3 * getattr(config, "intermediate_size", 4 * config.hidden_size) + 4 * config.hidden_size) * element
+        + 4 * total * total
+    )
+    free = _free_bytes(kv.prefix.keys.device)
+    if free is not None and need > free:
+        return (f"a context of {tokens:,} tokens needs about {need / (1 << 30):.1f} GiB beside the model, "
+                f"{free / (1 << 30):.1f} GiB are free")
+    return None
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Bytes free for this process's next allocations (None where the system does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def peak_memory_line(device: torch.device | None = None) -> str:
@@ -217,6 +288,7 @@ def ttft_benchmark(
     answer_tokens: int = ANSWER_TOKENS,
     log: Callable[[str], None] = print,
     on_row: Callable[[list[dict[str, Any]]], None] | None = None,
+    on_skip: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Time to first token of every strategy and of both references at each context size (median of `runs`),
     and the whole time of an `answer_tokens`-token answer of every strategy, full prefill and the default.
@@ -224,6 +296,8 @@ def ttft_benchmark(
     One warm-up of everything at the first size; then, size by size, `runs` rounds, each running every
     strategy, reference and answer once (interleaved, so a slow spell of the machine touches all of them alike),
     each forward over a whole prompt followed by an untimed suffix-only forward (HEAVY).
+    A size that does not fit the model's positions or this machine's free memory (`fits`) is logged, handed to
+    `on_skip` and not measured. Each row's peak memory is its size's (`reset_peak_memory` before it).
     Long by design: every path is timed inside one interleaved loop (a slow spell of the machine
     touches all alike), which splitting would scatter.
     """
@@ -236,16 +310,22 @@ def ttft_benchmark(
     machine = Machine.calibrate(kv.prefix.keys.dtype, device)
     log(f"roofline calibration: {machine.matmul_flops / 1e9:.0f} GFLOP/s, {machine.read_bytes / 1e9:.1f} GB/s")
     rows = []
-    for size_index, size in enumerate(contexts):
+    for size in contexts:
+        reason = fits(kv, size, answer_tokens)
+        if reason is not None:
+            log(f"{size:>6} context tokens: not measured: {reason}")
+            if on_skip is not None:
+                on_skip({"context_tokens": size, "reason": reason})
+            continue
+        first = not rows
+        reset_peak_memory(device)
         ctx = Context(kv, rag, context_texts(kv, size, chunk_tokens), question)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
         references = {
             TRANSFORMERS: ctx.transformers_generate(),
             LOWER_BOUND: ctx.lower_bound(recompute_target=True),
             LOWER_BOUND_SUFFIX: ctx.lower_bound(recompute_target=False),
         }
-        if size_index == 0:  # warm-up: every code path once
+        if first:  # warm-up: every code path once
             for name in strategies:
                 ctx.strategy(name)
             for run in references.values():
@@ -322,7 +402,8 @@ def _row(
         "ttft_s": {name: statistics.median(t) for name, t in times.items()},
         "runs_s": times,
         "phases_s": {name: _median_phases(p, times[name]) for name, p in phases.items()},
-        "peak_memory": peak_memory(device),
+        "peak_memory": peak_memory(device, since_reset=True),  # this size's high-water mark
+        "peak_scope": peak_scope(),  # "run" where the mark could not be reset: the run's so far
     }
 
 
