@@ -144,15 +144,25 @@ def secret_of(args: argparse.Namespace) -> bytes | None:
     return secret
 
 
-def store_of(args: argparse.Namespace, *, read_only: bool = False) -> Any:
-    """The KV store the command names (Redis behind memory), or None for the index folder's own."""
+def store_of(args: argparse.Namespace, *, read_only: bool = False, storage_dtype: str | None = None) -> Any:
+    """The KV store the command names (Redis behind memory), or None for the index folder's own; its entries
+    written in `storage_dtype` (an existing index's), else --storage-dtype, else the model's shipped choice."""
     from kvrag.cache.store import MemoryStore, RedisStore, TieredStore
 
     redis_url = getattr(args, "redis", None)
     if not redis_url:
         return None
-    storage = getattr(args, "storage_dtype", None) or "float16"
+    storage = (storage_dtype or getattr(args, "storage_dtype", None)
+               or _shipped_storage(getattr(args, "model", None)))
     return TieredStore(MemoryStore(), RedisStore(redis_url, storage_dtype=storage, read_only=read_only))
+
+
+def _shipped_storage(model: str | None) -> str:
+    """A fresh index's storage dtype when --storage-dtype is left out: the named model's choice, else float16."""
+    from kvrag.model.catalog import named
+
+    spec = named(model)
+    return spec.storage_dtype if spec is not None else "float16"
 
 
 def index_is_a_folder(index: Path) -> None:
@@ -172,10 +182,11 @@ def open_index(args: argparse.Namespace, *, read_only: bool = True) -> Any:
     if not folder.exists():
         raise folder.absent()  # no index, or one interrupted before its first commit (`kvrag gc` removes it)
     check_index_model(args)
+    storage = IndexFolder(args.index, read_only=True, secret=secret_of(args)).manifest().get("storage_dtype")
     return KVRAG.load(
         args.index,
         device=args.device,
-        store=store_of(args, read_only=read_only),
+        store=store_of(args, read_only=read_only, storage_dtype=storage),
         require_store=True,
         secret=secret_of(args),
         read_only=read_only,

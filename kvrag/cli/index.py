@@ -42,8 +42,9 @@ def add_ingest(sub: Any) -> None:
     ingest.add_argument(
         "--storage-dtype",
         default=None,
-        help="float16 (default), bfloat16, float32, int8, or int4 (keys per channel, "
-        "values per token: under a third of float16's bytes; docs/usage.md)",
+        help="float16, bfloat16, float32, int8, or int4 (keys per channel, values per token: under a third of "
+        "float16's bytes; docs/usage.md); default the model's choice: int4 for qwen2.5-coder-0.5b and -1.5b, "
+        "float16 for any other model",
     )
     ingest.add_argument(
         "--encoding",
@@ -284,7 +285,7 @@ _INDEX_FLAGS = {
     "dtype": ("--dtype", "auto"),
     "chunk_tokens": ("--chunk-tokens", 200),
     "overlap": ("--overlap", 20),
-    "storage_dtype": ("--storage-dtype", "float16"),
+    "storage_dtype": ("--storage-dtype", None),  # None for a fresh index: the model's shipped choice
     "namespace": ("--namespace", ""),
     "encoding": ("--encoding", "document"),
 }

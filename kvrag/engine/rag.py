@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 from kvrag.answer import Answer, Source
 from kvrag.cache.chunks import ChunkSource
+from kvrag.cache.codec import check_storage_dtype
 from kvrag.cache.secret import check_secret, resolve_secret
 from kvrag.cache.store import (
     DiskStore,
@@ -40,6 +41,7 @@ from kvrag.errors import (
 )
 from kvrag.files import make_dirs
 from kvrag.kvmodel import KVModel
+from kvrag.model.catalog import shipped_storage_dtype
 from kvrag.plan.defaults import load_default
 from kvrag.run.executor import Executor
 
@@ -163,7 +165,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         model: str | KVModel | None = None,
         embedder: str | None = None,
         store: KVStore | None = None,
-        storage_dtype: str = "float16",
+        storage_dtype: str | None = None,
         memory_bytes: int = 1 << 30,
         max_kv_bytes: int | None = None,
         device: str = "cpu",
@@ -184,6 +186,8 @@ class KVRAG(Ingesting, Querying, Upkeep):
         """An engine on the embedded defaults (or the given model and embedder), loading `path` if it holds an index.
 
         The KV store defaults to memory in front of a disk store in `path/kv` (memory only without a path).
+        `storage_dtype` is the default disk store's (`DiskStore`); None: the model's shipped choice (int4 entries
+        for the 0.5B and the 1.5B, `kvrag.model.catalog`, float16 for any other model).
         `max_kv_bytes` bounds the default disk store (least recently used entries evicted past it: `DiskStore`; kept
         in the manifest, so the folder keeps its bound when opened again).
         `namespace`, `require_store` and `secret` are those of `KVRAG`; `compile_decode`, `decode_weights` and
@@ -194,10 +198,12 @@ class KVRAG(Ingesting, Querying, Upkeep):
         only reads an index, where a mistyped path would otherwise answer from nothing. `lock_timeout_s` and
         `encoding` are `KVRAG`'s (None: the index's, "document" for a new one).
         """
-        # a bad secret, encoding or namespace is refused before the model loads or a folder is made
+        # a bad secret, encoding, storage dtype or namespace is refused before the model loads or a folder is made
         check_secret(secret)
         if encoding is not None:
             check_encoding(encoding)
+        if storage_dtype is not None:
+            check_storage_dtype(storage_dtype)
         if namespace:
             check_namespace(namespace)
         if not create and path is not None and IndexFolder(path).uncommitted():
@@ -243,6 +249,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         if store is None:
             store = MemoryStore(memory_bytes)
             if path is not None:
+                storage_dtype = storage_dtype or shipped_storage_dtype(kv.fingerprint.weights)
                 disk = DiskStore(IndexFolder(path).kv_folder(), storage_dtype, max_bytes=max_kv_bytes)
                 store = TieredStore(store, disk)
         return cls(

@@ -58,6 +58,9 @@ class NamedModel:
     # what the C decode step reads by default: the model's own weights, or int8 or int4 copies where its answers
     # held on the held-out and built-in sets (docs/models.md); `decode_weights="model"` keeps the exact tokens
     decode_weights: str = "model"
+    # how a new index stores its chunks' KV by default: float16, or int4 entries where its answers held on the
+    # held-out halves (docs/usage.md); `storage_dtype=` (`kvrag ingest --storage-dtype`) chooses another
+    storage_dtype: str = "float16"
 
     @property
     def size(self) -> int:
@@ -128,6 +131,7 @@ QWEN_05B = NamedModel(
     dtype=torch.bfloat16,
     make_target="install",
     decode_weights="int4",  # as many right as its own weights in every held-out family (docs/models.md)
+    storage_dtype="int4",  # 23/48 as over bfloat16 KV on the choosing half, 17 against 18 judging (docs/usage.md)
 )
 
 QWEN_15B = NamedModel(
@@ -180,6 +184,12 @@ def shipped_decode_weights(weights: str) -> str:
     """What the C decode step reads by default for a model, by its weights id: its named model's choice, else
     "model" (the model's own weights)."""
     return next((m.decode_weights for m in MODELS.values() if m.weights == weights), "model")
+
+
+def shipped_storage_dtype(weights: str) -> str:
+    """How a new index stores a model's chunk KV by default, by its weights id: its named model's choice, else
+    "float16"."""
+    return next((m.storage_dtype for m in MODELS.values() if m.weights == weights), "float16")
 
 
 def named(name: str | os.PathLike[str] | None) -> NamedModel | None:

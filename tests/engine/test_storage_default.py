@@ -1,0 +1,48 @@
+"""A new index stores its chunks' KV as its model's catalog entry chose (int4 for the 0.5B and the 1.5B, float16 for
+any other model) unless told otherwise; an existing index keeps its own; Redis entries of the CLI follow the same."""
+
+import argparse
+import json
+
+import pytest
+from tiny import byte_tokenizer, tiny_model
+
+from kvrag.cli.common import store_of
+from kvrag.engine.folder import MANIFEST
+from kvrag.engine.rag import KVRAG
+from kvrag.errors import InvalidRequestError
+from kvrag.kvmodel import KVModel
+from kvrag.model import catalog
+
+
+def test_the_catalog_names_each_models_storage_dtype():
+    assert catalog.shipped_storage_dtype(catalog.QWEN_05B.weights) == "int4"
+    assert catalog.shipped_storage_dtype(catalog.SMOLLM2_135M.weights) == "float16"
+    assert catalog.shipped_storage_dtype("hub:someone/else@main") == "float16"
+
+
+def test_a_new_index_stores_as_its_model_chose_and_an_existing_one_keeps_its_own(tmp_path):
+    named = KVModel(tiny_model("qwen2", seed=61), byte_tokenizer(), weights_id=catalog.QWEN_05B.weights,
+                    decode_weights="model")
+    rag = KVRAG.from_defaults(tmp_path / "named", model=named, chunk_tokens=60, overlap=0, secret="")
+    rag.ingest(["Orin Dask keeps the keys of the lighthouse of Karsa."], progress=False)
+    manifest = json.loads((tmp_path / "named" / MANIFEST).read_text())
+    assert rag.info()["storage_dtype"] == manifest["storage_dtype"] == "int4"
+    told = KVRAG.from_defaults(tmp_path / "told", model=named, storage_dtype="float16", chunk_tokens=60, overlap=0,
+                               secret="")
+    told.ingest(["The river Tam floods every spring."], progress=False)
+    again = KVRAG.from_defaults(tmp_path / "told", model=named, secret="")  # the index's own, not the model's
+    assert told.store.back.storage_dtype == again.store.back.storage_dtype == "float16"
+    other = KVModel(tiny_model("qwen2", seed=62), byte_tokenizer(), decode_weights="model")
+    assert KVRAG.from_defaults(tmp_path / "other", model=other, secret="").store.back.storage_dtype == "float16"
+    with pytest.raises(InvalidRequestError, match="unknown storage dtype 'int3'"):
+        KVRAG.from_defaults(tmp_path / "bad", model="no-such-model", storage_dtype="int3")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_clis_redis_store_writes_the_index_s_dtype_else_the_flag_else_the_models_choice():
+    args = argparse.Namespace(redis="redis://127.0.0.1:1/0", model="qwen2.5-coder-0.5b", storage_dtype=None)
+    assert store_of(args).back.storage_dtype == "int4"
+    assert store_of(argparse.Namespace(**{**vars(args), "model": "/a/folder"})).back.storage_dtype == "float16"
+    assert store_of(argparse.Namespace(**{**vars(args), "storage_dtype": "int8"})).back.storage_dtype == "int8"
+    assert store_of(args, storage_dtype="bfloat16").back.storage_dtype == "bfloat16"
