@@ -77,7 +77,10 @@ def bench_row(name: str, run: str, context: int = 4000) -> str | None:
 
 # (model as shown, run) with docs/study/heldout/<run>-choose.json and <run>-judge.json: `kvrag bench-answers` on each
 # half of the held-out sets (kvrag.lab.heldout), merged by `python -m kvrag.lab.heldout --merge`
-HELDOUT = (("Qwen2.5-Coder-0.5B (`qwen2.5-coder-0.5b`, bfloat16)", "q05"),)
+HELDOUT = (
+    ("Qwen2.5-Coder-0.5B (`qwen2.5-coder-0.5b`, bfloat16)", "q05"),
+    ("Qwen2.5-Coder-1.5B (`qwen2.5-coder-1.5b`, bfloat16)", "q15"),
+)
 HELDOUT_ROWS = (
     ("full_prefill", "full prefill"),
     ("full_prefill_top1", "top chunk"),
@@ -114,7 +117,7 @@ def heldout_row(name: str, half: str, run: dict[str, Any]) -> str:
 def heldout_table() -> list[str]:
     lines = [
         "Right answers and median first token on data held out by source (`kvrag bench-answers --data "
-        "kvrag/data/heldout/HALF.jsonl --limit 48`; the default's thresholds and its encoding chosen on the choose "
+        "kvrag/data/heldout/HALF.jsonl --limit 48`, 24 on the 1.5B; the default's thresholds and its encoding chosen on the choose "
         "half, the judge half played no part; the default's chunks are encoded in their document's context, as a "
         "new index's are; first tokens are medians of runs that shared the two cores with other work):",
         "",

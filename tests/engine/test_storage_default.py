@@ -17,6 +17,7 @@ from kvrag.model import catalog
 
 def test_the_catalog_names_each_models_storage_dtype():
     assert catalog.shipped_storage_dtype(catalog.QWEN_05B.weights) == "int4"
+    assert catalog.shipped_storage_dtype(catalog.QWEN_15B.weights) == "int4"
     assert catalog.shipped_storage_dtype(catalog.SMOLLM2_135M.weights) == "float16"
     assert catalog.shipped_storage_dtype("hub:someone/else@main") == "float16"
 
