@@ -16,8 +16,8 @@ After any `_int8`/`_int4`, marks after an `@`, joined by `+`, say how the chunks
 item's chunks of one document (`Chunk.document`), in the item's order, each behind that document's earlier chunks.
 A storage dtype (`float16`, `int8`, `int4`: `default@doc+int4`) answers over entries written to a disk store in
 that dtype and read back, as an index ingested with `--storage-dtype` holds them; its `same` counts the answers word
-for word those over the KV kept in the model's dtype (`default_int4@doc+int4` against `default_int4@doc`). Each kind of marks has a store of its own,
-the entries at the keys of their texts.
+for word those over the KV kept in the model's dtype (`default_int4@doc+int4` against `default_int4@doc`). Each
+kind of marks has a store of its own, the entries at the keys of their texts.
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ def whole_answers(
         for n, item in enumerate(items):
             texts = [c.text for c in item.chunks]
             for (in_context, _), engine in engines.items():
-                store_in_context(engine, item.chunks) if in_context else engine.store_kv(texts)
+                if in_context:
+                    store_in_context(engine, item.chunks)
+                else:
+                    engine.store_kv(texts)
             vectors = torch.as_tensor(embedder.embed(texts))
             scores = (vectors @ torch.as_tensor(embedder.embed([item.question]))[0]).tolist()
             if n == 0:  # untimed: the first answer of each strategy builds kernels and buffers
@@ -95,7 +98,7 @@ def whole_answers(
                         "order": answer.stats.order,
                     }
                 )
-                log(f"{n + 1}/{len(items)} items, {time.perf_counter() - t0:.0f} s")
+            log(f"{n + 1}/{len(items)} items, {time.perf_counter() - t0:.0f} s")
     return {
         "model": _model_name(kv),
         "threads": torch.get_num_threads(),
