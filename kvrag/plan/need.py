@@ -4,7 +4,7 @@ and "the documents do not say" where no retrieved chunk bears on the question.
 The signals that choose the plan read how the model and the retriever see the chunks, never how the question is worded:
 - the retriever's ranking of every retrieved chunk;
 - the model's likelihood of the question behind each retrieved chunk's stored KV (one batched pass of the suffix,
-  every chunk: `Probe.question_likelihood`), against its likelihood behind no chunk (`Probe.question_alone`). The
+  every chunk up to the retriever's best `MOST_SCORED`: `Probe.question_likelihood`), against its likelihood behind no chunk (`Probe.question_alone`). The
   best chunk's **lift** says how much any chunk bears on the question; its **margin** over the second best says
   whether one chunk stands out.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrag.plan.strategies import Plan, PlanRequest, by_score, exact_over, register_strategy, sits_after
+from kvrag.plan.strategies import Plan, PlanRequest, by_score, exact_over, register_strategy, scored, sits_after
 from kvrag.rank import content_words, words
 from kvrag.plan.strategies import target_of as _target
 
@@ -45,7 +45,7 @@ def signals(request: PlanRequest) -> dict[str, float]:
     probe = request.probe
     if probe is None:
         raise ValueError("by_need measures the question behind each chunk: it needs the request's probe")
-    likelihood = probe.question_likelihood()
+    likelihood = _likelihood(request)
     ranked = sorted(range(len(request.lengths)), key=lambda c: (-float(likelihood[c]), c))
     best = ranked[0]
     return {
@@ -56,6 +56,14 @@ def signals(request: PlanRequest) -> dict[str, float]:
         "margin": float(likelihood[best] - likelihood[ranked[1]]) if len(ranked) > 1 else 0.0,
         "named": 0.0,  # chunks read for the question's names alone (set by the plan)
     }
+
+
+def _likelihood(request: PlanRequest) -> torch.Tensor:
+    """The question's likelihood behind each retrieved chunk (the retriever's best MOST_SCORED at most; the others
+    -inf), measured once a request."""
+    if request.probe is None:
+        raise ValueError("by_need measures the question behind each chunk: it needs the request's probe")
+    return request.probe.question_likelihood(scored(len(request.lengths), request.scores))
 
 
 def several(request: PlanRequest, best: int, likelihood: torch.Tensor, k: int = SEVERAL) -> list[int]:
@@ -137,7 +145,7 @@ def _best_few(request: PlanRequest) -> Plan:
 def _several(request: PlanRequest, best: int) -> tuple[list[int], int]:
     """best_few's order, and how many chunks in it are there for the question's names alone."""
     assert request.probe is not None  # likelihood_all measured through it
-    likelihood = request.probe.question_likelihood()
+    likelihood = _likelihood(request)
     base = several(request, best, likelihood)
     order = covering(request, base, likelihood)
     return order, len(order) - len(base)
@@ -174,7 +182,7 @@ def _by_need(request: PlanRequest) -> Plan:
     if len(request.lengths) == 1 or margin > (AGREE_MARGIN if agree else ONE_CHUNK_MARGIN):
         why = " and the retriever's" if agree else ""
         reason = f"one chunk: the model's best{why}, by a margin of {margin:.2f}"
-        order = covering(request, [best], request.probe.question_likelihood())  # type: ignore[union-attr]
+        order = covering(request, [best], _likelihood(request))
         seen["named"] = float(len(order) - 1)
         if len(order) == 1:
             return Plan(order=order, recompute=exact_over(request, order), reason=reason, signals=seen)

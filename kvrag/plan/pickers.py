@@ -6,7 +6,8 @@
   question most likely (one batched pass of the suffix over those chunks' stored KV): the model itself reads
   "I adopted a dog" and "my neighbour has a dog" differently where an embedding may not, and the retriever
   rarely ranks the target below its first few, so the cost stays that of a few suffixes at any top-k.
-- `likelihood_all`: the same over every retrieved chunk (the `by_need` plan's picker: it reads them all anyway).
+- `likelihood_all`: the same over every retrieved chunk, up to the retriever's best `MOST_SCORED` (the `by_need`
+  plan's picker: it reads them all anyway).
 - `gap`: the retriever's best when its score leads the second best's by more than GAP, else `likelihood`'s pick:
   the model's pass is paid only where the retriever is unsure.
 - `lexical`: the retriever's ranking fused with BM25 over the chunks' words (reciprocal rank).
@@ -28,7 +29,7 @@ from typing import Callable, Sequence
 
 from kvrag.errors import InvalidRequestError
 from kvrag.plan.probe import Probe
-from kvrag.plan.strategies import best_first
+from kvrag.plan.strategies import best_first, scored
 from kvrag.rank import bm25, bm25_scores, fuse, words
 
 # (chunks, scores, known target, probe) -> the target, or several chunks best first (a set picker)
@@ -57,7 +58,7 @@ def _likelihood(n: int, scores: Sequence[float] | None, target: int | None, prob
 
 
 def _likelihood_all(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> int:
-    return int(probe.question_likelihood().argmax())
+    return int(probe.question_likelihood(scored(n, scores)).argmax())
 
 
 def _gap(n: int, scores: Sequence[float] | None, target: int | None, probe: Probe) -> int:

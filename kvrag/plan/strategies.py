@@ -147,6 +147,18 @@ def best_first(n: int, scores: Sequence[float] | None) -> list[int]:
     return list(range(n)) if scores is None else sorted(range(n), key=lambda i: (-scores[i], i))
 
 
+# The most chunks a pass over "every retrieved chunk" scores (the likelihood behind each: `likelihood_all`,
+# `by_need`): the retriever's best MOST_SCORED. At a usual top-k every chunk is scored; a long list given whole (a
+# 32k-token context of 160 chunks) costs the pass over these alone, so the first token stays flat in its size.
+MOST_SCORED = 32
+
+
+def scored(n: int, scores: Sequence[float] | None) -> list[int] | None:
+    """Of `n` chunks, those a pass over every retrieved chunk scores: None (all of them) up to MOST_SCORED, else
+    the retriever's best MOST_SCORED."""
+    return None if n <= MOST_SCORED else sorted(best_first(n, scores)[:MOST_SCORED])
+
+
 def by_score(request: PlanRequest) -> list[int]:
     """Chunk indices best first: by retrieval score, or the given order when the list is ranked best-first."""
     return best_first(len(request.lengths), request.scores)

@@ -188,3 +188,19 @@ def test_in_place_keeps_exactly_the_chunks_encoded_behind_what_precedes_them(kv,
     assert need.document_order(req) is None  # the alone chunk belongs to no run
     assert need.document_order(request(in_context[:3][::-1])) == [2, 1, 0]
     assert need.document_order(request(list(enc))) is None  # chunks encoded alone are no document
+
+
+def test_past_most_scored_chunks_the_pass_scores_the_retrievers_best_only_and_reads_among_them(kv, enc, monkeypatch):
+    from kvrag.plan import strategies
+
+    most = strategies.MOST_SCORED
+    assert strategies.scored(5, SCORES) is None and strategies.scored(most, None) is None  # every chunk, at a top-k
+    assert strategies.scored(most + 8, None) == list(range(most))  # a ranked list: its first MOST_SCORED
+    monkeypatch.setattr(strategies, "MOST_SCORED", 3)
+    assert strategies.scored(5, SCORES) == [1, 3, 4]  # the retriever's best three, in their order
+    probe = kv.prefill(Q, enc, strategy="by_need", scores=SCORES).probe
+    (work,) = [w for w in probe.extra_work if "question likelihood" in w]
+    assert "behind each of 3 chunks" in work  # one pass, over the three alone
+    a = kv.answer(Q, enc, strategy="by_need", scores=SCORES, max_new_tokens=1)
+    picked = kv.prefill(Q, enc, strategy="target_only", picker="likelihood_all", scores=SCORES).decision.target
+    assert int(a.stats.signals["best"]) == picked and picked in (1, 3, 4)
