@@ -228,7 +228,7 @@ def test_a_bench_of_one_section_names_the_sizes_that_do_not_fit_and_gives_each_s
     model = save_tiny(tmp_path / "model")
     out = tmp_path / "bench"
     too_long = 1 << 20  # past every position the tiny model takes
-    code = main(["bench", "--quick", "--model", str(model), "--out", str(out), "--strategies", "reuse",
+    code = main(["bench", "--quick", "--model", str(model), "--out", str(out), "--strategies", "default",
                  "--sections", "ttft", "--contexts", f"150,{too_long},300"])
     printed = capsys.readouterr().out
     result = json.loads((out / "bench.json").read_text())
@@ -238,6 +238,7 @@ def test_a_bench_of_one_section_names_the_sizes_that_do_not_fit_and_gives_each_s
     assert skip["context_tokens"] == too_long and "the model takes" in skip["reason"]
     assert f"Not measured at {too_long:,} context tokens" in printed and "Peak memory" in printed
     assert "ingest" not in result and "bytes_per_token" not in result and "Ingest" not in printed
+    assert "Where the time to first token goes" not in printed  # no strategy of its breakdown was timed
     if os.access("/proc/self/clear_refs", os.W_OK):  # Linux lets a process reset its own high-water mark
         assert [r["peak_scope"] for r in result["ttft"]] == ["size", "size"]
         assert max(r["peak_memory"]["rss_high_water_mb"] for r in result["ttft"]) <= (

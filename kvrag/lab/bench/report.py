@@ -294,7 +294,9 @@ def _answer_table(result: dict[str, Any]) -> list[str]:
 
 
 def _phase_table(result: dict[str, Any]) -> list[str]:
-    """Where the time to first token goes, phase by phase."""
+    """Where the time to first token goes, phase by phase (of the strategies in BREAKDOWN the run timed)."""
+    if not any(name in result["strategies"] for name in BREAKDOWN):
+        return []
     lines = ["", "### Where the time to first token goes (s, median of each phase)", ""]
     lines.append("| strategy | context | " + " | ".join(PHASES) + " | other | ttft | not forward |")
     lines.append("|---|---|" + "---|" * (len(PHASES) + 3))
