@@ -50,9 +50,9 @@ def add_ingest(sub: Any) -> None:
         "--encoding",
         choices=("alone", "document"),
         default=None,
-        help="document (default for a new index): each chunk's KV encoded behind its document's earlier chunks (a "
-        "document's chunks read in order are then exactly its full prefill); alone: behind the prompt prefix only "
-        "(docs/usage.md)",
+        help="document: each chunk's KV encoded behind its document's earlier chunks (a document's chunks read in "
+        "order are then exactly its full prefill); alone: behind the prompt prefix only (docs/usage.md); default "
+        "for a new index the model's choice: alone for the embedded smollm2-135m, document for any other model",
     )
     ingest.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     ingest.add_argument(
@@ -287,7 +287,7 @@ _INDEX_FLAGS = {
     "overlap": ("--overlap", 20),
     "storage_dtype": ("--storage-dtype", None),  # None for a fresh index: the model's shipped choice
     "namespace": ("--namespace", ""),
-    "encoding": ("--encoding", "document"),
+    "encoding": ("--encoding", None),  # None for a fresh index: the model's choice
 }
 # what an existing index whose manifest lacks a flag's key was built with (it predates the flag)
 _BUILT_BEFORE = {"encoding": "alone"}

@@ -41,7 +41,7 @@ from kvrag.errors import (
 )
 from kvrag.files import make_dirs
 from kvrag.kvmodel import KVModel
-from kvrag.model.catalog import shipped_storage_dtype
+from kvrag.model.catalog import shipped_encoding, shipped_storage_dtype
 from kvrag.plan.defaults import load_default
 from kvrag.run.executor import Executor
 
@@ -75,12 +75,14 @@ class KVRAG(Ingesting, Querying, Upkeep):
             raises BusyError at once instead of growing memory without bound.
         lock_timeout_s: the longest wait for the index folder's lock held by another process, then
             LockTimeoutError naming it; None (default): a few seconds to read, longer to write (`IndexFolder`).
-        encoding: how ingestion encodes a document's chunks: "document" (default), each behind its document's
-            earlier chunks (in runs within the model's context window, `KVModel.encode_in_context`): a document's
-            chunks read in order are then exactly its full prefill, and each chunk's KV has read what came before
-            it; or "alone", each behind the prompt prefix only (what indexes built before "document" hold). Kept
-            with the index; its records say how each chunk was encoded (a chunk whose in-context KV is missing from
-            the store is encoded alone). Chosen on held-out sources: docs/study.md.
+        encoding: how ingestion encodes a document's chunks: "document", each behind its document's earlier
+            chunks (in runs within the model's context window, `KVModel.encode_in_context`): a document's chunks
+            read in order are then exactly its full prefill, and each chunk's KV has read what came before it; or
+            "alone", each behind the prompt prefix only (what indexes built before "document" hold). None
+            (default): the model's choice (`kvrag.model.catalog`: "alone" for the embedded 135M, whose one-chunk
+            default answered as many right and sooner so, "document" for any other model). Kept with the index;
+            its records say how each chunk was encoded (a chunk whose in-context KV is missing from the store is
+            encoded alone). Chosen on held-out sources: docs/study.md.
 
     With a namespace the store is that namespace's view (`KVStore.scoped`): its own Redis key prefix or
     disk subfolder, so `info`, `keys()` and `gc` see this tenant's entries only.
@@ -108,10 +110,10 @@ class KVRAG(Ingesting, Querying, Upkeep):
         read_only: bool = False,
         max_in_flight: int = 32,
         lock_timeout_s: float | None = None,
-        encoding: str = "document",
+        encoding: str | None = None,
     ) -> None:
         self.kvmodel = kv
-        self.encoding = check_encoding(encoding)
+        self.encoding = check_encoding(encoding or shipped_encoding(kv.fingerprint.weights))
         self.executor = executor or kv.executor  # what runs the plans: in-process by default
         self.embedder = embedder
         self.namespace = check_namespace(namespace) if namespace else ""
@@ -196,7 +198,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         serves both; an index at `path` must have been built with that model). `create=False` refuses a `path`
         that holds no index (IndexLoadError naming it) instead of starting a new, empty one there: for code that
         only reads an index, where a mistyped path would otherwise answer from nothing. `lock_timeout_s` and
-        `encoding` are `KVRAG`'s (None: the index's, "document" for a new one).
+        `encoding` are `KVRAG`'s (None: the index's, the model's choice for a new one).
         """
         # a bad secret, encoding, storage dtype or namespace is refused before the model loads or a folder is made
         check_secret(secret)
@@ -264,7 +266,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
             require_store=require_store,
             secret=secret,
             lock_timeout_s=lock_timeout_s,
-            encoding=encoding or "document",
+            encoding=encoding,
         )
 
     @classmethod

@@ -1,5 +1,6 @@
-"""A new index stores its chunks' KV as its model's catalog entry chose (int4 for the 0.5B and the 1.5B, float16 for
-any other model) unless told otherwise; an existing index keeps its own; Redis entries of the CLI follow the same."""
+"""A new index stores and encodes its chunks' KV as its model's catalog entry chose (int4 entries for the 0.5B and the
+1.5B, float16 for any other model; chunks alone for the 135M, in their document's context for any other) unless told
+otherwise; an existing index keeps its own; Redis entries of the CLI follow the same."""
 
 import argparse
 import json
@@ -47,3 +48,19 @@ def test_the_clis_redis_store_writes_the_index_s_dtype_else_the_flag_else_the_mo
     assert store_of(argparse.Namespace(**{**vars(args), "model": "/a/folder"})).back.storage_dtype == "float16"
     assert store_of(argparse.Namespace(**{**vars(args), "storage_dtype": "int8"})).back.storage_dtype == "int8"
     assert store_of(args, storage_dtype="bfloat16").back.storage_dtype == "bfloat16"
+
+
+def test_a_new_engine_encodes_as_its_model_chose_unless_told():
+    from kvrag.cache.store import MemoryStore
+    from kvrag.engine.embed import Embedder
+
+    embedder = Embedder()
+
+    assert catalog.shipped_encoding(catalog.SMOLLM2_135M.weights) == "alone"
+    assert catalog.shipped_encoding(catalog.QWEN_05B.weights) == catalog.shipped_encoding("hub:x/y@main") == "document"
+    small = KVModel(tiny_model("llama", seed=63), byte_tokenizer(), weights_id=catalog.SMOLLM2_135M.weights,
+                    decode_weights="model")
+    assert KVRAG(small, embedder=embedder, store=MemoryStore()).encoding == "alone"
+    assert KVRAG(small, embedder=embedder, store=MemoryStore(), encoding="document").encoding == "document"
+    other = KVModel(tiny_model("llama", seed=64), byte_tokenizer(), decode_weights="model")
+    assert KVRAG(other, embedder=embedder, store=MemoryStore()).encoding == "document"
