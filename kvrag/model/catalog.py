@@ -59,7 +59,7 @@ class NamedModel:
     # held on the held-out and built-in sets (docs/models.md); `decode_weights="model"` keeps the exact tokens
     decode_weights: str = "model"
     # how a new index stores its chunks' KV by default: float16, or int4 entries where its answers held on the
-    # held-out halves (docs/usage.md); `storage_dtype=` (`kvrag ingest --storage-dtype`) chooses another
+    # held-out halves (docs/models.md); `storage_dtype=` (`kvrag ingest --storage-dtype`) chooses another
     storage_dtype: str = "float16"
     # how a new index encodes a document's chunks by default: "document" (each behind its document's earlier chunks)
     # or "alone", where its default plan answered as many right and sooner over chunks alone (docs/study.md)

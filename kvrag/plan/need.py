@@ -4,9 +4,9 @@ and "the documents do not say" where no retrieved chunk bears on the question.
 The signals that choose the plan read how the model and the retriever see the chunks, never how the question is worded:
 - the retriever's ranking of every retrieved chunk;
 - the model's likelihood of the question behind each retrieved chunk's stored KV (one batched pass of the suffix,
-  every chunk up to the retriever's best `MOST_SCORED`: `Probe.question_likelihood`), against its likelihood behind no chunk (`Probe.question_alone`). The
-  best chunk's **lift** says how much any chunk bears on the question; its **margin** over the second best says
-  whether one chunk stands out.
+  every chunk up to the retriever's best `MOST_SCORED`: `Probe.question_likelihood`), against its likelihood
+  behind no chunk (`Probe.question_alone`). The best chunk's **lift** says how much any chunk bears on the
+  question; its **margin** over the second best says whether one chunk stands out.
 
 The plan: the chunks are one document's, encoded in its context (`KVRAG(encoding="document")`), all of one run ->
 read them whole in the document's order (exactly its full prefill, nothing recomputed, nothing measured); else no
