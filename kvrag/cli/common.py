@@ -182,7 +182,9 @@ def open_index(args: argparse.Namespace, *, read_only: bool = True) -> Any:
     if not folder.exists():
         raise folder.absent()  # no index, or one interrupted before its first commit (`kvrag gc` removes it)
     check_index_model(args)
-    storage = IndexFolder(args.index, read_only=True, secret=secret_of(args)).manifest().get("storage_dtype")
+    storage = None  # the index's own, for a Redis store's writes (the folder's disk store reads the manifest itself)
+    if getattr(args, "redis", None):
+        storage = IndexFolder(args.index, read_only=True, secret=secret_of(args)).manifest().get("storage_dtype")
     return KVRAG.load(
         args.index,
         device=args.device,
