@@ -1,7 +1,7 @@
 """The stored form of a chunk's KV: safetensors bytes with a checksum, in a chosen storage dtype.
 
-float32, float16 and bfloat16 keep keys and values as they are; int8 keeps a scale per channel; int4 (opt-in) keeps
-keys per channel and values per token in groups (`kvrag.cache.int4`), its layout named in the header.
+float32, float16 and bfloat16 keep keys and values as they are; int8 keeps a scale per channel; int4 and k4v3 keep
+keys per channel and values per token in groups (`kvrag.cache.lowbit`), their layout named in the header.
 
 Only safetensors (tensors plus a JSON header) is ever written or read back: never pickle. An entry whose
 bytes are damaged, whose checksum does not match, or that was written for another model, prefix or
@@ -20,21 +20,21 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from kvrag.cache import int4
+from kvrag.cache import lowbit
 from kvrag.cache.kv import KV_FORMAT_VERSION, ChunkKV
 from kvrag.errors import InvalidRequestError
 
 # The metadata field of the digest. Entries from before it covered the header carry "sha256" instead: a miss.
 CHECKSUM = "checksum"
 
-# A storage dtype's name and what its tensors hold (int4: two codes a byte). An older reader finds a name it does not
+# A storage dtype's name and what its tensors hold (int4, k4v3: packed codes, `lowbit`). An older reader finds a name it does not
 # know in an entry's header ("dtype") and misses it.
 STORAGE_DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
     "int8": torch.int8,
-    "int4": torch.uint8,
+    **{name: torch.uint8 for name in lowbit.FORMATS},
 }
 
 
@@ -68,8 +68,8 @@ def _digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str], secret: 
 
 
 def encode_entry(chunk: ChunkKV, *, key: str, dtype: str = "float16", secret: bytes = b"") -> bytes:
-    """Serialize a chunk's KV for a store; keys and values in `dtype` (int8: with per-channel scales; int4: keys
-    per channel, values per token, `kvrag.cache.int4`).
+    """Serialize a chunk's KV for a store; keys and values in `dtype` (int8: with per-channel scales; int4, k4v3:
+    keys per channel, values per token, `kvrag.cache.lowbit`).
 
     `secret` keys the checksum (HMAC-SHA256): only a reader with the same secret accepts the entry.
     """
@@ -83,8 +83,8 @@ def encode_entry(chunk: ChunkKV, *, key: str, dtype: str = "float16", secret: by
         "dtype": dtype,
         **({"behind": chunk.behind} if chunk.behind else {}),
     }
-    if dtype == "int4":  # what int4.dequantize needs besides the tensors: the layout and the values' head size
-        metadata.update({"int4": int4.LAYOUT, "value_dim": str(chunk.values.shape[-1])})
+    if dtype in lowbit.FORMATS:  # what lowbit.dequantize needs besides the tensors: the layout, the values' head size
+        metadata.update({dtype: lowbit.FORMATS[dtype].layout, "value_dim": str(chunk.values.shape[-1])})
     metadata[CHECKSUM] = _digest(tensors, metadata, secret)
     return st_save(tensors, metadata=metadata)
 
@@ -103,19 +103,19 @@ def entry_metadata(blob: bytes) -> dict[str, str] | None:
 def decode_entry(
     blob: bytes, *, key: str, encoder: str, dtype: torch.dtype | None, device: torch.device | str, secret: bytes = b""
 ) -> ChunkKV | None:
-    """The ChunkKV in `blob`, in `dtype` (the model's; None: as stored, int8 and int4 dequantized to float32) on
+    """The ChunkKV in `blob`, in `dtype` (the model's; None: as stored, int8, int4 and k4v3 dequantized to float32) on
     `device`, or None when it must not be used.
 
     None means: unreadable or truncated bytes, a checksum mismatch (flipped bytes, in the tensors or in the
     header, or one not keyed with `secret`), or an entry written under another key, model/prefix (`encoder`),
-    format version, storage dtype this reader does not know, or int4 layout.
+    format version, storage dtype this reader does not know, or low-bit layout.
     """
     meta = entry_metadata(blob)
     if meta is None or meta.get("format") != str(KV_FORMAT_VERSION) or meta.get("key") != key:
         return None
     if meta.get("encoder") != encoder or meta.get("dtype") not in STORAGE_DTYPES:
         return None
-    if meta["dtype"] == "int4" and meta.get("int4") != int4.LAYOUT:
+    if meta["dtype"] in lowbit.FORMATS and meta.get(meta["dtype"]) != lowbit.FORMATS[meta["dtype"]].layout:
         return None
     try:
         tensors = st_load(blob)
@@ -157,9 +157,11 @@ def _stored_tensors(chunk: ChunkKV, dtype: str) -> dict[str, torch.Tensor]:
         kq, ks = _quantize(keys)
         vq, vs = _quantize(values)
         tensors = {"keys": kq, "keys_scale": ks, "values": vq, "values_scale": vs}
-    elif dtype == "int4":
-        kc, ks, km = int4.quantize(keys.transpose(2, 3))  # [L, H_kv, D, T]: each channel over the chunk's tokens
-        vc, vs, vm = int4.quantize(values)  # [L, H_kv, T, D_v]: each token over its channels
+    elif dtype in lowbit.FORMATS:
+        f = lowbit.FORMATS[dtype]
+        # keys [L, H_kv, D, T]: each channel over the chunk's tokens; values [L, H_kv, T, D_v]: each token over its channels
+        kc, ks, km = lowbit.quantize(keys.transpose(2, 3), bits=f.key_bits, group=f.key_group)
+        vc, vs, vm = lowbit.quantize(values, bits=f.value_bits, group=f.value_group)
         tensors = {"keys": kc, "keys_scale": ks, "keys_min": km, "values": vc, "values_scale": vs, "values_min": vm}
     else:
         tensors = {
@@ -182,12 +184,19 @@ def _read_back(
     if meta["dtype"] == "int8":
         keys = tensors["keys"].float() * tensors["keys_scale"]
         values = tensors["values"].float() * tensors["values_scale"]
-    elif meta["dtype"] == "int4":
-        tokens = tensors["token_ids"].shape[0]
-        keys = int4.dequantize(tensors["keys"], tensors["keys_scale"], tensors["keys_min"], tokens)
+    elif meta["dtype"] in lowbit.FORMATS:
+        f, tokens = lowbit.FORMATS[meta["dtype"]], tensors["token_ids"].shape[0]
+        keys = lowbit.dequantize(
+            tensors["keys"], tensors["keys_scale"], tensors["keys_min"], tokens, bits=f.key_bits, group=f.key_group
+        )
         keys = keys.transpose(2, 3)  # [L, H_kv, T, D] again (made contiguous below, after the cast)
-        values = int4.dequantize(
-            tensors["values"], tensors["values_scale"], tensors["values_min"], int(meta["value_dim"])
+        values = lowbit.dequantize(
+            tensors["values"],
+            tensors["values_scale"],
+            tensors["values_min"],
+            int(meta["value_dim"]),
+            bits=f.value_bits,
+            group=f.value_group,
         )
     else:
         keys, values = tensors["keys"], tensors["values"]

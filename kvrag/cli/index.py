@@ -42,9 +42,9 @@ def add_ingest(sub: Any) -> None:
     ingest.add_argument(
         "--storage-dtype",
         default=None,
-        help="float16, bfloat16, float32, int8, or int4 (keys per channel, values per token: under a third of "
-        "float16's bytes; docs/usage.md); default the model's choice: int4 for qwen2.5-coder-0.5b and -1.5b, "
-        "float16 for any other model",
+        help="float16, bfloat16, float32, int8, int4 (keys per channel, values per token: under a third of "
+        "float16's bytes) or k4v3 (keys at 4 bits, values at 3: under a quarter; docs/usage.md); default the "
+        "model's choice (docs/models.md), float16 for a model kvrag does not name",
     )
     ingest.add_argument(
         "--encoding",
@@ -239,11 +239,13 @@ class _Progress:
     --yes), and when stderr is not a terminal, a line every 10% or 30 s (a progress bar draws nothing in a log)."""
 
     def __init__(self, rag: Any, *, refuse_above: int | None, lines: bool, quiet: bool = False) -> None:
+        from kvrag.cache import lowbit
+
         config = rag.kvmodel.model.config
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         storage = getattr(getattr(rag.store, "back", rag.store), "storage_dtype", "float16")
-        width = {"float32": 4, "int8": 1, "int4": 0.5625}.get(storage, 2)  # int4: half a byte and the groups' scales
+        width = lowbit.value_bytes(storage) if storage in lowbit.FORMATS else {"float32": 4, "int8": 1}.get(storage, 2)
         self.bytes_per_chunk = int(2 * config.num_hidden_layers * heads * head_dim * width * rag.chunk_tokens)
         self.refuse_above, self.lines, self.quiet = refuse_above, lines, quiet
         self.started, self.said_at, self.said_done = 0.0, 0.0, 0

@@ -58,8 +58,8 @@ class NamedModel:
     # what the C decode step reads by default: the model's own weights, or int8 or int4 copies where its answers
     # held on the held-out and built-in sets (docs/models.md); `decode_weights="model"` keeps the exact tokens
     decode_weights: str = "model"
-    # how a new index stores its chunks' KV by default: float16, or int4 entries where its answers held on the
-    # held-out halves (docs/models.md); `storage_dtype=` (`kvrag ingest --storage-dtype`) chooses another
+    # how a new index stores its chunks' KV by default: float16, or low-bit entries (int4, k4v3) where its answers
+    # held on the held-out halves (docs/models.md); `storage_dtype=` (`kvrag ingest --storage-dtype`) chooses another
     storage_dtype: str = "float16"
     # how a new index encodes a document's chunks by default: "document" (each behind its document's earlier chunks)
     # or "alone", where its default plan answered as many right and sooner over chunks alone (docs/study.md)
@@ -136,7 +136,7 @@ QWEN_05B = NamedModel(
     dtype=torch.bfloat16,
     make_target="install",
     decode_weights="int4",  # as many right as its own weights in every held-out family (docs/models.md)
-    storage_dtype="int4",  # 23/48 as over bfloat16 KV on the choosing half, 17 against 18 judging (docs/models.md)
+    storage_dtype="k4v3",  # 23/48 as over bfloat16 KV on the choosing half, 18/48 as it judging (docs/models.md)
 )
 
 QWEN_15B = NamedModel(
@@ -177,7 +177,7 @@ QWEN_15B = NamedModel(
     dtype=torch.bfloat16,
     make_target="model-1.5b",
     decode_weights="int4",  # as many right as its own weights on both held-out halves (docs/models.md)
-    storage_dtype="int4",  # 9/24 as over bfloat16 KV on the choosing half, 8/24 as it judging (docs/models.md)
+    storage_dtype="k4v3",  # 8/24 against 9 over bfloat16 KV on the choosing half, 8/24 as it judging (docs/models.md)
 )
 
 MODELS: dict[str, NamedModel] = {m.name: m for m in (SMOLLM2_135M, QWEN_05B, QWEN_15B)}

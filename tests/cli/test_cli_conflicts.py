@@ -150,6 +150,6 @@ def test_the_help_states_the_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["ingest", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    shipped = "default the model's choice: int4 for qwen2.5-coder-0.5b"
+    shipped = "default the model's choice (docs/models.md), float16 for a model kvrag does not name"
     for default in ("(default 200)", "(default 20)", shipped, "auto (default)", "default: none"):
         assert default in text

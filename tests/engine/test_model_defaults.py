@@ -1,4 +1,4 @@
-"""A new index stores and encodes its chunks' KV as its model's catalog entry chose (int4 entries for the 0.5B and the
+"""A new index stores and encodes its chunks' KV as its model's catalog entry chose (k4v3 entries for the 0.5B and the
 1.5B, float16 for any other model; chunks alone for the 135M, in their document's context for any other) unless told
 otherwise; an existing index keeps its own; Redis entries of the CLI follow the same."""
 
@@ -17,8 +17,8 @@ from kvrag.model import catalog
 
 
 def test_the_catalog_names_each_models_storage_dtype():
-    assert catalog.shipped_storage_dtype(catalog.QWEN_05B.weights) == "int4"
-    assert catalog.shipped_storage_dtype(catalog.QWEN_15B.weights) == "int4"
+    assert catalog.shipped_storage_dtype(catalog.QWEN_05B.weights) == "k4v3"
+    assert catalog.shipped_storage_dtype(catalog.QWEN_15B.weights) == "k4v3"
     assert catalog.shipped_storage_dtype(catalog.SMOLLM2_135M.weights) == "float16"
     assert catalog.shipped_storage_dtype("hub:someone/else@main") == "float16"
 
@@ -29,7 +29,11 @@ def test_a_new_index_stores_as_its_model_chose_and_an_existing_one_keeps_its_own
     rag = KVRAG.from_defaults(tmp_path / "named", model=named, chunk_tokens=60, overlap=0, secret="")
     rag.ingest(["Orin Dask keeps the keys of the lighthouse of Karsa."], progress=False)
     manifest = json.loads((tmp_path / "named" / MANIFEST).read_text())
-    assert rag.info()["storage_dtype"] == manifest["storage_dtype"] == "int4"
+    assert rag.info()["storage_dtype"] == manifest["storage_dtype"] == "k4v3"
+    int4 = KVRAG.from_defaults(tmp_path / "int4", model=named, storage_dtype="int4", chunk_tokens=60, overlap=0,
+                               secret="")
+    int4.ingest(["Orin Dask keeps the keys of the lighthouse of Karsa."], progress=False)
+    assert KVRAG.from_defaults(tmp_path / "int4", model=named, secret="").info()["storage_dtype"] == "int4"  # kept
     told = KVRAG.from_defaults(tmp_path / "told", model=named, storage_dtype="float16", chunk_tokens=60, overlap=0,
                                secret="")
     told.ingest(["The river Tam floods every spring."], progress=False)
@@ -44,7 +48,7 @@ def test_a_new_index_stores_as_its_model_chose_and_an_existing_one_keeps_its_own
 
 def test_the_clis_redis_store_writes_the_index_s_dtype_else_the_flag_else_the_models_choice():
     args = argparse.Namespace(redis="redis://127.0.0.1:1/0", model="qwen2.5-coder-0.5b", storage_dtype=None)
-    assert store_of(args).back.storage_dtype == "int4"
+    assert store_of(args).back.storage_dtype == "k4v3"
     assert store_of(argparse.Namespace(**{**vars(args), "model": "/a/folder"})).back.storage_dtype == "float16"
     assert store_of(argparse.Namespace(**{**vars(args), "storage_dtype": "int8"})).back.storage_dtype == "int8"
     assert store_of(args, storage_dtype="bfloat16").back.storage_dtype == "bfloat16"

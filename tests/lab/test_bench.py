@@ -52,10 +52,10 @@ def test_quick_bench_writes_every_output(tmp_path, capsys):
             assert row["answer_speedup"][name] > 0 and len(row["answer_runs_s"][name]) == 1
         assert row["answer_speedup"][FULL_PREFILL] == 1
     assert set(result["ingest"]["x_raw"]) >= {"raw batched forward", "kvrag encode_chunks"}
-    assert {"memory", "disk (float16)", "disk (int8)", "disk (int4)"} <= set(result["store_read"])
+    assert {"memory", "disk (float16)", "disk (int8)", "disk (int4)", "disk (k4v3)"} <= set(result["store_read"])
     per_token = result["bytes_per_token"]
-    assert per_token["int4"] < per_token["int8"] < per_token["float16"] < per_token["float32"]
-    for dtype in ("int8", "int4"):
+    assert per_token["k4v3"] < per_token["int4"] < per_token["int8"] < per_token["float16"] < per_token["float32"]
+    for dtype in ("int8", "int4", "k4v3"):
         assert result[dtype]["items"] >= 1 and result[dtype]["finite"]
         assert set(result[dtype]["first_token_kl"]) == {"reuse", "target_recompute"}
     markdown = (out / "bench.md").read_text()
@@ -73,6 +73,7 @@ def test_quick_bench_writes_every_output(tmp_path, capsys):
         "Store reads",
         "KV bytes a token",
         "int4 against float16 storage",
+        "k4v3 against float16 storage",
     ):
         assert section in markdown
 

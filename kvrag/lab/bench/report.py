@@ -23,7 +23,7 @@ from kvrag.cache.store import MemoryStore
 from kvrag.cpu.decode import decoder_of, decodes_compiled
 from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
-from kvrag.lab.bench.storage import bytes_per_token, quantized_error, read_bandwidth
+from kvrag.lab.bench.storage import QUANTIZED, bytes_per_token, quantized_error, read_bandwidth
 from kvrag.lab.bench.ttft import (
     ANSWER_TOKENS,
     DEFAULT,
@@ -48,7 +48,7 @@ from kvrag.plan.strategies import BUILTIN_STRATEGIES
 
 FILES = ("bench.json", "bench.md", "ttft.png")
 # What a run measures: time to first token and whole answers a context size (ttft), ingest throughput, storage
-# (store reads, bytes a token, int8 and int4 error); `--sections ttft` times the answers alone, in minutes.
+# (store reads, bytes a token, quantized entries' error); `--sections ttft` times the answers alone, in minutes.
 SECTIONS = ("ttft", "ingest", "storage")
 BREAKDOWN = ("reuse", "target_recompute")
 
@@ -118,7 +118,7 @@ def run_bench(
         chunks = kv.encode(context_texts(kv, min(max(contexts), 4000), chunk_tokens))
         result["bytes_per_token"] = bytes_per_token(kv, chunks)
         result["store_read"] = read_bandwidth(kv, chunks, runs=1 if quick else 3, log=log)
-        for dtype in ("int8", "int4"):
+        for dtype in QUANTIZED:
             log(f"{dtype} storage against float16 storage")
             result[dtype] = quantized_error(kv, dtype, limit=1 if quick else 4, small=quick)
     result["seconds"] = time.perf_counter() - started
@@ -332,7 +332,7 @@ def _ingest_table(result: dict[str, Any]) -> list[str]:
 
 
 def _storage_tables(result: dict[str, Any]) -> list[str]:
-    """Store reads, bytes a token, int8 and int4 error."""
+    """Store reads, bytes a token, quantized entries' error."""
     lines = ["", "### Store reads (every chunk of a context, `store.get`)", "", "| store | seconds | MB | MB/s |"]
     lines.append("|---|---|---|---|")
     for name, s in result["store_read"].items():
@@ -340,8 +340,8 @@ def _storage_tables(result: dict[str, Any]) -> list[str]:
     lines += ["", "### KV bytes a token", "", "| storage | bytes/token |", "|---|---|"]
     for name, b in result["bytes_per_token"].items():
         lines.append(f"| {name} | {b:,.0f} |")
-    for dtype in ("int8", "int4"):
-        if dtype not in result:  # a bench.json from before int4 entries
+    for dtype in QUANTIZED:
+        if dtype not in result:  # a bench.json from before int4 or k4v3 entries
             continue
         q = result[dtype]
         lines += [

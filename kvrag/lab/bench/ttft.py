@@ -41,6 +41,7 @@ from kvrag.engine.rag import KVRAG
 from kvrag.lab.demo import sample_docs
 from kvrag.lab.roofline import Machine, forward_cost, kv_bytes_per_token
 from kvrag.model.encode import length_batches, encode_chunks, prefix_cache
+from kvrag.model.catalog import shipped_storage_dtype
 from kvrag.kvmodel import KVModel
 from kvrag.plan.strategies import BUILTIN_STRATEGIES
 from kvrag.model.recompute import stitch_cache, stitch_layout, stitched_forward
@@ -497,6 +498,7 @@ def ingest_benchmark(
     per_copy = len(ids) // max(copies, 1) if texts_given is None else len(ids)
     documents = [ids[n : n + per_copy] for n in range(0, len(ids), max(per_copy, 1))]
     in_context = [[doc[i] for i in run] for doc in documents for run in kv.context_runs(doc)]
+    stored = shipped_storage_dtype(kv.fingerprint.weights)
 
     def ingest(store_factory: Callable[[], Any]) -> Callable[[], None]:
         def run() -> None:
@@ -515,8 +517,9 @@ def ingest_benchmark(
             # the same chunks, a copy of the excerpt a document, each chunk behind its document's earlier ones
             "kvrag encode in context": lambda: kv.encode_runs_ids(in_context),
             "ingest, memory store": ingest(MemoryStore),
-            "ingest, memory + disk (fp16)": ingest(
-                lambda: TieredStore(MemoryStore(), DiskStore(f"{tmp}/{next(counter)}"))
+            # the disk store in the storage dtype a new index of this model writes (k4v3 on the 0.5B and the 1.5B)
+            f"ingest, memory + disk ({stored})": ingest(
+                lambda: TieredStore(MemoryStore(), DiskStore(f"{tmp}/{next(counter)}", stored))
             ),
         }
         times = _interleaved_times(paths, runs)

@@ -1,5 +1,6 @@
-"""kvrag.cache.int4 and int4 entries: within half a step of each group, a little over a quarter of bfloat16's bytes,
-keys per channel (they have outlier channels), another layout a miss, and an engine that answers over them."""
+"""kvrag.cache.lowbit and its entries (int4, k4v3): within half a step of each group, about a quarter (int4) and under
+a quarter (k4v3) of bfloat16's bytes, keys per channel (they have outlier channels), another layout a miss, and an
+engine that answers over them."""
 
 import json
 import math
@@ -14,7 +15,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from tiny import FACTS, save_tiny
 
-from kvrag.cache import codec, int4
+from kvrag.cache import codec, lowbit
 from kvrag.cache.codec import decode_entry, encode_entry
 from kvrag.cache.kv import ChunkKV
 from kvrag.cache.store import DiskStore
@@ -35,27 +36,30 @@ def read(blob: bytes, dtype=torch.float32) -> ChunkKV | None:
     return decode_entry(blob, key=KEY, encoder=ENC, dtype=dtype, device="cpu")
 
 
-def half_steps(x: torch.Tensor) -> torch.Tensor:
-    """Half of (max - min) / 15 of the group each value of `x` [..., N] falls in, groups along the last axis as the
-    int4 layout makes them: ceil(N / 64) groups of equal size (the last one shorter)."""
-    n = math.ceil(x.shape[-1] / 64)
+def half_steps(x: torch.Tensor, bits: int, group: int = 64) -> torch.Tensor:
+    """Half of (max - min) / (2**bits - 1) of the group each value of `x` [..., N] falls in, groups along the last axis
+    as the layouts make them: ceil(N / group) groups of equal size (the last one shorter)."""
+    n = math.ceil(x.shape[-1] / group)
     g = math.ceil(x.shape[-1] / n)
     out = torch.empty_like(x)
     for start in range(0, x.shape[-1], g):
         part = x[..., start : start + g]
-        out[..., start : start + g] = ((part.amax(-1, keepdim=True) - part.amin(-1, keepdim=True)) / 30).expand_as(part)
+        spread = part.amax(-1, keepdim=True) - part.amin(-1, keepdim=True)
+        out[..., start : start + g] = (spread / (2 * ((1 << bits) - 1))).expand_as(part)
     return out
 
 
-@pytest.mark.parametrize("tokens", [150, 64, 1, 7])
-def test_each_value_reads_back_within_half_a_step_of_its_group(tokens):
+@pytest.mark.parametrize("dtype", ["int4", "k4v3"])
+@pytest.mark.parametrize("tokens", [150, 64, 1, 7, 300])
+def test_each_value_reads_back_within_half_a_step_of_its_group(tokens, dtype):
     """Keys grouped along tokens (a channel), values along channels (a token); the slack is the float16 rounding of a
     group's scale and minimum (a part in a thousand of a step) and float32 arithmetic."""
     c = chunk(tokens)
-    back = read(encode_entry(c, key=KEY, dtype="int4"))
+    back = read(encode_entry(c, key=KEY, dtype=dtype))
     assert back is not None and torch.equal(back.token_ids, c.token_ids) and back.start == 7
-    key_bound = half_steps(c.keys.transpose(2, 3)).transpose(2, 3)
-    value_bound = half_steps(c.values)
+    f = lowbit.FORMATS[dtype]
+    key_bound = half_steps(c.keys.transpose(2, 3), f.key_bits, f.key_group).transpose(2, 3)
+    value_bound = half_steps(c.values, f.value_bits, f.value_group)
     assert ((back.keys - c.keys).abs() <= key_bound * 1.002 + 1e-5).all()
     assert ((back.values - c.values).abs() <= value_bound * 1.002 + 1e-5).all()
     assert (back.keys - c.keys).abs().max() > 0  # it is quantized at all
@@ -92,6 +96,40 @@ def test_bytes_a_token_are_a_quarter_of_bfloat16s_and_the_scales():
     assert len(blob) < len(encode_entry(c, key=KEY, dtype="int8")) * 0.57  # int8: a byte a value
 
 
+@pytest.mark.parametrize("tokens", [200, 100, 64])
+def test_bytes_a_token_of_k4v3_are_under_a_quarter_of_bfloat16s(tokens):
+    """At the 1.5B's shape (28 layers, 2 KV heads, head size 128): keys at 4 bits and values at 3, and the groups'
+    scales (a key channel's over up to 128 tokens, a value head's 128 channels), under 7,168 bytes a token (a quarter
+    of bfloat16's 28,672) with the token ids and the header, at the splitter's chunk sizes."""
+    layers, heads, dim = 28, 2, 128
+    c = chunk(tokens, layers, heads, dim, dim)
+    blob = encode_entry(c, key=KEY, dtype="k4v3")
+    (header,) = struct.unpack("<Q", blob[:8])
+    key_scales = layers * heads * dim * math.ceil(tokens / 128) * 2 * 2 / tokens  # 286.7 a token at 200
+    value_scales = layers * heads * 2 * 2  # one group a head: 224 a token
+    codes = layers * heads * dim * (4 + 3) / 8  # 6,272 a token
+    assert (len(blob) - 8 - header - 8 * tokens) / tokens == pytest.approx(codes + key_scales + value_scales, abs=0.2)
+    assert len(blob) / tokens < 28_672 / 4, len(blob) / tokens
+    assert len(blob) < 0.9 * len(encode_entry(c, key=KEY, dtype="int4"))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("count", [1, 7, 8, 9, 64, 150])
+def test_codes_pack_into_bits_a_code_and_unpack_unchanged(bits, count):
+    g = torch.Generator().manual_seed(count)
+    codes = torch.randint(0, 1 << bits, (3, 2, count), generator=g, dtype=torch.uint8)
+    packed = lowbit._pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 2, math.ceil(count * bits / 8))
+    assert torch.equal(lowbit._unpack(packed, bits, count), codes)
+
+
+def test_four_bit_codes_keep_the_layout_of_entries_already_written():
+    """Two codes a byte, the first in the low nibble: int4/1 entries written before k4v3 read back unchanged."""
+    codes = torch.tensor([1, 2, 3, 4, 15], dtype=torch.uint8)
+    assert lowbit._pack(codes, 4).tolist() == [0x21, 0x43, 0x0F]
+    assert lowbit._pack(codes[:3], 3).tolist() == [1 | 2 << 3 | (3 & 0b11) << 6, 3 >> 2]  # k4v3's values
+
+
 def test_keys_per_channel_beat_keys_per_token_where_a_channel_is_an_outlier():
     """Two channels 30 times the others and offset, in every token (what KIVI found in keys): a scale per token
     spends its 16 levels on them and the other channels lose most of their detail; a scale per channel does not.
@@ -104,7 +142,7 @@ def test_keys_per_channel_beat_keys_per_token_where_a_channel_is_an_outlier():
 
     def errors(per_channel: bool) -> tuple[float, float]:
         x = keys.transpose(2, 3) if per_channel else keys
-        back = int4.dequantize(*int4.quantize(x), x.shape[-1])
+        back = lowbit.dequantize(*lowbit.quantize(x, bits=4, group=64), x.shape[-1], bits=4, group=64)
         diff = (back.transpose(2, 3) if per_channel else back) - keys
         return float(diff.norm() / keys.norm()), float(diff[..., ordinary].norm() / keys[..., ordinary].norm())
 
@@ -133,13 +171,16 @@ def test_an_entry_of_another_layout_or_kind_is_a_miss(monkeypatch):
     assert read(resigned(blob, int4=None)) is None
     assert read(resigned(blob, dtype="int8")) is None  # int4 tensors read as int8's: no scale of that shape
     assert read(resigned(blob, value_dim="41")) is None
-    assert read(resigned(blob, dtype="int3")) is None  # a kind this reader does not know
+    assert read(resigned(blob, dtype="k4v3")) is None  # int4 tensors called k4v3: no k4v3 layout named, a miss
+    assert read(resigned(blob, dtype="k4v3", k4v3="k4v3/1")) is None  # and with one, groups of the wrong shape
+    assert read(resigned(blob, dtype="int2")) is None  # a kind this reader does not know
     monkeypatch.setattr(codec, "STORAGE_DTYPES", {k: v for k, v in codec.STORAGE_DTYPES.items() if k != "int4"})
     assert read(blob) is None  # a reader from before int4: a miss, never a wrong read
 
 
-def test_damaged_int4_bytes_are_misses():
-    blob = encode_entry(chunk(), key=KEY, dtype="int4")
+@pytest.mark.parametrize("dtype", ["int4", "k4v3"])
+def test_damaged_low_bit_bytes_are_misses(dtype):
+    blob = encode_entry(chunk(), key=KEY, dtype=dtype)
     assert read(blob[: len(blob) // 2]) is None and read(blob[:-1]) is None
     for at in (len(blob) - 1, len(blob) - 2000, len(blob) // 2, 20):  # token ids, values, keys or scales, header
         flipped = bytearray(blob)
@@ -225,3 +266,6 @@ def test_an_engine_answers_over_int4_entries_and_info_reports_their_bytes(model_
     half = index("float16", "float16").info()
     assert half["storage_dtype"] == "float16"
     assert info["kv_bytes_per_token"] < 0.4 * half["kv_bytes_per_token"], (info, half)
+    mixed = index("k4v3", "k4v3")
+    assert mixed.query(question, top_k=2, max_new_tokens=6).stats.chunks_encoded == 0
+    assert mixed.info()["kv_bytes_per_token"] < info["kv_bytes_per_token"]
