@@ -172,6 +172,25 @@ def whole_document(request: PlanRequest) -> Plan | None:
     before_pick=whole_document,
 )
 def _by_need(request: PlanRequest) -> Plan:
+    return _decided(request, several_exact=True)
+
+
+@register_strategy(
+    "by_need_reuse",
+    needs_target=True,
+    picker="likelihood_all",
+    budgeted=False,
+    description="by_need, but where it reads several chunks only the best, next to the question, is recomputed (the "
+    "others reused re-positioned, the study's recipe over the best few): fewer tokens through the model",
+    before_pick=whole_document,
+)
+def _by_need_reuse(request: PlanRequest) -> Plan:
+    return _decided(request, several_exact=False)
+
+
+def _decided(request: PlanRequest, *, several_exact: bool) -> Plan:
+    """by_need's plan; `several_exact`: a plan of several chunks exactly their full prefill, else only the best of
+    them (last, next to the question) recomputed."""
     best = _target(request)
     seen = signals(request)
     lift, margin = seen["lift"], seen["margin"]
@@ -191,4 +210,7 @@ def _by_need(request: PlanRequest) -> Plan:
     order, named = _several(request, best)
     seen["named"] = float(named)
     reason = f"{len(order)} chunks: no chunk stands out (the model's best leads by {margin:.2f})"
-    return Plan(order=order, recompute=exact_over(request, order), reason=reason, signals=seen)
+    recompute = exact_over(request, order)
+    if not several_exact:
+        recompute = {c: tokens for c, tokens in recompute.items() if c == best}
+    return Plan(order=order, recompute=recompute, reason=reason, signals=seen)
