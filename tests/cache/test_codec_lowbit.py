@@ -188,10 +188,11 @@ def test_damaged_low_bit_bytes_are_misses(dtype):
         assert read(bytes(flipped)) is None, at
 
 
+@pytest.mark.parametrize("dtype", ["int4", "k4v3"])
 @given(st.data())
 @settings(max_examples=200, deadline=None)
-def test_any_single_damaged_byte_is_a_miss_or_reads_back_identical(data):
-    blob = bytearray(encode_entry(chunk(9, 2, 2, 4, 4), key=KEY, dtype="int4"))
+def test_any_single_damaged_byte_is_a_miss_or_reads_back_identical(dtype, data):
+    blob = bytearray(encode_entry(chunk(9, 2, 2, 4, 4), key=KEY, dtype=dtype))
     good = read(bytes(blob))
     at = data.draw(st.integers(0, len(blob) - 1))
     blob[at] ^= data.draw(st.integers(1, 255))
