@@ -18,6 +18,8 @@ recomputed (exactly a full prefill over those chunks in that order). Whichever p
 question shares with the retrieved chunks is read: a word of the question that one or a few retrieved chunks hold
 (what tells one document from its neighbours, whatever the wording) pulls in the model's best chunk holding it, so a
 question about two things reads both. The thresholds are chosen on held-out sources (docs/study.md).
+`by_need_reuse` is the same plan with only the best of several chunks recomputed (fewer tokens, fewer right answers
+on the held-out halves: not the default).
 """
 
 from __future__ import annotations
