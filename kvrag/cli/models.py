@@ -52,7 +52,7 @@ def _models(args: argparse.Namespace) -> None:
         if named(args.model) is None:
             raise InvalidRequestError(f"--model {args.model!r} is not a named model: give one of {', '.join(MODELS)}")
         chosen = [named(args.model)]
-    rows = [status(m, args.cache_dir) for m in chosen]
+    rows = [{**status(m, args.cache_dir), **_defaults(m)} for m in chosen]
     if args.json:
         for row in rows:
             print(json.dumps(row))
@@ -63,6 +63,26 @@ def _models(args: argparse.Namespace) -> None:
         installed, converted = ("yes" if row[k] else "no" for k in ("installed", "converted"))
         size = f"{row['gguf_bytes'] / 1e6:>7.0f}MB"
         print(f"{row['name']:<20}{row['params']:>6}  {size}  {installed:<10} {converted:<10} {where}")
+        parts = " (questions split into parts)" if row["parts"] else ""
+        weights = "its own weights" if row["decode_weights"] == "model" else f"{row['decode_weights']} copies"
+        encoded = "alone" if row["encoding"] == "alone" else "in their document's context"
+        print(f"{'':<20}by default: plan {row['plan']}{parts}; decodes over {weights}; stores {row['storage_dtype']} "
+              f"KV; encodes chunks {encoded}")
+
+
+def _defaults(model: Any) -> dict[str, Any]:
+    """What a model answers with unless told otherwise: its default plan (`kvrag.plan.defaults`), decode weights,
+    stored KV and encoding (`kvrag.model.catalog`)."""
+    from kvrag.plan.defaults import shipped_default
+
+    plan = shipped_default(model.weights)
+    return {
+        "plan": plan["strategy"] + (f":{plan['picker']}" if plan.get("picker") else ""),
+        "parts": plan.get("parts") == "auto",
+        "decode_weights": model.decode_weights,
+        "storage_dtype": model.storage_dtype,
+        "encoding": model.encoding,
+    }
 
 
 COMMANDS = {

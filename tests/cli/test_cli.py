@@ -127,6 +127,25 @@ def test_model_names_the_embedded_default_and_models_takes_model(tmp_path, capsy
     assert code == 2 and "not a named model" in err
 
 
+def test_models_says_what_each_model_answers_with_by_default(capsys):
+    """The plan, decode weights, stored KV and encoding a user gets without a flag, from the catalog and the shipped
+    defaults (not restated here: read back from where they are decided)."""
+    from kvrag.model.catalog import QWEN_15B, SMOLLM2_135M
+    from kvrag.plan.defaults import shipped_default
+
+    code, out, _ = run(capsys, "models", "--json")
+    rows = {row["name"]: row for row in map(json.loads, out.splitlines())}
+    for model in (QWEN_15B, SMOLLM2_135M):
+        row = rows[model.name]
+        assert row["plan"].split(":")[0] == shipped_default(model.weights)["strategy"]
+        assert (row["decode_weights"], row["storage_dtype"], row["encoding"]) == (
+            model.decode_weights, model.storage_dtype, model.encoding
+        )
+    code, out, _ = run(capsys, "models", "--model", "qwen2.5-coder-1.5b")
+    assert code == 0 and "by default: plan by_need (questions split into parts); decodes over int4 copies; " in out
+    assert "stores k4v3 KV; encodes chunks in their document's context" in out
+
+
 def test_ask_with_parts_answers_each_part_over_the_same_chunks(setup, capsys):
     root, model, docs = setup
     if not (root / "index").exists():
