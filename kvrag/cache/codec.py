@@ -27,8 +27,8 @@ from kvrag.errors import InvalidRequestError
 # The metadata field of the digest. Entries from before it covered the header carry "sha256" instead: a miss.
 CHECKSUM = "checksum"
 
-# A storage dtype's name and what its tensors hold (int4, k4v3: packed codes, `lowbit`). An older reader finds a name it does not
-# know in an entry's header ("dtype") and misses it.
+# A storage dtype's name and what its tensors hold (int4, k4v3: packed codes, `lowbit`). An older reader finds a name
+# it does not know in an entry's header ("dtype") and misses it.
 STORAGE_DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -159,7 +159,8 @@ def _stored_tensors(chunk: ChunkKV, dtype: str) -> dict[str, torch.Tensor]:
         tensors = {"keys": kq, "keys_scale": ks, "values": vq, "values_scale": vs}
     elif dtype in lowbit.FORMATS:
         f = lowbit.FORMATS[dtype]
-        # keys [L, H_kv, D, T]: each channel over the chunk's tokens; values [L, H_kv, T, D_v]: each token over its channels
+        # keys [L, H_kv, D, T]: each channel over the chunk's tokens; values [L, H_kv, T, D_v]: each token over its
+        # channels
         kc, ks, km = lowbit.quantize(keys.transpose(2, 3), bits=f.key_bits, group=f.key_group)
         vc, vs, vm = lowbit.quantize(values, bits=f.value_bits, group=f.value_group)
         tensors = {"keys": kc, "keys_scale": ks, "keys_min": km, "values": vc, "values_scale": vs, "values_min": vm}

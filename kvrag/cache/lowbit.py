@@ -94,7 +94,8 @@ def dequantize(
         or tuple(minimum.shape) != (*lead, n)
         or tuple(codes.shape) != (*lead, packed_bytes(n * g, bits))
     ):
-        raise ValueError(f"{bits}-bit tensors of shapes {tuple(codes.shape)}, {tuple(scale.shape)} are not {length} long")
+        shapes = f"{tuple(codes.shape)}, {tuple(scale.shape)}"
+        raise ValueError(f"{bits}-bit tensors of shapes {shapes} are not {length} long")
     q = _unpack(codes, bits, n * g)
     x = q.reshape(*lead, n, g).float() * scale.float()[..., None] + minimum.float()[..., None]
     return x.reshape(*lead, n * g)[..., :length]

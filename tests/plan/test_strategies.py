@@ -45,7 +45,8 @@ def test_every_study_strategy_is_registered_and_runs(kv, enc):
             "top3_target_last": 3,
             "set_only": 1,  # the oracle's set of one
         }.get(name, 5)  # they drop chunks
-        if name in ("by_need", "by_need_reuse", "best_few"):  # one chunk or several as the signals say, and the question's names'
+        # one chunk or several as the signals say, and the question's names'
+        if name in ("by_need", "by_need_reuse", "best_few"):
             fewest = need.SEVERAL if name == "best_few" else 1
             kept = len(a.stats.order) if fewest <= len(a.stats.order) <= need.MOST_READ else -1
         assert a.stats.strategy == name and len(set(a.stats.order)) == len(a.stats.order) == kept

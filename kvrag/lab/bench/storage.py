@@ -1,4 +1,4 @@
-"""Storage figures for the benchmark: store read bandwidth, KV bytes a token per storage dtype, quantized entries' error.
+"""Storage figures for the benchmark: store reads, KV bytes a token per storage dtype, quantized entries' error.
 
 Reads time `store.get` as the engine calls it (bytes fetched, checksum, decode to the model's dtype); Redis
 is a real redis-server started on a free loopback port when the binary is installed, skipped otherwise.
