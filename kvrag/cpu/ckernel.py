@@ -49,7 +49,7 @@ def _library() -> ctypes.CDLL | None:
     for name in _FUNCTIONS.values():
         function = getattr(library, name)
         function.argtypes = [pointer, pointer, pointer, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        function.argtypes += [ctypes.c_long, pointer, pointer, ctypes.c_int]
+        function.argtypes += [ctypes.c_long, ctypes.c_float, pointer, pointer, ctypes.c_int]
         function.restype = None
     for name in _ROTATIONS.values():
         function = getattr(library, name)
@@ -99,10 +99,17 @@ def supports(keys: torch.Tensor, group: int) -> bool:
 
 
 def decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int, scratch: torch.Tensor | None = None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    n: int,
+    scratch: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """Attention of one token's query heads q [H, d] (float32, scaled) over slots 0..n-1 of keys and values
-    [H_kv, capacity, d] (contiguous, float32 or bfloat16; `supports` says which): [H, d] float32.
+    """Attention of one token's query heads q [H, d] (float32) over slots 0..n-1 of keys and values
+    [H_kv, capacity, d] (contiguous, float32 or bfloat16; `supports` says which), each score times `scale`:
+    [H, d] float32. (A query in bfloat16 passed unscaled takes a third of the kernel's bfloat16 dot products of
+    one scaled by a factor that is not a power of two.)
 
     `scratch`: a float32 buffer of at least `scratch_size` elements, reused between calls (else allocated).
     """
@@ -133,6 +140,7 @@ def decode_attention(
         group,
         d,
         n,
+        scale,
         out.data_ptr(),
         scratch.data_ptr(),
         torch.get_num_threads(),
@@ -312,7 +320,7 @@ def _decode_attention_op(
     n = int(slot.item())
     keys[:, n] = k
     values[:, n] = v
-    return decode_attention(q.float() * scale, keys, values, n + 1)
+    return decode_attention(q.float(), keys, values, n + 1, scale=scale)
 
 
 @_decode_attention_op.register_fake

@@ -268,7 +268,7 @@ class FastDecoder:
             keys[i][:, filled] = k
             values[i][:, filled] = v
             if kernel:
-                out = ckernel.decode_attention(q.float() * self.scale, keys[i], values[i], filled + 1, scratch)
+                out = ckernel.decode_attention(q.float(), keys[i], values[i], filled + 1, scratch, self.scale)
                 out = out.to(x.dtype)
             else:
                 # the heads that share a kv head form that head's query rows: attention needs no repeated keys and,

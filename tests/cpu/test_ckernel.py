@@ -34,14 +34,23 @@ def _reference(q, keys, values, n):
         (2, 4, 32, 600, 256),
         (2, 4, 32, 600, 257),
         (1, 3, 48, 300, 77),
+        (2, 6, 128, 4200, 4100),  # the Qwen2.5 1.5B's shape
+        (2, 7, 64, 1200, 1136),  # the 0.5B's
     ],
 )
-def test_the_kernel_equals_softmax_attention(dtype, kv_heads, group, d, capacity, n):
+@pytest.mark.parametrize("query", ["float32", "bfloat16, scaled by the kernel"])
+def test_the_kernel_equals_softmax_attention(dtype, kv_heads, group, d, capacity, n, query):
     g = torch.Generator().manual_seed(n)
     keys, values = (torch.randn(kv_heads, capacity, d, generator=g).to(dtype) for _ in range(2))
     keys[:, n:] = values[:, n:] = 1e4  # slots past n hold anything: never read
     q = torch.randn(kv_heads * group, d, generator=g)
-    got = ckernel.decode_attention(q, keys, values, n)
+    if query == "float32":
+        got = ckernel.decode_attention(q, keys, values, n)
+    else:  # as the steps pass it: the model's query, unscaled (the scale 1/sqrt(d) is not a power of two here)
+        scale = (d + 3) ** -0.5
+        q = q.bfloat16().float() * 2
+        got = ckernel.decode_attention(q, keys, values, n, scale=scale)
+        q = q * scale
     torch.testing.assert_close(got, _reference(q, keys, values, n), rtol=1e-5, atol=2e-5)
 
 

@@ -45,7 +45,9 @@ def test_each_compiled_step_matches_the_whole_sequence_forward(name, c_kernel, m
         pytest.skip("no C compiler for kvrag.cpu.ckernel")
     else:
         attend = ckernel.decode_attention
-        monkeypatch.setattr(ckernel, "decode_attention", lambda *args: calls.append(args[3]) or attend(*args))
+        monkeypatch.setattr(
+            ckernel, "decode_attention", lambda *args, **kw: calls.append(args[3]) or attend(*args, **kw)
+        )
     model = _fresh(name)
     assert compile_decoding(model)
     decoder = decoder_of(model)

@@ -30,9 +30,10 @@
 #endif
 
 void decode_attention_f32_queries(const float *queries, const float *keys, const float *values, long stride, int hkv,
-                                  int G, int D, long n, int K, float *outs, float *part, int threads);
+                                  int G, int D, long n, int K, float scale, float *outs, float *part, int threads);
 void decode_attention_bf16_queries(const float *queries, const uint16_t *keys, const uint16_t *values, long stride,
-                                   int hkv, int G, int D, long n, int K, float *outs, float *part, int threads);
+                                   int hkv, int G, int D, long n, int K, float scale, float *outs, float *part,
+                                   int threads);
 
 
 static inline float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -296,17 +297,17 @@ int decode_rows(const struct step_model *m, void *const *const *keys, void *cons
                     put(values[j][l], (i * capacity[j] + slots[j]) * d + e, v[i * d + e], bf16);
                 }
             }
-            for (long i = 0; i < H * d; i++) q32[j * H * d + i] = q[i] * (float)m->scale;
+            memcpy(q32 + j * H * d, q, sizeof(float) * H * d); /* the kernel scales the scores */
         }
         for (long j = 0, run; j < K; j += run) { /* runs of one cache's consecutive slots: one attention pass */
             for (run = 1; j + run < K && keys[j + run] == keys[j] && slots[j + run] == slots[j] + run; run++) {}
             const float *qj = q32 + j * H * d;
             if (bf16)
                 decode_attention_bf16_queries(qj, keys[j][l], values[j][l], capacity[j], Hkv, G, d, slots[j] + 1,
-                                              (int)run, att + j * H * d, part, threads);
+                                              (int)run, (float)m->scale, att + j * H * d, part, threads);
             else
                 decode_attention_f32_queries(qj, keys[j][l], values[j][l], capacity[j], Hkv, G, d, slots[j] + 1,
-                                             (int)run, att + j * H * d, part, threads);
+                                             (int)run, (float)m->scale, att + j * H * d, part, threads);
         }
         for (long i = 0; i < K * H * d; i++) att[i] = rnd(att[i], bf16);
         weights_product(w->o, q8 ? &q8[l].o : NULL, bits, att, NULL, h, D, H * d, K, bf16, split, threads);
