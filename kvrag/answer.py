@@ -17,6 +17,12 @@ NO_CONTEXT = "No context was found for the question."
 NOT_IN_DOCUMENTS = "The documents do not say."
 
 
+def says_not_in_documents(text: str) -> bool:
+    """Whether a model's answer is kvrag's decline, `NOT_IN_DOCUMENTS`, at its start: the model's own abstention
+    (a prompt may ask for it where the documents are silent: `kvrag.model.layout.DECLINING_HEADER`)."""
+    return text.lstrip().startswith(NOT_IN_DOCUMENTS)
+
+
 @dataclass(slots=True)
 class AnswerStats:
     """What one answer cost and what the strategy decided."""
@@ -121,7 +127,8 @@ class Answer:
     # "hops" (a chain of hops: the last hop's answer),
     # "model" (a comparison asked whole over the parts' answers: that pass's Answer is the last of `parts`)
     composed: str | None = None
-    # the evidence was too weak to answer: `text` says the documents do not say, `draft` keeps what the model wrote
+    # the evidence was too weak to answer (no chunk bore on the question, or the model itself said the documents do
+    # not say): `text` says so, `draft` keeps what the model wrote
     abstained: bool = False
     draft: str | None = None  # the model's own text when the answer abstained
 

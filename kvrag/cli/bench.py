@@ -63,6 +63,14 @@ def add_bench(sub: Any) -> None:
         "(default: full_prefill_top1,full_prefill_top3,default)",
     )
     bench.add_argument("--max-new-tokens", type=int, default=48, help="most tokens an answer decodes (default 48)")
+    bench.add_argument(
+        "--header",
+        choices=("shipped", "plain", "declining"),
+        default="shipped",
+        help="the prompt's context header: the model's shipped one (`kvrag models`), kvrag's own plain one, or one "
+        "that asks the model to say 'The documents do not say.' where they are silent "
+        "(kvrag.model.layout.DECLINING_HEADER; default: shipped)",
+    )
     bench.add_argument("--out", type=Path, default=None, help="write the result as JSON to this file")
 
     bench = sub.add_parser(
@@ -146,6 +154,7 @@ def _bench_dtype(args: argparse.Namespace) -> None:
     result = dtype_quality(
         reference, low, limit=args.items, max_new_tokens=args.max_new_tokens, log=lambda m: print(m, file=sys.stderr)
     )
+    result["header"] = kv.layout.header
     result["command"] = "kvrag " + " ".join(shlex.quote(a) for a in args.argv)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))
@@ -170,10 +179,14 @@ def _bench_answers(args: argparse.Namespace) -> None:
         raise InvalidRequestError(f"need --limit in 1..10000 and --max-new-tokens >= 1, got {args.limit}, "
                                   f"{args.max_new_tokens}")
     # a plain name decodes over the model's own weights, `_int8` and `_int4` over copies: each row says which
+    from kvrag.model.layout import CONTEXT_HEADER, DECLINING_HEADER
+
+    chosen = {"plain": {"header": CONTEXT_HEADER}, "declining": {"header": DECLINING_HEADER}}.get(args.header, {})
     kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir,
-                                 decode_weights="model")
+                                 decode_weights="model", **chosen)
     result = whole_answers(kv, data=args.data, limit=args.limit, seed=args.seed, strategies=strategies,
                            max_new_tokens=args.max_new_tokens, log=lambda m: print(m, file=sys.stderr))
+    result["header"] = kv.layout.header
     result["command"] = "kvrag " + " ".join(shlex.quote(a) for a in args.argv)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))

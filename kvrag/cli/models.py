@@ -66,13 +66,15 @@ def _models(args: argparse.Namespace) -> None:
         parts = " (questions split into parts)" if row["parts"] else ""
         weights = "its own weights" if row["decode_weights"] == "model" else f"{row['decode_weights']} copies"
         encoded = "alone" if row["encoding"] == "alone" else "in their document's context"
+        asks = "; asks the model to say when the documents do not" if row["declines"] else ""
         print(f"{'':<20}by default: plan {row['plan']}{parts}; decodes over {weights}; stores {row['storage_dtype']} "
-              f"KV; encodes chunks {encoded}")
+              f"KV; encodes chunks {encoded}{asks}")
 
 
 def _defaults(model: Any) -> dict[str, Any]:
     """What a model answers with unless told otherwise: its default plan (`kvrag.plan.defaults`), decode weights,
-    stored KV and encoding (`kvrag.model.catalog`)."""
+    stored KV, encoding and prompt header (`kvrag.model.catalog`)."""
+    from kvrag.model.layout import DECLINING_HEADER
     from kvrag.plan.defaults import shipped_default
 
     plan = shipped_default(model.weights)
@@ -82,6 +84,8 @@ def _defaults(model: Any) -> dict[str, Any]:
         "decode_weights": model.decode_weights,
         "storage_dtype": model.storage_dtype,
         "encoding": model.encoding,
+        "header": model.header,
+        "declines": model.header == DECLINING_HEADER,  # its header asks the model to say the documents do not say
     }
 
 

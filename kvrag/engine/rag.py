@@ -30,6 +30,7 @@ from kvrag.engine.aio import in_thread, to_thread
 from kvrag.engine.embed import Embedder
 from kvrag.engine.folder import MANIFEST, IndexFolder
 from kvrag.engine.index import ChunkIndex
+from kvrag.model.layout import CONTEXT_HEADER
 from kvrag.engine.ingest import Ingesting, IngestStats, check_encoding  # noqa: E402
 from kvrag.engine.query import Querying  # noqa: E402
 from kvrag.engine.upkeep import Upkeep, describe_store, durable_store
@@ -298,7 +299,8 @@ class KVRAG(Ingesting, Querying, Upkeep):
         bound it was built with, if any). `compile_decode`, `decode_weights` and `cpu_kernels` are those of `KVModel`;
         `model`, a `KVModel` already loaded with the index's model, is used instead of loading another copy
         (refused, naming both, when its weights are not the index's). `lock_timeout_s` is `KVRAG`'s; `encoding`
-        too, for what is ingested from now on (None: the index's).
+        too, for what is ingested from now on (None: the index's). The prompts take the index's context header (its
+        chunks were encoded behind it): a model given with another header answers through a runtime that has it.
         """
         folder = IndexFolder(
             path,
@@ -315,6 +317,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
                     f"the index at {folder.path} was built for namespace {manifest.get('namespace', '')!r}, not "
                     f"{namespace!r}: open it without a namespace or ingest into another folder"
                 )
+            header = manifest.get("header", CONTEXT_HEADER)  # an index from before headers: kvrag's own
             kv = model or KVModel.from_pretrained(
                 manifest["model"],
                 dtype=manifest["dtype"],
@@ -323,7 +326,9 @@ class KVRAG(Ingesting, Querying, Upkeep):
                 compile_decode=compile_decode,
                 decode_weights=decode_weights,
                 cpu_kernels=cpu_kernels,
+                header=header,
             )
+            kv = kv.with_header(header)  # its chunks were encoded under it (the given model's, where they are one)
             if kv.fingerprint.digest != manifest["fingerprint"]:
                 given = f", not {kv.fingerprint.architecture} {kv.fingerprint.weights} ({kv.fingerprint.dtype})"
                 raise IndexLoadError(
@@ -404,6 +409,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
                 "kv_max_bytes": getattr(getattr(self.store, "back", self.store), "max_bytes", None),
                 "kv_on_demand": self.kv_on_demand,
                 "encoding": self.encoding,
+                "header": self.kvmodel.layout.header,  # every chunk's prefix: the index answers under it
                 "namespace": self.namespace,
                 "kv_store": describe_store(self.store),  # where the KV went (`info` shows it beside the store opened)
             },

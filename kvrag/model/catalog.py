@@ -25,6 +25,7 @@ import torch
 
 from kvrag.errors import ModelNotFoundError
 from kvrag.files import default_cache_dir
+from kvrag.model.layout import CONTEXT_HEADER, DECLINING_HEADER
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,9 @@ class NamedModel:
     # how a new index encodes a document's chunks by default: "document" (each behind its document's earlier chunks)
     # or "alone", where its default plan answered as many right and sooner over chunks alone (docs/study.md)
     encoding: str = "document"
+    # the prompt's context header for a new index (`kvrag.model.layout`): kvrag's own, or one asking the model to say
+    # the documents do not say, where its answers gained on the held-out halves (docs/study.md); an index keeps its own
+    header: str = CONTEXT_HEADER
 
     @property
     def size(self) -> int:
@@ -178,6 +182,7 @@ QWEN_15B = NamedModel(
     make_target="model-1.5b",
     decode_weights="int4",  # as many right as its own weights on both held-out halves (docs/models.md)
     storage_dtype="k4v3",  # 8/24 against 9 over bfloat16 KV on the choosing half, 8/24 as it judging (docs/models.md)
+    header=DECLINING_HEADER,  # 11/24 against 9 on the choosing half, 13/24 against 7 judging (docs/study.md)
 )
 
 MODELS: dict[str, NamedModel] = {m.name: m for m in (SMOLLM2_135M, QWEN_05B, QWEN_15B)}
@@ -196,6 +201,12 @@ def shipped_storage_dtype(weights: str) -> str:
     """How a new index stores a model's chunk KV by default, by its weights id: its named model's choice, else
     "float16"."""
     return next((m.storage_dtype for m in MODELS.values() if m.weights == weights), "float16")
+
+
+def shipped_header(weights: str) -> str:
+    """The context header a model's prompts take by default, by its weights id: its named model's choice, else
+    kvrag's own (`kvrag.model.layout.CONTEXT_HEADER`)."""
+    return next((m.header for m in MODELS.values() if m.weights == weights), CONTEXT_HEADER)
 
 
 def shipped_encoding(weights: str) -> str:

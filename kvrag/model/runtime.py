@@ -19,7 +19,7 @@ import torch
 from kvrag import cpu
 from kvrag.cache.kv import ChunkKey, ChunkKV, chunk_key, encoder_id
 from kvrag.errors import ContextOverflowError, InvalidRequestError, UnsupportedModelError
-from kvrag.model.catalog import named, shipped_decode_weights
+from kvrag.model.catalog import named, shipped_decode_weights, shipped_header
 from kvrag.model.encode import DEFAULT_BATCH_TOKENS, context_runs, encode_prefix, encode_runs
 from kvrag.model.layout import PromptLayout
 from kvrag.model.loading import (
@@ -55,7 +55,9 @@ class ModelRuntime:
         tokenizer: its tokenizer.
         weights_id: what identifies the weights in the fingerprint; by default found from where the model was
             loaded (see `kvrag.model.loading.weights_id`).
-        layout: how prompts are split; by default the tokenizer's chat template.
+        layout: how prompts are split; by default the tokenizer's chat template, with the named model's shipped
+            context header (`kvrag.model.catalog.shipped_header`: the 1.5B's asks the model to say the documents do
+            not say; kvrag's own for any other model).
         batch_tokens: rows x padded length per encoding forward.
         lead: text every chunk is encoded behind, after the prefix, and that never enters a prompt: a chunk's
             KV then never believes it opens the context (see `DEFAULT_LEAD`). "" (the default) encodes each
@@ -110,7 +112,7 @@ class ModelRuntime:
         )
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.layout = layout or PromptLayout(tokenizer)
+        self.layout = layout or PromptLayout(tokenizer, header=shipped_header(weights))
         self.repositioner = Repositioner(model)
         self.fingerprint = fingerprint(model, weights)
         self.batch_tokens = batch_tokens
@@ -150,6 +152,9 @@ class ModelRuntime:
         A named model is converted once from the GGUF in its registry packages to safetensors under `cache_dir`
         (default: the user's cache directory, kvrag/); `dtype="auto"` then loads it in the dtype it was converted to
         (bfloat16 for the Qwen models: float32 would double the memory for the same values). Nothing is downloaded.
+
+        `header=` (text) stands for `layout=PromptLayout(tokenizer, header=...)`, the tokenizer being the one loaded
+        here: e.g. `kvrag.model.layout.DECLINING_HEADER`. Chunks encoded under one header are another header's misses.
         """
         cache = Path(cache_dir) if cache_dir is not None else None
         if dtype in (None, "auto") and not Path(str(name_or_path)).exists() and (entry := named(name_or_path)):
@@ -161,6 +166,10 @@ class ModelRuntime:
             cache_dir=cache,
             attn_implementation=attn_implementation,
         )
+        if "header" in kwargs:
+            if kwargs.get("layout") is not None:
+                raise InvalidRequestError("give header= or layout=, not both: the layout holds its header")
+            kwargs["layout"] = PromptLayout(tokenizer, header=kwargs.pop("header"))
         kv = cls(model, tokenizer, weights_id=weights, **kwargs)
         kv.loaded_from = str(name_or_path) if name_or_path is not None else None
         return kv
@@ -176,6 +185,30 @@ class ModelRuntime:
             layout=self.layout,
             batch_tokens=self.batch_tokens,
             lead=lead,
+            **self.cpu_state.settings(),
+        )
+        other.loaded_from = self.loaded_from
+        return other
+
+    def with_header(self: Runtime, header: str) -> Runtime:
+        """The same model and tokenizer, the layout's context header `header` (the rest of the layout kept): what an
+        index whose chunks were encoded under that header answers with."""
+        if header == self.layout.header:
+            return self
+        layout = self.layout
+        other = type(self)(
+            self.model,
+            self.tokenizer,
+            weights_id=self.fingerprint.weights,
+            layout=PromptLayout(
+                self.tokenizer,
+                system_prompt=layout.system_prompt,
+                header=header,
+                question_template=layout.question_template,
+                use_chat_template=layout.use_chat_template,
+            ),
+            batch_tokens=self.batch_tokens,
+            lead=self.lead,
             **self.cpu_state.settings(),
         )
         other.loaded_from = self.loaded_from

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 from kvrag import cpu
-from kvrag.answer import NOT_IN_DOCUMENTS, Answer, Source, last_answer
+from kvrag.answer import NOT_IN_DOCUMENTS, Answer, Source, last_answer, says_not_in_documents
 from kvrag.cache.chunks import Chunks, ChunkSource
 from kvrag.model.runtime import ModelRuntime
 from kvrag.plan.parts import SPLIT_INSTRUCTION, Part, composed, parsed
@@ -181,9 +181,10 @@ def _together(
         detok.finish()
         stats = stats_of(sub, run, one.tokens, out - started, done - started, run.chunks.load_s)
         abstain = run.decision.plan.abstain  # the part's draft is kept; its text says the documents do not say
+        said = abstain or says_not_in_documents(detok.text)  # or the model said so itself
         answers.append(Answer(text=NOT_IN_DOCUMENTS if abstain else detok.text, token_ids=one.tokens,
-                              finish_reason=one.finish, stats=stats, sources=list(sources), abstained=abstain,
-                              draft=detok.text if abstain else None))
+                              finish_reason=one.finish, stats=stats, sources=list(sources), abstained=said,
+                              draft=detok.text if said else None))
     return answers
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from kvrag import cpu
-from kvrag.answer import NOT_IN_DOCUMENTS, Answer, AnswerStats, Source
+from kvrag.answer import NOT_IN_DOCUMENTS, Answer, AnswerStats, Source, says_not_in_documents
 from kvrag.cache.chunks import Chunks
 from kvrag.errors import ContextOverflowError, EmptyInputError
 from kvrag.model.recompute import Prefill, full_prefill
@@ -332,12 +332,13 @@ def decode_answer(
         yield tail
     if abstain:
         yield NOT_IN_DOCUMENTS
+    said = abstain or says_not_in_documents(detok.text)  # the plan declined, or the model did in kvrag's words
     yield Answer(
         text=NOT_IN_DOCUMENTS if abstain else detok.text,
         token_ids=tokens,
         finish_reason=finish,
         stats=make_stats(tokens, ttft, time.perf_counter() - started_at),
         sources=list(sources),
-        abstained=abstain,
-        draft=detok.text if abstain else None,
+        abstained=said,
+        draft=detok.text if said else None,
     )

@@ -242,3 +242,16 @@ def test_the_c_step_and_the_compiled_step_give_the_torch_steps_answers(kv, docs)
         compile_decoding(kv.model, enabled=False)  # the module's other tests decode as by default
         native_decoding(kv.model, True)
     assert compiled == eager == native and all(len(a) > 20 for a in eager)
+
+
+def test_a_header_given_by_name_is_the_layouts_and_keys_its_own_chunks(kv):
+    from kvrag.errors import InvalidRequestError
+    from kvrag.model.layout import CONTEXT_HEADER, DECLINING_HEADER, PromptLayout
+
+    declining = KVModel(kv.model, kv.tokenizer, layout=PromptLayout(kv.tokenizer, header=DECLINING_HEADER))
+    by_name = KVModel.from_pretrained(header=DECLINING_HEADER)
+    assert kv.layout.header == CONTEXT_HEADER and by_name.layout.header == DECLINING_HEADER
+    assert by_name.layout.prefix_ids == declining.layout.prefix_ids != kv.layout.prefix_ids
+    assert by_name.encoder_id == declining.encoder_id != kv.encoder_id  # chunks under one header miss under another
+    with pytest.raises(InvalidRequestError, match="header= or layout="):
+        KVModel.from_pretrained(header=DECLINING_HEADER, layout=kv.layout)

@@ -138,12 +138,13 @@ def test_models_says_what_each_model_answers_with_by_default(capsys):
     for model in (QWEN_15B, SMOLLM2_135M):
         row = rows[model.name]
         assert row["plan"].split(":")[0] == shipped_default(model.weights)["strategy"]
-        assert (row["decode_weights"], row["storage_dtype"], row["encoding"]) == (
-            model.decode_weights, model.storage_dtype, model.encoding
+        assert (row["decode_weights"], row["storage_dtype"], row["encoding"], row["header"]) == (
+            model.decode_weights, model.storage_dtype, model.encoding, model.header
         )
+    assert rows[QWEN_15B.name]["declines"] and not rows[SMOLLM2_135M.name]["declines"]
     code, out, _ = run(capsys, "models", "--model", "qwen2.5-coder-1.5b")
     assert code == 0 and "by default: plan by_need (questions split into parts); decodes over int4 copies; " in out
-    assert "stores k4v3 KV; encodes chunks in their document's context" in out
+    assert "stores k4v3 KV; encodes chunks in their document's context; asks the model to say when the" in out
 
 
 def test_ask_with_parts_answers_each_part_over_the_same_chunks(setup, capsys):

@@ -68,3 +68,29 @@ def test_a_new_engine_encodes_as_its_model_chose_unless_told():
     assert KVRAG(small, embedder=embedder, store=MemoryStore(), encoding="document").encoding == "document"
     other = KVModel(tiny_model("llama", seed=64), byte_tokenizer(), decode_weights="model")
     assert KVRAG(other, embedder=embedder, store=MemoryStore()).encoding == "document"
+
+
+def test_a_new_index_asks_under_its_models_header_and_an_existing_one_keeps_its_own(tmp_path):
+    from kvrag.model.layout import CONTEXT_HEADER, DECLINING_HEADER
+
+    assert catalog.shipped_header(catalog.QWEN_15B.weights) == DECLINING_HEADER
+    assert catalog.shipped_header(catalog.QWEN_05B.weights) == catalog.shipped_header("hub:x/y@main") == CONTEXT_HEADER
+    large = KVModel(tiny_model("qwen2", seed=65), byte_tokenizer(), weights_id=catalog.QWEN_15B.weights,
+                    decode_weights="model")
+    assert large.layout.header == DECLINING_HEADER
+    rag = KVRAG.from_defaults(tmp_path / "large", model=large, chunk_tokens=60, overlap=0, secret="")
+    rag.ingest(["Orin Dask keeps the keys of the lighthouse of Karsa."], progress=False)
+    assert json.loads((tmp_path / "large" / MANIFEST).read_text())["header"] == DECLINING_HEADER
+    # an index built before headers (its manifest names none) was encoded under kvrag's own, and answers under it
+    plain = large.with_header(CONTEXT_HEADER)
+    assert plain.model is large.model and plain.encoder_id != large.encoder_id
+    old = KVRAG.from_defaults(tmp_path / "old", model=plain, chunk_tokens=60, overlap=0, secret="")
+    old.ingest(["The river Tam floods every spring."], progress=False)
+    manifest = json.loads((tmp_path / "old" / MANIFEST).read_text())
+    del manifest["header"]
+    (tmp_path / "old" / MANIFEST).write_text(json.dumps(manifest))
+    opened = KVRAG.load(tmp_path / "old", model=large, secret=b"")
+    assert opened.kvmodel.layout.header == CONTEXT_HEADER and opened.kvmodel.encoder_id == plain.encoder_id
+    answer = opened.query("When does the river Tam flood?", max_new_tokens=2)
+    assert answer.stats.store_hits >= 1 and answer.stats.chunks_encoded == 0  # its stored KV read, none re-encoded
+    assert KVRAG.load(tmp_path / "large", model=large, secret=b"").kvmodel is large  # the same header: the same model

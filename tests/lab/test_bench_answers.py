@@ -30,6 +30,34 @@ def test_whole_answers_time_and_score_each_strategy_on_each_item(capsys):
     assert "| compare | " in table and "| all | " in table
 
 
+def test_the_declining_header_is_the_prompts_and_the_run_says_so(tmp_path, monkeypatch, capsys):
+    import json
+
+    from kvrag import KVModel
+    from kvrag.model.layout import CONTEXT_HEADER, DECLINING_HEADER
+
+    headers = []
+    loaded = KVModel.from_pretrained.__func__
+
+    def loading(cls, *args, **kwargs):
+        kv = loaded(cls, *args, **kwargs)
+        headers.append(kv.layout.header)
+        return kv
+
+    monkeypatch.setattr(KVModel, "from_pretrained", classmethod(loading))
+    out = tmp_path / "run.json"
+    argv = ["bench-answers", "--data", "builtin:open_qa", "--limit", "1", "--strategies", "full_prefill_top1",
+            "--max-new-tokens", "2", "--header", "declining", "--out", str(out)]
+    assert main(argv) == 0
+    run = json.loads(out.read_text())
+    assert headers == [DECLINING_HEADER] and run["header"] == DECLINING_HEADER and "--header declining" in run["command"]
+    assert main(argv[:-4] + ["--out", str(out)]) == 0  # the model's shipped header: the 135M's is kvrag's own
+    assert headers[-1] == json.loads(out.read_text())["header"] == CONTEXT_HEADER
+    with pytest.raises(SystemExit) as refused:  # not a header it knows: argparse's usage error
+        main(["bench-answers", "--header", "polite"])
+    assert refused.value.code == 2 and "invalid choice: 'polite'" in capsys.readouterr().err
+
+
 def test_the_command_refuses_an_unknown_strategy_before_loading(capsys):
     assert main(["bench-answers", "--strategies", "full_prefill_top1,bogus"]) == 2
     assert "unknown strategy 'bogus'" in capsys.readouterr().err

@@ -118,8 +118,29 @@ def test_abstaining_keeps_the_draft_and_says_so_on_every_path(kv, enc, monkeypat
     assert parts.abstained and parts.text == NOT_IN_DOCUMENTS and all(p.abstained for p in parts.parts)
 
 
+def _saying(ids):
+    def decode(self, prefill, sampling):  # the executor's decode, yielding the given tokens
+        yield from ids
+
+    return decode
+
+
+@pytest.mark.parametrize("words, declined", [(NOT_IN_DOCUMENTS + " Ask me again.", True),
+                                             ("The harbour. " + NOT_IN_DOCUMENTS, False)])
+def test_the_models_own_decline_in_kvrags_words_is_an_abstention(kv, enc, monkeypatch, words, declined):
+    from kvrag.run.executor import HFExecutor
+
+    ids = kv.tokenizer(words, add_special_tokens=False)["input_ids"]
+    monkeypatch.setattr(HFExecutor, "decode", _saying(ids))
+    a = kv.answer(Q, enc, strategy="target_recompute", scores=SCORES, max_new_tokens=len(ids))
+    assert a.text == words and a.abstained is declined and a.to_dict()["abstained"] is declined
+    assert a.draft == (words if declined else None)  # the model's words are the answer's text too
+    pieces = list(kv.stream(Q, enc, strategy="target_recompute", scores=SCORES, max_new_tokens=len(ids)))
+    assert "".join(p for p in pieces if isinstance(p, str)) == words and pieces[-1].abstained is declined
+
+
 def test_a_named_plan_never_abstains(kv, enc, monkeypatch):
-    monkeypatch.setattr(need, "ABSTAIN_LIFT", float("inf"))
+    monkeypatch.setattr(need, "ABSTAIN_LIFT", float("inf"))  # (only the model's own words can decline there)
     a = kv.answer(Q, enc, strategy="target_recompute", scores=SCORES, max_new_tokens=4)
     assert not a.abstained and a.draft is None and a.stats.reason == "" and a.to_dict()["abstained"] is False
 
