@@ -117,9 +117,11 @@ def heldout_row(name: str, half: str, run: dict[str, Any]) -> str:
 def heldout_table() -> list[str]:
     lines = [
         "Right answers and median first token on data held out by source (`kvrag bench-answers --data "
-        "kvrag/data/heldout/HALF.jsonl --limit 48`, 24 on the 1.5B; the default's thresholds and its encoding "
-        "chosen on the choose half, the judge half played no part; the default's chunks are encoded in their document's context, as a "
-        "new index's are; first tokens are medians of runs that shared the two cores with other work):",
+        "kvrag/data/heldout/HALF.jsonl --limit 48`, 24 on the 1.5B; the default's thresholds, its encoding and "
+        "each model's prompt header chosen on the choose half, the judge half played no part; the default's chunks are "
+        "encoded in their document's context, as a new index's are; every column of the 1.5B asks under its header, "
+        "which invites \"The documents do not say.\"; first tokens are medians of runs that shared the two cores with "
+        "other work):",
         "",
         "| model | half | items | " + " | ".join(label for _, label in HELDOUT_ROWS)
         + " | the default declined: unanswerable, answerable |",
