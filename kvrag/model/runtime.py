@@ -176,19 +176,7 @@ class ModelRuntime:
 
     def with_lead(self: Runtime, lead: str = "") -> Runtime:
         """The same model, tokenizer and layout, with chunks encoded behind `lead` (see the class's Args)."""
-        if lead == self.lead:
-            return self
-        other = type(self)(
-            self.model,
-            self.tokenizer,
-            weights_id=self.fingerprint.weights,
-            layout=self.layout,
-            batch_tokens=self.batch_tokens,
-            lead=lead,
-            **self.cpu_state.settings(),
-        )
-        other.loaded_from = self.loaded_from
-        return other
+        return self if lead == self.lead else self._like(self.layout, lead)
 
     def with_header(self: Runtime, header: str) -> Runtime:
         """The same model and tokenizer, the layout's context header `header` (the rest of the layout kept): what an
@@ -196,19 +184,26 @@ class ModelRuntime:
         if header == self.layout.header:
             return self
         layout = self.layout
-        other = type(self)(
-            self.model,
-            self.tokenizer,
-            weights_id=self.fingerprint.weights,
-            layout=PromptLayout(
+        return self._like(
+            PromptLayout(
                 self.tokenizer,
                 system_prompt=layout.system_prompt,
                 header=header,
                 question_template=layout.question_template,
                 use_chat_template=layout.use_chat_template,
             ),
+            self.lead,
+        )
+
+    def _like(self: Runtime, layout: PromptLayout, lead: str) -> Runtime:
+        """Another runtime on this one's model object (its settings and lock shared) with `layout` and `lead`."""
+        other = type(self)(
+            self.model,
+            self.tokenizer,
+            weights_id=self.fingerprint.weights,
+            layout=layout,
             batch_tokens=self.batch_tokens,
-            lead=self.lead,
+            lead=lead,
             **self.cpu_state.settings(),
         )
         other.loaded_from = self.loaded_from
