@@ -154,7 +154,6 @@ def _bench_dtype(args: argparse.Namespace) -> None:
     result = dtype_quality(
         reference, low, limit=args.items, max_new_tokens=args.max_new_tokens, log=lambda m: print(m, file=sys.stderr)
     )
-    result["header"] = kv.layout.header
     result["command"] = "kvrag " + " ".join(shlex.quote(a) for a in args.argv)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))

@@ -14,8 +14,8 @@ from kvrag.errors import EmptyInputError, InvalidRequestError, LayoutError
 
 CONTEXT_HEADER = "Answer the question using the documents below.\n\n"
 # A header that asks the model to decline in kvrag's words where the documents are silent (an answer that starts with
-# them is `Answer.abstained`): opt in with `KVModel.from_pretrained(..., header=DECLINING_HEADER)`. Not the default:
-# measured on the held-out halves it declines answerable questions too, and loses answers on the 0.5B (docs/study.md).
+# them is `Answer.abstained`): the 1.5B's by default (`NamedModel.header`; it gained answers on both held-out halves),
+# not the 0.5B's (it declined chats it answered right; docs/study.md); `KVModel.from_pretrained(..., header=...)`.
 DECLINING_HEADER = (
     'Answer the question using the documents below. If they do not hold the answer, say "The documents do not say."'
     "\n\n"

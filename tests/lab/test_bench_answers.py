@@ -50,7 +50,8 @@ def test_the_declining_header_is_the_prompts_and_the_run_says_so(tmp_path, monke
             "--max-new-tokens", "2", "--header", "declining", "--out", str(out)]
     assert main(argv) == 0
     run = json.loads(out.read_text())
-    assert headers == [DECLINING_HEADER] and run["header"] == DECLINING_HEADER and "--header declining" in run["command"]
+    assert headers == [DECLINING_HEADER] and run["header"] == DECLINING_HEADER
+    assert "--header declining" in run["command"]
     assert main(argv[:-4] + ["--out", str(out)]) == 0  # the model's shipped header: the 135M's is kvrag's own
     assert headers[-1] == json.loads(out.read_text())["header"] == CONTEXT_HEADER
     with pytest.raises(SystemExit) as refused:  # not a header it knows: argparse's usage error

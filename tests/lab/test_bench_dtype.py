@@ -36,3 +36,12 @@ def test_the_same_dtype_twice_is_refused(capsys):
     code = main(["bench-dtype", "--dtype", "float32"])
     err = capsys.readouterr().err
     assert code == 2 and "float32 here: give bfloat16 or float16" in err and err.count("\n") == 1
+
+
+def test_the_command_runs_end_to_end_and_writes_its_run(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "dtype.json"
+    assert main(["bench-dtype", "--items", "1", "--max-new-tokens", "2", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["items"] >= 1 and "--items 1" in run["command"] and "bfloat16 against float32" in capsys.readouterr().out

@@ -114,10 +114,10 @@ __attribute__((noinline)) static float exp_sum(float *s, int len, float m) {
  * alone, so the steps pass the model's query unscaled and the kernel scales the scores (a query scaled first by
  * 1/sqrt(128) took all three parts, three times the dot products: over the 1.5B's 28 layers of 4,100 slots
  * 4.39 ms against 3.93 ms unscaled, alternated in one process; the 0.5B's 24 layers 1.79 against 1.73 ms; the
- * weighted sum's float32 multiply-adds, G for every 16 elements of a value, now bound it). The softmax is the generic task's,
- * and so is the weighted sum: each output element the same multiply-adds in the same order (a value's even and
- * odd elements widened apart, put back in order at the end). A row's results depend on its own query alone, as in
- * the generic task. */
+ * weighted sum's float32 multiply-adds, G for every 16 elements of a value, now bound it). The softmax is the
+ * generic task's, and so is the weighted sum: each output element the same multiply-adds in the same order (a
+ * value's even and odd elements widened apart, put back in order at the end). A row's results depend on its own
+ * query alone, as in the generic task. */
 static inline __attribute__((always_inline)) void block_dot_bf16(const float *const *q, const uint16_t *keys,
                                                                  const uint16_t *values, long stride, long h,
                                                                  long t0, long t1, float scale, float *const *p,
