@@ -178,9 +178,9 @@ def _bench_answers(args: argparse.Namespace) -> None:
         raise InvalidRequestError(f"need --limit in 1..10000 and --max-new-tokens >= 1, got {args.limit}, "
                                   f"{args.max_new_tokens}")
     # a plain name decodes over the model's own weights, `_int8` and `_int4` over copies: each row says which
-    from kvrag.model.layout import CONTEXT_HEADER, DECLINING_HEADER
+    from kvrag.model.layout import HEADERS
 
-    chosen = {"plain": {"header": CONTEXT_HEADER}, "declining": {"header": DECLINING_HEADER}}.get(args.header, {})
+    chosen = {"header": HEADERS[args.header]} if args.header in HEADERS else {}  # else the model's shipped one
     kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir,
                                  decode_weights="model", **chosen)
     result = whole_answers(kv, data=args.data, limit=args.limit, seed=args.seed, strategies=strategies,

@@ -54,6 +54,15 @@ def add_ingest(sub: Any) -> None:
         "order are then exactly its full prefill); alone: behind the prompt prefix only (docs/usage.md); default "
         "for a new index the model's choice: alone for the embedded smollm2-135m, document for any other model",
     )
+    ingest.add_argument(
+        "--header",
+        choices=("plain", "declining"),
+        default=None,
+        help="the prompts' context header, every chunk's KV encoded behind it: plain (kvrag's own) or declining (it "
+        "asks the model to say 'The documents do not say.' where they are silent); default for a new index the "
+        "model's choice (declining for qwen2.5-coder-1.5b, plain for the others; `kvrag models`); an existing index "
+        "keeps its own",
+    )
     ingest.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     ingest.add_argument(
         "--yes",
@@ -144,6 +153,7 @@ def add_gc(sub: Any) -> None:
 def _ingest(args: argparse.Namespace) -> None:
     from kvrag.engine.documents import MAX_FILE_BYTES
     from kvrag.engine.rag import KVRAG, MANIFEST
+    from kvrag.model.layout import HEADERS
 
     index_is_a_folder(args.index)
     fresh = not (args.index / MANIFEST).is_file()
@@ -166,6 +176,7 @@ def _ingest(args: argparse.Namespace) -> None:
         secret=secret_of(args),
         lock_timeout_s=args.lock_timeout,
         encoding=args.encoding,
+        header=HEADERS[args.header] if args.header else None,
     )
     if args.max_file_mb is not None and not 0 < args.max_file_mb <= 1 << 20:
         raise InvalidRequestError(f"--max-file-mb must be a positive number of megabytes, got {args.max_file_mb}")

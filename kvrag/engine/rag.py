@@ -185,6 +185,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
         create: bool = True,
         lock_timeout_s: float | None = None,
         encoding: str | None = None,
+        header: str | None = None,
     ) -> KVRAG:
         """An engine on the embedded defaults (or the given model and embedder), loading `path` if it holds an index.
 
@@ -199,7 +200,9 @@ class KVRAG(Ingesting, Querying, Upkeep):
         serves both; an index at `path` must have been built with that model). `create=False` refuses a `path`
         that holds no index (IndexLoadError naming it) instead of starting a new, empty one there: for code that
         only reads an index, where a mistyped path would otherwise answer from nothing. `lock_timeout_s` and
-        `encoding` are `KVRAG`'s (None: the index's, the model's choice for a new one).
+        `encoding` are `KVRAG`'s (None: the index's, the model's choice for a new one). `header`: the prompts' context
+        header of a new index (`kvrag.model.layout`; None: the model's choice); an existing index keeps its own, and
+        another given is refused.
         """
         # a bad secret, encoding, storage dtype or namespace is refused before the model loads or a folder is made
         check_secret(secret)
@@ -217,7 +220,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
                 "(create=True starts an empty one)"
             )
         if path is not None and IndexFolder(path).exists():
-            return cls.load(
+            engine = cls.load(
                 path,
                 store=store,
                 memory_bytes=memory_bytes,
@@ -234,8 +237,14 @@ class KVRAG(Ingesting, Querying, Upkeep):
                 lock_timeout_s=lock_timeout_s,
                 encoding=encoding,
             )
+            if header is not None and header != engine.kvmodel.layout.header:
+                raise InvalidRequestError(
+                    f"the index at {path} was built under the header {engine.kvmodel.layout.header!r}, not "
+                    f"{header!r}: its chunks were encoded behind it; drop the header or ingest into a new folder"
+                )
+            return engine
         if isinstance(model, KVModel):
-            kv, source = model, model.loaded_from
+            kv, source = model.with_header(header) if header is not None else model, model.loaded_from
         else:
             kv, source = (
                 KVModel.from_pretrained(
@@ -246,6 +255,7 @@ class KVRAG(Ingesting, Querying, Upkeep):
                     compile_decode=compile_decode,
                     decode_weights=decode_weights,
                     cpu_kernels=cpu_kernels,
+                    **({"header": header} if header is not None else {}),
                 ),
                 model,
             )

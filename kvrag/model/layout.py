@@ -20,6 +20,8 @@ DECLINING_HEADER = (
     'Answer the question using the documents below. If they do not hold the answer, say "The documents do not say."'
     "\n\n"
 )
+# the headers by the names the CLI takes (`kvrag ingest --header`, `kvrag bench-answers --header`)
+HEADERS = {"plain": CONTEXT_HEADER, "declining": DECLINING_HEADER}
 QUESTION_TEMPLATE = "Question: {question}\nAnswer:"
 CHUNK_SEPARATOR = "\n\n"
 _MARK = "\u2063kvrag-context\u2063"

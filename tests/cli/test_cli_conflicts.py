@@ -153,3 +153,25 @@ def test_the_help_states_the_defaults(capsys):
     shipped = "default the model's choice (docs/models.md), float16 for a model kvrag does not name"
     for default in ("(default 200)", "(default 20)", shipped, "auto (default)", "default: none"):
         assert default in text
+
+
+def test_the_header_of_a_new_index_is_the_flags_and_an_existing_one_keeps_its_own(capsys, setup, index, tmp_path,
+                                                                                   monkeypatch):
+    from kvrag.model.layout import CONTEXT_HEADER, DECLINING_HEADER
+
+    monkeypatch.setattr("kvrag.engine.rag.Embedder", NamedHashEmbedder)
+    before = {p.name: p.read_bytes() for p in index.rglob("*") if p.is_file()}
+    code, out, err = ingest(capsys, setup, index, "--header", "declining")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert "built under the header 'Answer the question using the documents below.\\n\\n', not" in err
+    assert {p.name: p.read_bytes() for p in index.rglob("*") if p.is_file()} == before  # nothing written
+    assert IndexFolder(index).manifest()["header"] == CONTEXT_HEADER
+    fresh = tmp_path / "declining"
+    code, _, err = ingest(capsys, setup, fresh, "--model", setup[1], "--header", "declining")
+    assert code == 0, err
+    assert IndexFolder(fresh).manifest()["header"] == DECLINING_HEADER
+    code, _, err = ingest(capsys, setup, fresh)  # no flag: the index's own
+    assert code == 0, err
+    assert IndexFolder(fresh).manifest()["header"] == DECLINING_HEADER
+    code, _, err = ingest(capsys, setup, fresh, "--header", "plain")
+    assert code == 2 and "drop the header or ingest into a new folder" in err
