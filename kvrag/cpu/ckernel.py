@@ -30,7 +30,10 @@ from kvrag.cpu.cbuild import build
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("decode_attention.c", "rotate_keys.c", "decode_step.c", "decode_quantized.c", "stream_read.c")
+    for name in (
+        "decode_attention.c", "rotate_keys.c", "decode_step.c", "decode_quantized.c", "quantize_weights.c",
+        "stream_read.c",
+    )
 )
 BLOCK = 256  # the kernel's block of cache slots
 MAX_TOKENS = 8  # tokens one call of the C decode step takes (`DecodeStep.steps`)
@@ -67,6 +70,10 @@ def _library() -> ctypes.CDLL | None:
     library.decode_rows.argtypes = [pointer] * 5 + [ctypes.c_long] + [pointer] * 4 + [ctypes.c_int]
     library.decode_rows.restype = ctypes.c_int
     library.int8_available.argtypes, library.int8_available.restype = [], ctypes.c_int
+    for name in ("quantize_int8_rows", "quantize_int4_rows"):
+        function = getattr(library, name)
+        function.argtypes = [pointer, ctypes.c_int, ctypes.c_long, ctypes.c_long] + [pointer] * 3 + [ctypes.c_int]
+        function.restype = ctypes.c_int
     library.stream_read.argtypes = [pointer, ctypes.c_long, ctypes.c_int]
     library.stream_read.restype = ctypes.c_float
     return library

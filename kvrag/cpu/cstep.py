@@ -40,12 +40,14 @@ INT8_GROUP = 64  # the columns of a weight row that share one scale (`csrc/decod
 BITS = (8, 4)  # the quantized weights the C step reads
 
 
-def int8_rows(weight: torch.Tensor, rows_at_once: int = 8192) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int8_rows_torch(
+    weight: torch.Tensor, rows_at_once: int = 8192
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`weight` [R, C] (C a multiple of INT8_GROUP) as int8 values [R, C], float32 scales [R, C / INT8_GROUP] and
     the offsets the kernel subtracts for its unsigned inputs (128 times the scale times the group's sum of values):
     each group of INT8_GROUP columns of a row divided by its largest magnitude over 127 and rounded to the nearest
     integer (symmetric; a group of zeros has scale 1). Converted a slice of rows at a time (the lm_head of a large
-    vocabulary would otherwise take a float32 copy of itself)."""
+    vocabulary would otherwise take a float32 copy of itself). The reference `int8_rows` is held to, bit for bit."""
     rows, columns = weight.shape
     groups = columns // INT8_GROUP
     values = torch.empty(rows, columns, dtype=torch.int8)
@@ -62,12 +64,14 @@ def int8_rows(weight: torch.Tensor, rows_at_once: int = 8192) -> tuple[torch.Ten
     return values, scales, offsets
 
 
-def int4_rows(weight: torch.Tensor, rows_at_once: int = 8192) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_rows_torch(
+    weight: torch.Tensor, rows_at_once: int = 8192
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`weight` [R, C] (C a multiple of 128) as 4-bit values two to a byte [R, C / 2] (uint8; in each 128 columns,
     byte i holds column i in its low half and column 64 + i in its high half), float16 scales and float16 minimums
     [R, C / INT8_GROUP]: each group of INT8_GROUP columns of a row as the nearest of 16 evenly spaced levels from its
     least to its largest weight (w = scale u + minimum, u 0 to 15; a group of one value has scale 1), the levels
-    taken from the float16 scale and minimum the kernel reads."""
+    taken from the float16 scale and minimum the kernel reads. The reference `int4_rows` is held to, bit for bit."""
     rows, columns = weight.shape
     groups = columns // INT8_GROUP
     values = torch.empty(rows, columns // 2, dtype=torch.uint8)
@@ -85,6 +89,54 @@ def int4_rows(weight: torch.Tensor, rows_at_once: int = 8192) -> tuple[torch.Ten
         minimums[start : start + rows_at_once] = least.view(-1, groups)
     return values, scales, minimums
 
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`int8_rows_torch`'s values, scales and offsets, bit for bit, made in C with the threads where the kernels built
+    (`csrc/quantize_weights.c`: one pass over the weights), else by it."""
+    made = _quantized_in_c(weight, 8)
+    return made if made is not None else int8_rows_torch(weight)
+
+
+def int4_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`int4_rows_torch`'s values, scales and minimums, bit for bit, made in C with the threads where the kernels
+    built (`csrc/quantize_weights.c`), else by it."""
+    made = _quantized_in_c(weight, 4)
+    return made if made is not None else int4_rows_torch(weight)
+
+
+def _quantized_in_c(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`weight` quantized by the C kernel, or None where it does not take it (no kernels, not a contiguous float32
+    or bfloat16 CPU matrix whose columns the groups divide)."""
+    library = ckernel._library()
+    if (
+        library is None
+        or weight.dim() != 2
+        or weight.device.type != "cpu"
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or weight.shape[1] % (INT8_GROUP if bits == 8 else 2 * INT8_GROUP)
+    ):
+        return None
+    weight = weight.detach().contiguous()
+    rows, columns = weight.shape
+    groups = columns // INT8_GROUP
+    if bits == 8:
+        made = (torch.empty(rows, columns, dtype=torch.int8), torch.empty(rows, groups), torch.empty(rows, groups))
+        function = library.quantize_int8_rows
+    else:
+        made = (
+            torch.empty(rows, columns // 2, dtype=torch.uint8),
+            torch.empty(rows, groups, dtype=torch.float16),
+            torch.empty(rows, groups, dtype=torch.float16),
+        )
+        function = library.quantize_int4_rows
+    status = function(
+        weight.data_ptr(), int(weight.dtype == torch.bfloat16), rows, columns, *(t.data_ptr() for t in made),
+        max(1, torch.get_num_threads()),
+    )
+    if status != 0:
+        raise RuntimeError(f"quantize_int{bits}_rows refused a [{rows}, {columns}] weight (status {status})")
+    return made
 
 class DecodeStep:
     """A whole decode step in C (`kernels/decode_step.c`) over a `kvrag.cpu.decode.FastDecoder`'s weights: one

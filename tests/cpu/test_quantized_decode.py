@@ -11,7 +11,7 @@ import torch
 from tiny import FAST_DECODED, tiny_config, tiny_model
 
 from kvrag.cpu import ckernel, decode_weights
-from kvrag.cpu.cstep import INT8_GROUP, int4_rows, int8_rows
+from kvrag.cpu.cstep import INT8_GROUP, int4_rows, int4_rows_torch, int8_rows, int8_rows_torch
 from kvrag.cpu.decode import Room, decoder_of, native_decoding
 from kvrag.model.recompute import full_prefill
 
@@ -47,7 +47,7 @@ def _ids(n, seed=1):
 def test_int8_rows_hold_each_group_to_half_a_step_and_the_offsets_are_the_shift_s_share():
     weight = torch.randn(40, 3 * INT8_GROUP) * torch.linspace(0.01, 3, 40)[:, None]
     weight[3, :INT8_GROUP] = 0  # a group of zeros: scale 1, values 0
-    values, scales, offsets = int8_rows(weight, rows_at_once=7)  # slices that do not divide the rows
+    values, scales, offsets = int8_rows_torch(weight, rows_at_once=7)  # slices that do not divide the rows
     assert values.dtype == torch.int8 and values.shape == weight.shape and scales.shape == (40, 3)
     back = values.float().view(40, 3, INT8_GROUP) * scales[..., None]
     step = scales[..., None].expand(40, 3, INT8_GROUP)
@@ -76,7 +76,7 @@ def _logits(model, ids, prompt, bits, out=None):
 def test_int4_rows_hold_each_group_to_half_a_level_and_pack_two_a_byte():
     weight = torch.randn(24, 256) * torch.linspace(0.01, 3, 24)[:, None]
     weight[5, 64:128] = 0.25  # a group of one value: scale 1, every level 0
-    values, scales, minimums = int4_rows(weight, rows_at_once=5)
+    values, scales, minimums = int4_rows_torch(weight, rows_at_once=5)
     assert values.dtype == torch.uint8 and values.shape == (24, 128) and scales.dtype == minimums.dtype == torch.float16
     low, high = (values & 15).view(24, 2, 64), (values >> 4).view(24, 2, 64)
     levels = torch.stack([low, high], dim=2).view(24, 256)  # each 128: the low halves, then the high halves
@@ -84,6 +84,26 @@ def test_int4_rows_hold_each_group_to_half_a_level_and_pack_two_a_byte():
     step = scales.float()[..., None].expand(24, 4, 64)
     assert ((back - weight.view(24, 4, 64)).abs() <= step / 2 + 2e-3 * weight.abs().amax()).all()
     assert scales[5, 1] == 1 and not levels[5, 64:128].any() and levels.max() == 15
+
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_quantizer_makes_the_torch_reference_s_bits(dtype):
+    """`int8_rows` and `int4_rows` quantize in C (`csrc/quantize_weights.c`): the torch reference's values, scales
+    and offsets or minimums bit for bit, over magnitudes from float16's subnormals to past its largest value, a group
+    of zeros and one of a single value."""
+    weight = torch.randn(300, 512, generator=torch.Generator().manual_seed(3)) * torch.logspace(-7, 4, 300)[:, None]
+    weight[3, :64], weight[4, 64:128], weight[5, 128:256] = 0, 0.25, 7e4
+    weight = weight.to(dtype)
+    from kvrag.cpu.cstep import _quantized_in_c
+
+    for bits, reference in ((8, int8_rows_torch(weight)), (4, int4_rows_torch(weight))):
+        made = _quantized_in_c(weight, bits)
+        assert made is not None and len(made) == len(reference) == 3
+        for got, want in zip(made, reference):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    assert int8_rows(weight)[0].abs().max() == 127 and int4_rows(weight)[0].max() > 15  # both halves of a byte used
 
 
 def _dequantized(weight, bits):
