@@ -6,6 +6,7 @@ or int4 (`csrc/decode_quantized.c`, `DecodeStep.quantize`). Built with the decod
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
 
@@ -186,6 +187,7 @@ class DecodeStep:
         self._cache: dict[tuple, tuple[ctypes.Array, ctypes.Array] | None] = {}  # cache seen: its arrays
         self._decoder = decoder
         self._quantized: dict[int, tuple[ctypes.Array, list[torch.Tensor], _Int8Rows]] = {}  # bits: made on first use
+        self.made_s: dict[int, float] = {}  # bits: the seconds its copies took to make (`kvrag bench-decode` says)
 
     def quantized_takes(self, bits: int) -> str | None:
         """Why the C step's `bits`-bit products (8 or 4) do not take this model (None where they do): the CPU's
@@ -209,7 +211,9 @@ class DecodeStep:
             self.model.int8_layer, self.model.int_bits = None, 0
             return False
         if bits not in self._quantized:
+            started = time.perf_counter()
             self._quantized[bits] = self._made(bits)
+            self.made_s[bits] = time.perf_counter() - started
         structs, _, head = self._quantized[bits]
         self.model.int8_layer, self.model.int8_head, self.model.int_bits = structs, head, bits
         return True

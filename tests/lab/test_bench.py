@@ -4,6 +4,7 @@ Structure only: speed figures live in docs/performance.md, never in assertions.
 """
 
 import json
+import re
 
 import pytest
 from tiny import save_tiny
@@ -114,7 +115,10 @@ def test_bench_decode_prints_every_step_and_the_floor(tmp_path, capsys):
     assert forward_cost(kv, 1, 100).bytes > forward_cost(kv, 1, 0).bytes > 0  # the cached KV counts beside the weights
     assert forward_cost(kv, 10, 100).flops > forward_cost(kv, 10, 0).flops > forward_cost(kv, 1, 0).flops
     assert row["compile_s"] > 0 and not decodes_compiled(kv.model) and decodes_native(kv.model)  # as it found it
-    assert "fast step: yes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fast step: yes" in out
+    if "kvrag_int8" in steps:  # the copies' making is timed where they were made
+        assert re.search(r"int8 copies of the weights: made in \d+\.\d\d s", out)
 
 
 def test_the_reposition_benchmark_times_every_arm_and_puts_the_engine_back(monkeypatch):

@@ -135,6 +135,8 @@ def decode_benchmark(
             for kind in ("int8", "int4"):
                 if {"kvrag_" + kind, "memory_read_" + kind} & wanted and decode_weights(kv.model, kind):
                     saved[kind] = _saved_bytes(decoder_of(kv.model).native, int(kind[3:]))
+                    made = decoder_of(kv.model).native.made_s[int(kind[3:])]
+                    log(f"{kind} copies of the weights: made in {made:.2f} s")
                     paths["kvrag_" + kind] = functools.partial(_on_weights, kv, kind, question, lambda: texts)
             decode_weights(kv.model, "model")
             if decoder_of(kv.model).native is not None:
