@@ -111,6 +111,7 @@ class Source:
     score: float  # retrieval score (cosine similarity; fused rank score with hybrid retrieval)
     metadata: dict[str, Any] = field(default_factory=dict)
     read: bool = False  # whether a prompt that answered held this chunk (retrieved is not read)
+    retrieved: bool = True  # False: given for its run, beside retrieved chunks of it (`kvrag.engine.runs`)
 
 
 @dataclass(slots=True)

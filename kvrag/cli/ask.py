@@ -32,6 +32,13 @@ def add_ask(sub: Any) -> None:
     ask.add_argument("--budget", type=float, default=None, help="default: the tuned default's, else 0.05")
     ask.add_argument("--top-k", type=int, default=5, help="chunks retrieved for a question (default 5)")
     ask.add_argument("--bm25", "--hybrid", dest="bm25", action="store_true", help="fuse dense and BM25 rankings")
+    ask.add_argument(
+        "--whole-runs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="where two or more retrieved chunks are of one run of a document encoded in its context, read the run "
+        "whole (no recomputation: kvrag.engine.runs); default: kvrag's (docs/usage.md)",
+    )
     ask.add_argument("--max-new-tokens", type=int, default=256, help="most tokens an answer decodes (default 256)")
     ask.add_argument(
         "--parts",
@@ -84,6 +91,7 @@ def _ask(args: argparse.Namespace) -> None:
         budget=args.budget,
         top_k=args.top_k,
         bm25=args.bm25,
+        whole_runs=args.whole_runs,
         max_new_tokens=args.max_new_tokens,
     )
     if args.parts is not None:
@@ -115,8 +123,11 @@ def footer(answer: Answer) -> str:
 
     said = answered_by(answer.to_dict())
     plan = said["plan"] + (f" ({said['reason']})" if said["reason"] else "")
-    unread = [s.id for s in answer.sources if not s.read]
+    unread = [s.id for s in answer.sources if s.retrieved and not s.read]
+    added = [s.id for s in answer.sources if not s.retrieved and s.read]
     lines = [f"[{plan}, ttft {answer.stats.ttft_s:.3f} s]", "read: " + (", ".join(said["read"]) or "none")]
+    if added:
+        lines.append("read for their run, not retrieved: " + ", ".join(added))
     if unread:
         lines.append("retrieved, not read: " + ", ".join(unread))
     if said["abstained"]:

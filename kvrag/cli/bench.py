@@ -64,6 +64,13 @@ def add_bench(sub: Any) -> None:
     )
     bench.add_argument("--max-new-tokens", type=int, default=48, help="most tokens an answer decodes (default 48)")
     bench.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="give each item's K best chunks by the embedder's scores, best first, as retrieval would (default: every "
+        "chunk, in the item's order)",
+    )
+    bench.add_argument(
         "--header",
         choices=("shipped", "plain", "declining"),
         default="shipped",
@@ -174,6 +181,8 @@ def _bench_answers(args: argparse.Namespace) -> None:
         base = quantized(name.partition("@")[0])[0].removesuffix("+parts").partition(":")[0]
         if base != "default":
             get_strategy(base)  # an unknown name is refused before the model loads
+    if args.top_k is not None and args.top_k < 1:
+        raise InvalidRequestError(f"--top-k must be at least 1, got {args.top_k}")
     if not 1 <= args.limit <= 10_000 or args.max_new_tokens < 1:
         raise InvalidRequestError(f"need --limit in 1..10000 and --max-new-tokens >= 1, got {args.limit}, "
                                   f"{args.max_new_tokens}")
@@ -184,7 +193,8 @@ def _bench_answers(args: argparse.Namespace) -> None:
     kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir,
                                  decode_weights="model", **chosen)
     result = whole_answers(kv, data=args.data, limit=args.limit, seed=args.seed, strategies=strategies,
-                           max_new_tokens=args.max_new_tokens, log=lambda m: print(m, file=sys.stderr))
+                           max_new_tokens=args.max_new_tokens, top_k=args.top_k,
+                           log=lambda m: print(m, file=sys.stderr))
     result["header"] = kv.layout.header
     result["command"] = "kvrag " + " ".join(shlex.quote(a) for a in args.argv)
     if args.out is not None:

@@ -133,6 +133,23 @@ class ChunkIndex:
     def docs(self) -> set[str]:
         return {r.doc_id for r in self.records.values()}
 
+    def run_of(self, record: ChunkRecord) -> list[ChunkRecord]:
+        """The chunks of `record`'s run, in document order: its document's consecutive chunks encoded in one
+        context with it (`ChunkRecord.after` counts a run's earlier chunks; `kvrag.engine.runs`); itself alone
+        where it was encoded alone."""
+        doc, _, n = record.id.rpartition("#")
+        if doc != record.doc_id or not n.isdigit():
+            return [record]
+        start = int(n) - record.after
+        run: list[ChunkRecord] = []
+        while (mate := self.records.get(f"{doc}#{start + len(run)}")) is not None and mate.after == len(run):
+            run.append(mate)
+        return run if record in run else [record]
+
+    def similarity(self, vector: np.ndarray, record: ChunkRecord) -> float:
+        """The cosine similarity of a unit `vector` and `record`'s chunk, as a dense search scores it."""
+        return float(np.dot(np.asarray(vector, dtype=np.float32).ravel(), self.vectors.reconstruct(record.row)))
+
     def search(
         self, vector: np.ndarray, question: str, *, top_k: int, filters: Filters | None = None, bm25: bool = False
     ) -> list[tuple[ChunkRecord, float]]:

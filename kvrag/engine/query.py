@@ -14,6 +14,7 @@ import torch
 from kvrag.answer import Answer, Source, last_answer
 from kvrag.cache.chunks import Chunks
 from kvrag.engine.index import Filters, check_filters, check_top_k
+from kvrag.engine.runs import WHOLE_RUNS, with_runs
 from kvrag.errors import (
     BusyError,
     EmptyInputError,
@@ -40,10 +41,16 @@ class Querying:
         filters: Filters | None = None,
         bm25: bool = False,
         hybrid: bool | None = None,
+        whole_runs: bool | None = None,
     ) -> list[Source]:
         """Top-k chunks for a question, best first, among those that pass `filters` (applied before top-k).
 
         `bm25=True` fuses the dense ranking with BM25's by reciprocal rank (`hybrid` is its deprecated name).
+        `whole_runs=True` adds, where two or more retrieved chunks are of one run of a document encoded in its
+        context, the rest of that run (`kvrag.engine.runs`: read whole, it costs no recomputation), in document
+        order in place of its best chunk; those chunks say `retrieved=False`, scored by their dense similarity
+        (under `bm25`, the least retrieved score: they rank after every retrieved chunk). None: kvrag's default,
+        `kvrag.engine.runs.WHOLE_RUNS` (chosen on the held-out halves).
         """
         bm25 = _bm25_flag(bm25, hybrid)
         if not isinstance(question, str):
@@ -59,7 +66,23 @@ class Querying:
                 where = f" at {self.path}" if self.path is not None else ""
                 raise EmptyInputError(f"the index{where} holds no chunks: ingest documents first")
             hits = self.index.search(vector, question, top_k=top_k, filters=filters, bm25=bm25)
-        return [Source(id=r.id, text=r.text, score=s, metadata=dict(r.metadata)) for r, s in hits]
+            found = {r.id: s for r, s in hits}
+            records = [r for r, _ in hits]
+            if WHOLE_RUNS if whole_runs is None else whole_runs:  # a chunk encoded alone is a run of its own
+                known = self.index.records
+                ids = with_runs(
+                    [r.id for r in records], lambda c: [m.id for m in self.index.run_of(known[c])],
+                    lambda c: known[c].n_tokens,
+                )
+                records = [known[c] for c in ids]
+            least = min(found.values(), default=0.0)
+            scores = [
+                found[r.id] if r.id in found else least if bm25 else self.index.similarity(vector, r) for r in records
+            ]
+        return [
+            Source(id=r.id, text=r.text, score=s, metadata=dict(r.metadata), retrieved=r.id in found)
+            for r, s in zip(records, scores)
+        ]
 
     def stream(
         self,
@@ -72,6 +95,7 @@ class Querying:
         filters: Filters | None = None,
         bm25: bool = False,
         hybrid: bool | None = None,
+        whole_runs: bool | None = None,
         **options: Any,
     ) -> Iterator[str | Answer]:
         """Retrieve, then yield the answer's text pieces as decoded, then the final Answer (with sources).
@@ -88,12 +112,15 @@ class Querying:
         its question. None with no strategy named: as the default says (the shipped defaults say "auto"). A
         question answered in parts is streamed as one piece, its composed text, once every part is answered (a
         comparison's or a hop's text is known only then).
+
+        `whole_runs`: `retrieve`'s (None: kvrag's default).
         """
         t0 = started_at if started_at is not None else time.perf_counter()
         request = Request.of(question, **options)  # checked before any retrieval work
         split_parts = self._parts(question, parts, options)
         with self._admitted():
-            sources = self.retrieve(question, top_k=top_k, filters=filters, bm25=_bm25_flag(bm25, hybrid))
+            bm25 = _bm25_flag(bm25, hybrid)
+            sources = self.retrieve(question, top_k=top_k, filters=filters, bm25=bm25, whole_runs=whole_runs)
             if not sources:
                 raise NoMatchError(f"no chunk matches the filters {dict(filters or {})}: loosen them")
             request.with_chunks([s.text for s in sources], [s.score for s in sources])
@@ -103,7 +130,7 @@ class Querying:
                 return
 
             def retrieve(part: str) -> run_parts.Retrieved | None:  # a hop's own retrieval
-                found = self.retrieve(part, top_k=top_k, filters=filters, bm25=_bm25_flag(bm25, hybrid))
+                found = self.retrieve(part, top_k=top_k, filters=filters, bm25=bm25, whole_runs=whole_runs)
                 if not found:
                     return None
                 texts = [s.text for s in found]

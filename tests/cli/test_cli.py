@@ -277,3 +277,18 @@ def test_the_demo_runs_the_model_that_answers_and_the_135m_on_request(monkeypatc
         with pytest.raises(Loaded):
             main(argv)
     assert asked == ["qwen2.5-coder-0.5b", "smollm2-135m"] and demo.DEMO_MODEL == "qwen2.5-coder-0.5b"
+
+
+def test_the_footer_tells_chunks_read_for_their_run_from_those_retrieved():
+    from kvrag.answer import Answer, AnswerStats, Source
+    from kvrag.cli.ask import footer
+
+    stats = AnswerStats.without_chunks("by_need", prompt_tokens=9, new_tokens=1, ttft_s=0.1, total_s=0.2)
+    sources = [
+        Source("d#0", "a", 0.5, read=True),
+        Source("d#1", "b", 0.2, read=True, retrieved=False),  # its run's other chunk was retrieved
+        Source("e#0", "c", 0.4),
+        Source("d#2", "d", 0.1, retrieved=False),  # given for its run, not read: not a retrieved chunk either
+    ]
+    lines = footer(Answer("x", [1], "eos", stats, sources=sources)).splitlines()
+    assert lines[1:] == ["read: d#0, d#1", "read for their run, not retrieved: d#1", "retrieved, not read: e#0"]

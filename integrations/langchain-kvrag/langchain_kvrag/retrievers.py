@@ -21,9 +21,13 @@ from langchain_kvrag._arguments import OpenedFromIndex, refuse_unknown
 
 
 def to_document(source: Source) -> Document:
-    """A retrieved chunk as a Document: its text, its metadata plus its chunk `id` and retrieval `score`."""
+    """A retrieved chunk as a Document: its text, its metadata plus its chunk `id` and retrieval `score` (and
+    `"retrieved": False` for a chunk given for its run, `KVRAG.retrieve(whole_runs=)`)."""
+    added = {} if source.retrieved else {"retrieved": False}
     return Document(
-        page_content=source.text, id=source.id, metadata={**source.metadata, "id": source.id, "score": source.score}
+        page_content=source.text,
+        id=source.id,
+        metadata={**source.metadata, "id": source.id, "score": source.score, **added},
     )
 
 
@@ -43,6 +47,8 @@ class KVRAGRetriever(OpenedFromIndex, BaseRetriever):
         filters: metadata filters (`{"key": value}` or `{"key": [values]}`), applied before top-k, so a
             filter that matches fewer than k chunks returns only those.
         bm25: fuse the dense and BM25 rankings by reciprocal rank (`hybrid` is its deprecated name).
+        whole_runs: where two or more retrieved chunks are of one run of a document encoded in its context, return
+            the run whole (`KVRAG.retrieve`'s; None: kvrag's default).
         search_kwargs: the same settings in a vector store retriever's words: `{"k": 3, "filter": {...}}`.
 
     A call overrides them for itself: `invoke(query, k=3, filter={"source": "a.txt"})` (`filters=` and
@@ -60,6 +66,7 @@ class KVRAGRetriever(OpenedFromIndex, BaseRetriever):
     k: int = Field(default=5, description="how many chunks to return (top_k)")
     filters: dict[str, Any] | None = Field(default=None, description="metadata filters, applied before top-k")
     bm25: bool = Field(default=False, description="fuse dense and BM25 rankings")
+    whole_runs: bool | None = Field(default=None, description="read a run two retrieved chunks share whole")
     search_kwargs: dict[str, Any] = Field(default_factory=dict, description="k, filter, bm25 (vector store style)")
 
     def __init__(self, **kwargs: Any) -> None:
@@ -102,6 +109,7 @@ class KVRAGRetriever(OpenedFromIndex, BaseRetriever):
             top_k=call.get("k", self.k),
             filters=call.get("filters", self.filters),
             bm25=call.get("bm25", self.bm25),
+            whole_runs=self.whole_runs,
         )
         return [to_document(s) for s in sources]
 

@@ -105,3 +105,19 @@ def test_a_call_with_an_argument_it_does_not_take_is_refused(rag):
         KVRAGRetriever(engine=rag).invoke("anything", fetch_k=20)
     with pytest.raises(InvalidRequestError, match="both filter and filters"):
         KVRAGRetriever(engine=rag).invoke("anything", filter={}, filters={})
+
+
+def test_whole_runs_reaches_the_engine_and_a_chunk_given_for_its_run_says_so(rag, monkeypatch):
+    from kvrag import Source
+
+    asked = []
+
+    def retrieve(question, **kwargs):
+        asked.append(kwargs["whole_runs"])
+        return [Source("d#0", "a", 0.9), Source("d#1", "b", 0.5, retrieved=False)]
+
+    monkeypatch.setattr(rag, "retrieve", retrieve)
+    docs = KVRAGRetriever(engine=rag, whole_runs=True).invoke("q?")
+    assert asked == [True] and "retrieved" not in docs[0].metadata and docs[1].metadata["retrieved"] is False
+    KVRAGRetriever(engine=rag).invoke("q?")
+    assert asked == [True, None]  # None: kvrag's default

@@ -141,3 +141,20 @@ def test_retriever_refuses_filters_kvrag_cannot_apply(rag, filters, phrase):
     with pytest.raises(InvalidRequestError, match=phrase) as err:
         KVRAGRetriever(rag, filters=filters)
     assert "FilterOperator.EQ and FilterOperator.IN" in str(err.value)  # what is supported
+
+
+def test_whole_runs_reaches_the_engine_and_a_node_given_for_its_run_says_so(rag, monkeypatch):
+    from kvrag import Source
+
+    asked = []
+
+    def retrieve(question, **kwargs):
+        asked.append(kwargs["whole_runs"])
+        return [Source("d#0", "a", 0.9), Source("d#1", "b", 0.5, retrieved=False)]
+
+    monkeypatch.setattr(rag, "retrieve", retrieve)
+    nodes = KVRAGRetriever(rag, whole_runs=True).retrieve("q?")
+    assert asked == [True] and "retrieved" not in nodes[0].node.metadata
+    assert nodes[1].node.metadata["retrieved"] is False and nodes[1].score == 0.5
+    KVRAGRetriever(rag).retrieve("q?")
+    assert asked == [True, None]  # None: kvrag's default

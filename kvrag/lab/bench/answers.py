@@ -17,7 +17,12 @@ item's chunks of one document (`Chunk.document`), in the item's order, each behi
 A storage dtype (`float16`, `int8`, `int4`: `default@doc+int4`) answers over entries written to a disk store in
 that dtype and read back, as an index ingested with `--storage-dtype` holds them; its `same` counts the answers word
 for word those over the KV kept in the model's dtype (`default_int4@doc+int4` against `default_int4@doc`). Each
-kind of marks has a store of its own, the entries at the keys of their texts.
+kind of marks has a store of its own, the entries at the keys of their texts. `runs` (`default@doc+runs`) gives the
+plan every run of two or more retrieved chunks whole (`kvrag.engine.runs.with_runs`, as `KVRAG` reads an index
+encoded in context); it changes which chunks are given, not how they are kept.
+
+`top_k` gives each item's K best chunks by the embedder's scores, best first, as the engine's retrieval would
+(every chunk of an item is still stored, as an index holds them); None gives them all in the item's order.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from kvrag.cache.store import DiskStore, MemoryStore, TieredStore
 from kvrag.cpu import decode_weights
 from kvrag.engine.embed import Embedder
 from kvrag.engine.rag import KVRAG
+from kvrag.engine.runs import with_runs
 from kvrag.lab.study import load_items
 from kvrag.lab.study import model_name as _model_name
+from kvrag.model.encode import context_runs
 from kvrag.model.kvmodel import KVModel
 
 STRATEGIES = ("full_prefill_top1", "full_prefill_top3", "default")
@@ -49,6 +56,7 @@ def whole_answers(
     seed: int = 0,
     strategies: Sequence[str] = STRATEGIES,
     max_new_tokens: int = 48,
+    top_k: int | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Time and score every strategy's whole answer on the items of `data` (see the module docstring)."""
@@ -75,11 +83,21 @@ def whole_answers(
                     engine.store_kv(texts)
             vectors = torch.as_tensor(embedder.embed(texts))
             scores = (vectors @ torch.as_tensor(embedder.embed([item.question]))[0]).tolist()
+            hits = list(range(len(texts)))
+            if top_k is not None:
+                hits = sorted(hits, key=lambda i: (-scores[i], i))[:top_k]
+            given = {s: _given(kv, item.chunks, hits, reads_runs(s)) for s in strategies}
+
+            def run(strategy: str) -> Any:
+                chosen = given[strategy]
+                return _answer(engines[keeping(strategy)], strategy, item.question, [texts[i] for i in chosen],
+                               [scores[i] for i in chosen], options)
+
             if n == 0:  # untimed: the first answer of each strategy builds kernels and buffers
                 for strategy in strategies:
-                    _answer(engines[keeping(strategy)], strategy, item.question, texts, scores, options)
+                    run(strategy)
             for strategy in strategies:
-                answer = _answer(engines[keeping(strategy)], strategy, item.question, texts, scores, options)
+                answer = run(strategy)
                 rows.append(
                     {
                         "item": item.id,
@@ -96,6 +114,7 @@ def whole_answers(
                         "reason": answer.stats.reason,
                         "signals": answer.stats.signals,
                         "order": answer.stats.order,
+                        "given": len(given[strategy]),
                     }
                 )
             log(f"{n + 1}/{len(items)} items, {time.perf_counter() - t0:.0f} s")
@@ -106,6 +125,7 @@ def whole_answers(
         "limit": limit,
         "seed": seed,
         "max_new_tokens": max_new_tokens,
+        "top_k": top_k,
         "summary": summary(rows, strategies),
         "rows": rows,
     }
@@ -119,12 +139,38 @@ def keeping(strategy: str) -> tuple[bool, str | None]:
     for mark in filter(None, marks.split("+")):
         if mark == "doc":
             in_context = True
+        elif mark == "runs":  # which chunks are given, not how they are kept
+            continue
         elif mark in STORAGE_DTYPES and dtype is None:
             dtype = mark
         else:
-            raise ValueError(f"{strategy}: after '@' name doc and at most one of {', '.join(STORAGE_DTYPES)}, "
-                             "joined by '+' (default@doc+int4)")
+            raise ValueError(f"{strategy}: after '@' name doc, runs and at most one of "
+                             f"{', '.join(STORAGE_DTYPES)}, joined by '+' (default@doc+int4)")
+    if "runs" in marks.split("+") and not in_context:
+        raise ValueError(f"{strategy}: runs are read whole only where chunks are encoded in context: add doc")
     return in_context, dtype
+
+
+def reads_runs(strategy: str) -> bool:
+    """Whether a bench name gives the plan the retrieved chunks' runs whole (`+runs`)."""
+    return "runs" in strategy.partition("@")[2].split("+")
+
+
+def _given(kv: KVModel, chunks: Sequence[Any], hits: list[int], runs: bool) -> list[int]:
+    """The chunks (indices into an item's) a strategy is given: the retrieved `hits`, best first, with their runs
+    whole where `runs` (an item's document's chunks, in the item's order, cut into runs as encoding cuts them)."""
+    if not runs:
+        return hits
+    lengths = [len(kv.layout.chunk_ids(c.text)) for c in chunks]
+    documents: dict[str, list[int]] = {}
+    for i, chunk in enumerate(chunks):
+        documents.setdefault(chunk.document, []).append(i)
+    run_of: dict[int, list[int]] = {}
+    for members in documents.values():
+        for run in context_runs([lengths[i] for i in members], kv.context_window):
+            for j in run:
+                run_of[members[j]] = [members[k] for k in run]
+    return with_runs(hits, lambda c: run_of[c], lambda c: lengths[c])
 
 
 def same_as(strategy: str) -> str:

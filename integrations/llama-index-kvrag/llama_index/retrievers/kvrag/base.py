@@ -15,7 +15,7 @@ from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from llama_index.core.vector_stores.types import FilterCondition, FilterOperator, MetadataFilter, MetadataFilters
 
-from kvrag import KVRAG, InvalidRequestError
+from kvrag import KVRAG, InvalidRequestError, Source
 from kvrag.adapters import check_filters, check_top_k
 
 SUPPORTED_FILTERS = (
@@ -60,6 +60,12 @@ def to_kvrag_filters(filters: Union[MetadataFilters, Mapping[str, Any], None]) -
     return out or None
 
 
+def _node(source: Source) -> NodeWithScore:
+    """A kvrag Source as a node with its score; one given for its run, not retrieved, says so in its metadata."""
+    metadata = source.metadata if source.retrieved else {**source.metadata, "retrieved": False}
+    return NodeWithScore(node=TextNode(id_=source.id, text=source.text, metadata=metadata), score=source.score)
+
+
 class KVRAGRetriever(BaseRetriever):
     """Top-k over kvrag's own index (dense, or dense + BM25), metadata filters applied before top-k.
 
@@ -69,6 +75,9 @@ class KVRAGRetriever(BaseRetriever):
         filters: LlamaIndex `MetadataFilters` (EQ and IN filters joined by AND) or kvrag's dict
             `{key: value or [values]}`.
         bm25: fuse the dense ranking with BM25's.
+        whole_runs: where two or more retrieved chunks are of one run of a document encoded in its context, return
+            the run whole (`KVRAG.retrieve`'s; None: kvrag's default); a node so added has `retrieved` False in
+            its metadata.
         callback_manager: LlamaIndex callbacks (retrieve events).
 
     Raises:
@@ -84,6 +93,7 @@ class KVRAGRetriever(BaseRetriever):
         filters: Union[MetadataFilters, Mapping[str, Any], None] = None,
         bm25: bool = False,
         hybrid: Optional[bool] = None,
+        whole_runs: Optional[bool] = None,
         callback_manager: Optional[CallbackManager] = None,
         **kwargs: Any,
     ) -> None:
@@ -99,15 +109,15 @@ class KVRAGRetriever(BaseRetriever):
         self.similarity_top_k = check_top_k(similarity_top_k)
         self.filters = to_kvrag_filters(filters)
         self.bm25 = bool(bm25)
+        self.whole_runs = None if whole_runs is None else bool(whole_runs)
         super().__init__(callback_manager=callback_manager, **kwargs)
 
     def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
         sources = self.engine.retrieve(
-            query_bundle.query_str, top_k=self.similarity_top_k, filters=self.filters, bm25=self.bm25
+            query_bundle.query_str, top_k=self.similarity_top_k, filters=self.filters, bm25=self.bm25,
+            whole_runs=self.whole_runs,
         )
-        return [
-            NodeWithScore(node=TextNode(id_=s.id, text=s.text, metadata=s.metadata), score=s.score) for s in sources
-        ]
+        return [_node(s) for s in sources]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
         return await asyncio.to_thread(self._retrieve, query_bundle)
