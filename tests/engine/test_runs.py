@@ -60,7 +60,7 @@ def test_retrieval_gives_the_run_of_two_hits_whole_where_chunks_were_encoded_in_
     assert len(story) >= 4
     other = len(rag.index.records) - len(story)
     top_k = other + 2  # two of the story's chunks at least among them
-    hits = rag.retrieve("Who keeps the keys of the lighthouse of Karsa?", top_k=top_k)
+    hits = rag.retrieve("Who keeps the keys of the lighthouse of Karsa?", top_k=top_k, whole_runs=False)
     runs = rag.retrieve("Who keeps the keys of the lighthouse of Karsa?", top_k=top_k, whole_runs=True)
     if encoding == "alone":
         assert [s.id for s in runs] == [s.id for s in hits] and all(s.retrieved for s in runs)
@@ -75,6 +75,8 @@ def test_retrieval_gives_the_run_of_two_hits_whole_where_chunks_were_encoded_in_
             assert source.score == by_id[source.id].score
         else:  # its dense similarity, below every retrieved chunk's
             assert source.score <= min(s.score for s in hits) + 1e-6
-    answer = rag.query("Who keeps the keys of the lighthouse of Karsa?", top_k=top_k, whole_runs=True,
-                       max_new_tokens=4)
+    assert [s.id for s in rag.retrieve("Who keeps the keys of the lighthouse of Karsa?", top_k=top_k)] == ids  # default
+    answer = rag.query("Who keeps the keys of the lighthouse of Karsa?", top_k=top_k, max_new_tokens=4)
     assert [s.id for s in answer.sources] == ids and answer.stats.chunks_encoded == 0
+    alone = rag.query("Who keeps the keys of the lighthouse of Karsa?", top_k=top_k, whole_runs=False, max_new_tokens=4)
+    assert [s.id for s in alone.sources] == [s.id for s in hits]
