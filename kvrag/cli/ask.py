@@ -125,11 +125,14 @@ def footer(answer: Answer) -> str:
     plan = said["plan"] + (f" ({said['reason']})" if said["reason"] else "")
     unread = [s.id for s in answer.sources if s.retrieved and not s.read]
     added = [s.id for s in answer.sources if not s.retrieved and s.read]
+    given = [s.id for s in answer.sources if not s.retrieved and not s.read]
     lines = [f"[{plan}, ttft {answer.stats.ttft_s:.3f} s]", "read: " + (", ".join(said["read"]) or "none")]
     if added:
         lines.append("read for their run, not retrieved: " + ", ".join(added))
     if unread:
         lines.append("retrieved, not read: " + ", ".join(unread))
+    if given:
+        lines.append("given for their run, not read: " + ", ".join(given))
     if said["abstained"]:
         lines.append("abstained: the chunks read do not answer this (--json keeps the model's draft)")
     return "\n".join(lines)

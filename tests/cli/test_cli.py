@@ -288,7 +288,12 @@ def test_the_footer_tells_chunks_read_for_their_run_from_those_retrieved():
         Source("d#0", "a", 0.5, read=True),
         Source("d#1", "b", 0.2, read=True, retrieved=False),  # its run's other chunk was retrieved
         Source("e#0", "c", 0.4),
-        Source("d#2", "d", 0.1, retrieved=False),  # given for its run, not read: not a retrieved chunk either
+        Source("d#2", "d", 0.1, retrieved=False),  # given for its run, not read
     ]
     lines = footer(Answer("x", [1], "eos", stats, sources=sources)).splitlines()
-    assert lines[1:] == ["read: d#0, d#1", "read for their run, not retrieved: d#1", "retrieved, not read: e#0"]
+    assert lines[1:] == [
+        "read: d#0, d#1",
+        "read for their run, not retrieved: d#1",
+        "retrieved, not read: e#0",
+        "given for their run, not read: d#2",
+    ]
