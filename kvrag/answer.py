@@ -145,7 +145,8 @@ class Answer:
         return [s for s in self.sources if s.read]
 
     def to_dict(self) -> dict[str, Any]:
-        """The documented JSON form: text, finish_reason, abstained, sources (each with `read`), stats."""
+        """The documented JSON form: text, finish_reason, abstained, sources (each with `read` and `retrieved`),
+        stats."""
         return {
             "text": self.text,
             "finish_reason": self.finish_reason,

@@ -55,7 +55,7 @@ def add_ask(sub: Any) -> None:
     ask.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object: text, finish_reason, abstained, sources (each with read), stats",
+        help="print one JSON object: text, finish_reason, abstained, sources (each with read and retrieved), stats",
     )
     ask.add_argument("--redis", default=None, metavar="URL", help="read chunk KV from Redis (as given to ingest)")
     secret_arg(ask)
