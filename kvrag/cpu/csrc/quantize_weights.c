@@ -20,6 +20,37 @@
 
 #define INT8_GROUP 64
 
+/* float32 to float16 bits, to nearest with ties to even (IEEE, as torch's .half()), written out so that the file
+ * needs no _Float16 (GCC 12 or Clang 15 on x86): past 65504 by half a step or more is infinity */
+static inline uint16_t half_of(float value) {
+    uint32_t x;
+    memcpy(&x, &value, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000, magnitude = x & 0x7fffffffu;
+    if (magnitude >= 0x7f800000u) return (uint16_t)(sign | (magnitude > 0x7f800000u ? 0x7e00 : 0x7c00));
+    if (magnitude >= 0x477ff000u) return (uint16_t)(sign | 0x7c00); /* 65520 and beyond */
+    if (magnitude < 0x38800000u) {                                  /* below 2^-14: a subnormal half, or zero */
+        float a;
+        memcpy(&a, &magnitude, sizeof a);
+        return (uint16_t)(sign | (uint32_t)rintf(a * 16777216.0f)); /* in steps of 2^-24; 1024 is 2^-14 */
+    }
+    uint32_t r = magnitude - 0x38000000u; /* the exponent's bias, 127 -> 15 */
+    r += 0xfffu + ((r >> 13) & 1);        /* ties to even; a carry moves into the exponent */
+    return (uint16_t)(sign | (r >> 13));
+}
+
+/* float16 bits to float32 (exact) */
+static inline float float_of(uint16_t half) {
+    const uint32_t sign = (uint32_t)(half & 0x8000) << 16, exponent = (half >> 10) & 0x1f, mantissa = half & 0x3ff;
+    if (exponent == 0) {
+        const float f = (float)mantissa * 5.9604644775390625e-08f; /* 2^-24 */
+        return sign ? -f : f;
+    }
+    const uint32_t x = sign | (exponent == 31 ? 0x7f800000u : (exponent + 112) << 23) | (mantissa << 13);
+    float f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+
 /* the INT8_GROUP weights at `from` (bfloat16 where bf16 != 0, else float32) as float32, in x */
 static inline void group_at(const void *from, int bf16, float *x) {
     if (bf16) {
@@ -69,8 +100,8 @@ int quantize_int8_rows(const void *weights, int bf16, long R, long C, int8_t *va
 
 /* weights [R, C] (C a multiple of 128) -> values uint8 [R, C / 2], scales and minimums float16 [R, C / INT8_GROUP].
  * 0, or -2 for a C it does not take. */
-int quantize_int4_rows(const void *weights, int bf16, long R, long C, uint8_t *values, _Float16 *scales,
-                       _Float16 *minimums, int threads) {
+int quantize_int4_rows(const void *weights, int bf16, long R, long C, uint8_t *values, uint16_t *scales,
+                       uint16_t *minimums, int threads) {
     if (C % (2 * INT8_GROUP) || C <= 0) return -2;
     const long groups = C / INT8_GROUP;
     const size_t width = bf16 ? 2 : 4;
@@ -87,10 +118,10 @@ int quantize_int4_rows(const void *weights, int bf16, long R, long C, uint8_t *v
                     low = x[i] < low ? x[i] : low;
                     high = x[i] > high ? x[i] : high;
                 }
-                const _Float16 least = (_Float16)low;
-                _Float16 scale = (_Float16)((high - (float)least) / 15.0f);
-                if (!((float)scale > 0.0f)) scale = (_Float16)1.0f;
-                const float lf = (float)least, sf = (float)scale;
+                const uint16_t least = half_of(low);
+                uint16_t scale = half_of((high - float_of(least)) / 15.0f);
+                if (!(float_of(scale) > 0.0f)) scale = 0x3c00; /* 1.0 */
+                const float lf = float_of(least), sf = float_of(scale);
                 for (int i = 0; i < INT8_GROUP; i++) {
                     float u = __builtin_rintf((x[i] - lf) / sf);
                     levels[h * INT8_GROUP + i] = (uint8_t)(u < 0.0f ? 0.0f : (u > 15.0f ? 15.0f : u));
