@@ -66,22 +66,27 @@ class Querying:
                 where = f" at {self.path}" if self.path is not None else ""
                 raise EmptyInputError(f"the index{where} holds no chunks: ingest documents first")
             hits = self.index.search(vector, question, top_k=top_k, filters=filters, bm25=bm25)
-            found = {r.id: s for r, s in hits}
-            records = [r for r, _ in hits]
-            if WHOLE_RUNS if whole_runs is None else whole_runs:  # a chunk encoded alone is a run of its own
-                known = self.index.records
-                ids = with_runs(
-                    [r.id for r in records], lambda c: [m.id for m in self.index.run_of(known[c])],
-                    lambda c: known[c].n_tokens,
-                )
-                records = [known[c] for c in ids]
-            least = min(found.values(), default=0.0)
-            scores = [
-                found[r.id] if r.id in found else least if bm25 else self.index.similarity(vector, r) for r in records
-            ]
+            if not (WHOLE_RUNS if whole_runs is None else whole_runs):
+                return [Source(id=r.id, text=r.text, score=s, metadata=dict(r.metadata)) for r, s in hits]
+            return self._with_runs(hits, vector, bm25)
+
+    def _with_runs(self, hits: list[tuple[Any, float]], vector: Any, bm25: bool) -> list[Source]:
+        """The retrieved (record, score) pairs as Sources, each run two or more of them share given whole
+        (`kvrag.engine.runs`; a chunk encoded alone is a run of its own); the caller holds the lock."""
+        known, found = self.index.records, {r.id: s for r, s in hits}
+        ids = with_runs(
+            list(found), lambda c: [m.id for m in self.index.run_of(known[c])], lambda c: known[c].n_tokens
+        )
+        least = min(found.values(), default=0.0)  # under bm25 an added chunk ranks after every retrieved one
+
+        def score(c: str) -> float:
+            if c in found:
+                return found[c]
+            return least if bm25 else self.index.similarity(vector, known[c])
+
         return [
-            Source(id=r.id, text=r.text, score=s, metadata=dict(r.metadata), retrieved=r.id in found)
-            for r, s in zip(records, scores)
+            Source(id=c, text=known[c].text, score=score(c), metadata=dict(known[c].metadata), retrieved=c in found)
+            for c in ids
         ]
 
     def stream(
