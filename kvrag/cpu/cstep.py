@@ -91,7 +91,6 @@ def int4_rows_torch(
     return values, scales, minimums
 
 
-
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`int8_rows_torch`'s values, scales and offsets, bit for bit, made in C with the threads where the kernels built
     (`csrc/quantize_weights.c`: one pass over the weights), else by it."""
@@ -138,6 +137,7 @@ def _quantized_in_c(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torc
     if status != 0:
         raise RuntimeError(f"quantize_int{bits}_rows refused a [{rows}, {columns}] weight (status {status})")
     return made
+
 
 class DecodeStep:
     """A whole decode step in C (`kernels/decode_step.c`) over a `kvrag.cpu.decode.FastDecoder`'s weights: one

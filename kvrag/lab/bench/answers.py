@@ -42,7 +42,6 @@ from kvrag.engine.rag import KVRAG
 from kvrag.engine.runs import with_runs
 from kvrag.lab.study import load_items
 from kvrag.lab.study import model_name as _model_name
-from kvrag.model.encode import context_runs
 from kvrag.model.kvmodel import KVModel
 
 STRATEGIES = ("full_prefill_top1", "full_prefill_top3", "default")
@@ -161,16 +160,21 @@ def _given(kv: KVModel, chunks: Sequence[Any], hits: list[int], runs: bool) -> l
     whole where `runs` (an item's document's chunks, in the item's order, cut into runs as encoding cuts them)."""
     if not runs:
         return hits
-    lengths = [len(kv.layout.chunk_ids(c.text)) for c in chunks]
+    ids = [kv.chunk_ids(i, c.text) for i, c in enumerate(chunks)]
+    run_of: dict[int, list[int]] = {}
+    for members in _documents(chunks):
+        for run in kv.context_runs([ids[i] for i in members]):  # as `encode_in_context` cuts them
+            for j in run:
+                run_of[members[j]] = [members[k] for k in run]
+    return with_runs(hits, run_of.__getitem__, lambda c: len(ids[c]))
+
+
+def _documents(chunks: Sequence[Any]) -> list[list[int]]:
+    """An item's chunks (indices) grouped by their document (`Chunk.document`), each in the item's order."""
     documents: dict[str, list[int]] = {}
     for i, chunk in enumerate(chunks):
         documents.setdefault(chunk.document, []).append(i)
-    run_of: dict[int, list[int]] = {}
-    for members in documents.values():
-        for run in context_runs([lengths[i] for i in members], kv.context_window):
-            for j in run:
-                run_of[members[j]] = [members[k] for k in run]
-    return with_runs(hits, lambda c: run_of[c], lambda c: lengths[c])
+    return list(documents.values())
 
 
 def same_as(strategy: str) -> str:
@@ -190,10 +194,7 @@ def _name(strategy: str) -> str:
 def store_in_context(rag: KVRAG, chunks: Sequence[Any]) -> None:
     """Store an item's chunks' KV encoded in their documents' context, at the keys of their texts (a study item's
     chunks, `kvrag.lab.study.data.Chunk`: a document's chunks in the item's order)."""
-    documents: dict[str, list[int]] = {}
-    for i, chunk in enumerate(chunks):
-        documents.setdefault(chunk.document, []).append(i)
-    groups = list(documents.values())
+    groups = _documents(chunks)
     encoded = rag.kvmodel.encode_in_context([[chunks[i].text for i in group] for group in groups])
     for group, kvs in zip(groups, encoded):
         for i, kv in zip(group, kvs):
