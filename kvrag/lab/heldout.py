@@ -2,11 +2,15 @@
 wordings, and questions the documents cannot answer, in two halves that share no source.
 
     python -m kvrag.lab.heldout --out kvrag/data/heldout     # writes choose.jsonl and judge.jsonl
+    python -m kvrag.lab.heldout --deep                        # writes choose-deep.jsonl and judge-deep.jsonl
 
 - **choose** (a default is chosen on it): every installed Python distribution's METADATA file (its authors' own
   header and long description), chat memory in one style of writing, their two-fact and unanswerable questions.
 - **judge** (a default is judged on it): the package records of Debian's package database (`/var/lib/dpkg/status`,
   its maintainers' own descriptions), chat memory in another style with other people and values, theirs.
+- **doc_deep** (its own files, a half each): who holds the copyright of a package's Debian packaging, asked of its
+  machine-readable copyright file (`/usr/share/doc/*/copyright`) cut into several chunks, the answer past the first
+  chunk, where the chunk that holds it need not name the package. The files are split between the halves by package.
 
 Each half's question wordings are its own (five or more a kind, none shared with the other half or with
 `kvrag.plan.parts`' tests). A document is cut into chunks of about CHUNK_WORDS words as a user's ingestion would,
@@ -22,6 +26,7 @@ import importlib.metadata
 import json
 import random
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -33,6 +38,8 @@ DESCRIPTION_WORDS = 450  # a document keeps its first few chunks: a record is se
 CONTEXT_CHUNKS = (8, 10)  # chunks an item: contexts near 1,200-1,600 tokens
 ITEMS = 16  # items a family and half
 DPKG_STATUS = Path("/var/lib/dpkg/status")
+DOC_ROOT = Path("/usr/share/doc")  # Debian's installed documentation: each package's copyright file
+DEEP_CHUNKS = (2, 10)  # a deep item's document: several chunks, the answer past the first
 
 
 @dataclass(slots=True)
@@ -147,6 +154,77 @@ def dpkg_documents(status: Path = DPKG_STATUS) -> list[Document]:
         kept = [line for line in stanza.strip().splitlines() if not line.startswith(("Status:", "Conffiles:", " /"))]
         docs[name] = Document(name, fields, cut("\n".join(kept)))
     return sorted(docs.values(), key=lambda d: d.name)
+
+
+_HOLDER = re.compile(r"[A-Z][\w'.-]+(?: [A-Z]?[\w'.-]+){1,3}")
+
+
+def _holders(copyright_field: str) -> list[str]:
+    """The people a DEP-5 `Copyright:` field names, in order, without years, addresses or "(C)"."""
+    names: list[str] = []
+    for line in copyright_field.splitlines():
+        line = re.sub(r"<[^>]*>|\(c\)|©|copyright", " ", line, flags=re.IGNORECASE)
+        line = re.sub(r"^[\s\d,–-]+", "", line).strip().rstrip(".,;")
+        if _HOLDER.fullmatch(line) and line not in names:
+            names.append(line)
+    return names
+
+
+def copyright_documents(root: Path = DOC_ROOT) -> list[Document]:
+    """Every installed package's machine-readable copyright file (DEP-5) that names its upstream and the people
+    holding its Debian packaging's copyright (`Files: debian/*`), one document a distinct file, named by its
+    `Upstream-Name`; its field "packaging" is those people."""
+    docs: dict[str, Document] = {}
+    for path in sorted(root.glob("*/copyright")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        stanzas = [email.parser.Parser().parsestr(s.strip() + "\n") for s in text.split("\n\n")]
+        name = (stanzas[0].get("Upstream-Name") or "").strip() if stanzas else ""
+        if not re.fullmatch(r"[A-Za-z][\w.+-]{1,30}", name) or name.lower() in docs:
+            continue
+        packaging = next((s for s in stanzas if (s.get("Files") or "").strip() == "debian/*"), None)
+        holders = _holders(packaging.get("Copyright") or "") if packaging is not None else []
+        if holders:
+            docs[name.lower()] = Document(name, {"packaging": holders}, cut(text))
+    return sorted(docs.values(), key=lambda d: d.name.lower())
+
+
+def deep_items(
+    rng: random.Random, docs: list[Document], wordings: list[str], family: str, half: str
+) -> Iterator[StudyItem]:
+    """Who holds the copyright of a package's Debian packaging, asked of its copyright file cut into several chunks
+    where the answer is past the first chunk and the chunk holding it need not name the package (a document read in
+    its context), among other copyright files that name other people for theirs."""
+    usable = [d for d in docs if DEEP_CHUNKS[0] <= len(d.chunks) <= DEEP_CHUNKS[1]]
+    rng.shuffle(usable)
+    n = 0
+    for doc in usable:
+        answers = doc.fields["packaging"]
+        first = next((k for k, c in enumerate(doc.chunks) if any(a in c for a in answers)), 0)
+        if first == 0:
+            continue
+        chunks, ids = _context(rng, [doc], [d for d in docs if len(d.chunks) <= 4], {doc.name})
+        target = ids[doc.name][first]
+        if _elsewhere(chunks, ids[doc.name], answers):
+            continue
+        question = rng.choice(wordings).format(p=doc.name)
+        yield StudyItem(f"{half}-{family}-{n}", family, question, answers, chunks, target, kind=f"{half}/packaging")
+        n += 1
+
+
+def deep_halves(docs: list[Document], seed: int = 0) -> dict[str, list[StudyItem]]:
+    """The deep family's two halves: the copyright files split by package (a stable hash of the name), each half
+    asked in its own wordings."""
+    split = {"choose": [], "judge": []}  # type: dict[str, list[Document]]
+    for d in docs:
+        split["judge" if zlib.crc32(d.name.lower().encode()) % 2 else "choose"].append(d)
+    wordings = {"choose": CHOOSE_DEEP, "judge": JUDGE_DEEP}
+    return {
+        name: _take(deep_items(random.Random(f"{name}-deep-{seed}"), split[name], wordings[name], "doc_deep", name))
+        for name in split
+    }
 
 
 # -- wordings (each half its own; {p} a package, {q} a second one) --------------------------------------------
@@ -272,6 +350,21 @@ JUDGE_PAIR: dict[str, list[str]] = {
         "For {p} and for {q}, which release is on this system?",
     ],
 }
+# Who holds the copyright of a package's Debian packaging (its copyright file's `Files: debian/*`).
+CHOOSE_DEEP = [
+    "Who holds the copyright on the Debian packaging of {p}?",
+    "Whose copyright covers the debian/ directory of {p}?",
+    "In the copyright file of {p}, who is credited for the Debian packaging files?",
+    "Who owns the copyright of {p}'s Debian packaging?",
+    "Name a copyright holder of the packaging files of {p}.",
+]
+JUDGE_DEEP = [
+    "Which person is listed as copyright holder for the files under debian/ in {p}?",
+    "The debian/* files of {p}: whose copyright are they?",
+    "According to its copyright information, who did the Debian packaging work for {p}?",
+    "Tell me who is named as copyright holder of {p}'s packaging.",
+    "For {p}, which people hold copyright on the debian files?",
+]
 # Questions no package record answers, asked over package records; and questions about a package that is absent.
 CHOOSE_WORLD = [
     "What is the capital of Australia?",
@@ -783,6 +876,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "data" / "heldout"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deep", action="store_true", help="write only the doc_deep family's halves (choose-deep.jsonl, "
+                        "judge-deep.jsonl: Debian's copyright files, the answer past the first chunk)")
     parser.add_argument("--choose", nargs="*", type=Path, help="bench-answers results on the choose half: report and "
                         "choose by_need's thresholds (writes nothing)")
     parser.add_argument("--judge", nargs="*", type=Path, help="bench-answers results on the judge half: report")
@@ -813,6 +908,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.deep:
+        docs = copyright_documents()
+        for name, items in deep_halves(docs, args.seed).items():
+            write_jsonl(items, out / f"{name}-deep.jsonl")
+            print(f"{out / name}-deep.jsonl: {len(items)} items")
+        return
     for name, docs in (("choose", metadata_documents()), ("judge", dpkg_documents())):
         items = half(name, docs, args.seed)
         write_jsonl(items, out / f"{name}.jsonl")

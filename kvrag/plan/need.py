@@ -11,13 +11,16 @@ The signals that choose the plan read how the model and the retriever see the ch
 The plan: the chunks are one document's, encoded in its context (`KVRAG(encoding="document")`), all of one run ->
 read them whole in the document's order (exactly its full prefill, nothing recomputed, nothing measured); else no
 lift -> abstain (the one-chunk answer is decoded as a draft, the answer says the documents do not say); the model's
-best chunk leads the rest clearly -> that chunk alone (exactly a full prefill over it, at the cost of the suffix: its
-pass was the likelihood pass; a chunk encoded behind its document's earlier chunks is recomputed); else -> the best
-chunks by either ranking, stitched with the model's best next to the question and every chunk not already in place
-recomputed (exactly a full prefill over those chunks in that order). Whichever plan it reads, every name the
-question shares with the retrieved chunks is read: a word of the question that one or a few retrieved chunks hold
-(what tells one document from its neighbours, whatever the wording) pulls in the model's best chunk holding it, so a
-question about two things reads both. The thresholds are chosen on held-out sources (docs/study.md).
+best chunk a later chunk of a run whose earlier chunks retrieval gave too (`kvrag.engine.runs`) -> that chunk behind
+them in the document's order (in place: exactly the run's full prefill up to it, nothing recomputed, the document's
+start that says what the chunk is about read with it); the model's best chunk leads the rest clearly -> that chunk
+alone (exactly a full prefill over it, at the cost of the suffix: its pass was the likelihood pass; a chunk encoded
+behind its document's earlier chunks is recomputed); else -> the best chunks by either ranking, stitched with the
+model's best next to the question and every chunk not already in place recomputed (exactly a full prefill over those
+chunks in that order). Whichever plan it reads, every name the question shares with the retrieved chunks is read: a
+word of the question that one or a few retrieved chunks hold (what tells one document from its neighbours, whatever
+the wording) pulls in the model's best chunk holding it, so a question about two things reads both. The thresholds
+are chosen on held-out sources (docs/study.md).
 `by_need_reuse` is the same plan with only the best of several chunks recomputed (fewer tokens, fewer right answers
 on the held-out halves: not the default).
 """
@@ -153,6 +156,31 @@ def _several(request: PlanRequest, best: int) -> tuple[list[int], int]:
     return order, len(order) - len(base)
 
 
+def run_to(request: PlanRequest, chunk: int) -> list[int]:
+    """`chunk` with the chunks before it in its run, in document order, where all of them were given (a run
+    retrieval gave whole, `kvrag.engine.runs`): read so, each is in place and nothing is recomputed. [chunk] where
+    it was encoded alone, begins its run, or an earlier chunk of its run was not given."""
+    probe = request.probe
+    if probe is None or len(request.lengths) < 2:
+        return [chunk]
+    kvs, prefix = probe.chunks, len(probe.prefix)
+    if not kvs[chunk].behind:  # encoded alone, or its run's first chunk
+        return [chunk]
+    for first in range(len(kvs)):
+        if not sits_after(kvs[first], prefix, []):
+            continue
+        run, before = [first], kvs[first].token_ids.tolist()
+        while run[-1] != chunk:
+            nxt = next((c for c in range(len(kvs)) if c not in run and sits_after(kvs[c], prefix, before)), None)
+            if nxt is None:
+                break
+            run.append(nxt)
+            before += kvs[nxt].token_ids.tolist()
+        if run[-1] == chunk:
+            return run
+    return [chunk]
+
+
 def whole_document(request: PlanRequest) -> Plan | None:
     """The chunks read whole in their document's order where they are one document's encoded in its context, all of
     one run (`document_order`): exactly its full prefill, nothing recomputed and nothing measured; else None."""
@@ -169,8 +197,9 @@ def whole_document(request: PlanRequest) -> Plan | None:
     picker="likelihood_all",
     budgeted=False,
     description="by what the question needs: one document's chunks encoded in its context read whole in its order; "
-    "else the model's best chunk alone where it stands out, else the best few stitched with it last (exact over "
-    "them), and 'the documents do not say' where no chunk bears on it",
+    "else the model's best chunk behind its run's earlier chunks where retrieval gave them (in place), alone where it "
+    "stands out, else the best few stitched with it last (exact over them), and 'the documents do not say' where no "
+    "chunk bears on it",
     before_pick=whole_document,
 )
 def _by_need(request: PlanRequest) -> Plan:
@@ -199,6 +228,13 @@ def _decided(request: PlanRequest, *, several_exact: bool) -> Plan:
     if lift < ABSTAIN_LIFT:
         reason = f"no chunk bears on the question (lift {lift:.2f} < {ABSTAIN_LIFT})"
         return Plan(order=[best], recompute=exact_over(request, [best]), abstain=True, reason=reason, signals=seen)
+    run = run_to(request, best)
+    if len(run) > 1:
+        named = [c for c in covering(request, run, _likelihood(request)) if c not in run]
+        order = run[:-1] + named + run[-1:]  # the run's earlier chunks stay in place
+        seen["named"] = float(len(named))
+        reason = f"{len(order)} chunks: the model's best with its run's {len(run) - 1} earlier chunks, in place"
+        return Plan(order=order, recompute=exact_over(request, order), reason=reason, signals=seen)
     agree = int(seen["retriever_best"]) == best
     if len(request.lengths) == 1 or margin > (AGREE_MARGIN if agree else ONE_CHUNK_MARGIN):
         why = " and the retriever's" if agree else ""

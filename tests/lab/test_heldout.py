@@ -71,3 +71,46 @@ def test_an_unanswerable_item_is_right_when_the_output_abstains():
     assert abstains("This information is not provided.") and not abstains("It is provided under MIT.")
     with pytest.raises(ValueError, match="answerable"):
         parse_item({**row, "answerable": "no"})
+
+
+@pytest.fixture(scope="module")
+def deep():
+    return {name: load_jsonl(DATA / f"{name}-deep.jsonl") for name in ("choose", "judge")}
+
+
+def test_deep_items_answer_past_the_first_chunk_of_their_own_document_only(deep):
+    for items, problems in deep.values():
+        assert not problems and len(items) >= 12
+        for item in items:
+            assert item.family == "doc_deep" and item.answerable
+            name, _, index = item.target.rpartition("#")
+            assert int(index) > 0 and name.lower() in item.question.lower()
+            by_id = {c.id: c.text for c in item.chunks}
+            assert correct(by_id[item.target], item.answers)
+            own = [c for c in item.chunks if c.id.startswith(name + "#")]
+            assert not any(correct(c.text, item.answers) for c in own if int(c.id.rpartition("#")[2]) < int(index))
+            assert not any(correct(c.text, item.answers) for c in item.chunks if c not in own), item.id
+
+
+def test_the_deep_halves_share_no_document_and_no_wording(deep):
+    docs = lambda items: {c.id.split("#")[0] for i in items for c in i.chunks}  # noqa: E731
+    assert not docs(deep["choose"][0]) & docs(deep["judge"][0])
+    assert not set(heldout.CHOOSE_DEEP) & set(heldout.JUDGE_DEEP)
+
+
+def test_the_holders_of_a_copyright_field_are_its_people_in_order():
+    field = "Copyright (C) 1997–1999 James Troup <troup@debian.org>\n 2005, 2013 Ryan Kavanagh <rak@x.org>\n© 2009 A"
+    assert heldout._holders(field) == ["James Troup", "Ryan Kavanagh"]
+
+
+def test_copyright_documents_read_dep5_files_naming_the_packaging(tmp_path):
+    (tmp_path / "foo").mkdir()
+    (tmp_path / "foo" / "copyright").write_text(
+        "Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/\nUpstream-Name: foo\n\n"
+        "Files: *\nCopyright: 2001 Ann Upstream\nLicense: MIT\n\nFiles: debian/*\nCopyright: 2010 Bob Packager\n"
+        "License: MIT\n"
+    )
+    (tmp_path / "bar").mkdir()
+    (tmp_path / "bar" / "copyright").write_text("This package was debianized by someone.\n")  # not DEP-5: skipped
+    [doc] = heldout.copyright_documents(tmp_path)
+    assert doc.name == "foo" and doc.fields == {"packaging": ["Bob Packager"]}

@@ -211,6 +211,40 @@ def test_in_place_keeps_exactly_the_chunks_encoded_behind_what_precedes_them(kv,
     assert need.document_order(request(list(enc))) is None  # chunks encoded alone are no document
 
 
+def test_run_to_is_a_chunk_with_its_runs_earlier_chunks_where_all_were_given(kv, enc, in_context):
+    from kvrag.plan.strategies import PlanRequest
+
+    def request(chunks):
+        probe = kv.prefill(Q, chunks, strategy="reuse").probe
+        return PlanRequest(lengths=[len(c) for c in chunks], target=None, budget=0.0, probe=probe)
+
+    req = request([in_context[2], enc[3], in_context[0], in_context[1]])
+    assert need.run_to(req, 0) == [2, 3, 0]  # in the document's order, whatever the given order
+    assert need.run_to(req, 3) == [2, 3] and need.run_to(req, 2) == [2]  # a run's first chunk: itself
+    assert need.run_to(req, 1) == [1]  # encoded alone
+    assert need.run_to(request(in_context[1:3]), 1) == [1]  # its run's first chunk was not given
+
+
+@pytest.mark.parametrize("margin", [float("-inf"), float("inf")])  # the one-chunk branch, the several branch
+def test_the_best_chunk_is_read_behind_its_runs_earlier_chunks_in_place_nothing_recomputed(
+    kv, enc, in_context, monkeypatch, margin
+):
+    monkeypatch.setattr(need, "names", lambda request: {})
+    monkeypatch.setattr(need, "ABSTAIN_LIFT", float("-inf"))
+    monkeypatch.setattr(need, "ONE_CHUNK_MARGIN", margin)
+    monkeypatch.setattr(need, "AGREE_MARGIN", margin)
+    given = [*in_context[:3], *enc[3:]]  # a run's first three chunks, then two chunks encoded alone
+    ids = [c.token_ids.tolist() for c in given]
+    monkeypatch.setattr(need, "_target", lambda request: 2)  # the model's best: the run's third chunk
+    run = kv.prefill(Q, given, strategy="by_need", scores=SCORES)
+    plan = run.decision.plan
+    assert plan.order == [0, 1, 2] and not plan.recompute and "with its run's 2 earlier chunks" in plan.reason
+    assert (run.prefill.logits[-1] - full_prefill_logits(kv, ids, plan.order).float()).abs().max() < 1e-4
+    monkeypatch.setattr(need, "_target", lambda request: 3)  # a chunk encoded alone: planned as before
+    plan = kv.prefill(Q, given, strategy="by_need", scores=SCORES).decision.plan
+    assert plan.order[-1] == 3 and len(plan.order) == (1 if margin < 0 else need.SEVERAL)
+
+
 def test_past_most_scored_chunks_the_pass_scores_the_retrievers_best_only_and_reads_among_them(kv, enc, monkeypatch):
     from kvrag.plan import strategies
 
