@@ -64,6 +64,12 @@ def add_bench(sub: Any) -> None:
     )
     bench.add_argument("--max-new-tokens", type=int, default=48, help="most tokens an answer decodes (default 48)")
     bench.add_argument(
+        "--whole",
+        action="store_true",
+        help="decode each answer to its end, as `kvrag ask` does (a list over several lines whole), not to its first "
+        "line break",
+    )
+    bench.add_argument(
         "--top-k",
         type=int,
         default=None,
@@ -193,7 +199,7 @@ def _bench_answers(args: argparse.Namespace) -> None:
     kv = KVModel.from_pretrained(args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir,
                                  decode_weights="model", **chosen)
     result = whole_answers(kv, data=args.data, limit=args.limit, seed=args.seed, strategies=strategies,
-                           max_new_tokens=args.max_new_tokens, top_k=args.top_k,
+                           max_new_tokens=args.max_new_tokens, top_k=args.top_k, to_line_break=not args.whole,
                            log=lambda m: print(m, file=sys.stderr))
     result["header"] = kv.layout.header
     result["command"] = "kvrag " + " ".join(shlex.quote(a) for a in args.argv)

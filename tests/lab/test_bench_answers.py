@@ -124,3 +124,26 @@ def test_a_rows_same_is_counted_against_the_row_that_differs_from_it_in_one_thin
 
     assert same_as("default_int4@doc+int4") == "default_int4@doc" and same_as("default@int8") == "default"
     assert same_as("default_int4@doc") == "default@doc" and same_as("best_few_int8") == "best_few"
+
+
+def test_whole_decodes_each_answer_past_its_first_line_break_and_the_run_says_so(tmp_path, monkeypatch):
+    import json
+
+    from kvrag.engine.rag import KVRAG
+
+    stops = []
+    answer = KVRAG.answer
+
+    def answering(self, *args, **kwargs):
+        stops.append(kwargs.get("stop"))
+        return answer(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVRAG, "answer", answering)
+    out = tmp_path / "run.json"
+    argv = ["bench-answers", "--data", "builtin:open_qa", "--limit", "1", "--strategies", "full_prefill_top1",
+            "--max-new-tokens", "2", "--out", str(out)]
+    assert main(argv) == 0 and set(map(tuple, stops)) == {("\n",)} and json.loads(out.read_text())["to_line_break"]
+    stops.clear()
+    assert main(argv + ["--whole"]) == 0 and set(map(tuple, stops)) == {()}
+    run = json.loads(out.read_text())
+    assert run["to_line_break"] is False and "to its end" in markdown(run)

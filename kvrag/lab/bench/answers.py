@@ -2,7 +2,8 @@
 
 The study decodes its rows as one batch, so it times each row's first token but not its whole answer. Here every
 item's answer of every strategy is one `KVRAG.answer` over the item's chunks (their KV stored first, untimed; the
-retrieval scores kvrag's embedder gives; greedy to the first line break), one after another in one process: its
+retrieval scores kvrag's embedder gives; greedy to the first line break, or with `to_line_break=False` to the answer's
+end as `kvrag ask` decodes it, a list over several lines whole), one after another in one process: its
 first token, its whole answer and whether it is right (the study's scoring). `default` is the model's shipped
 default, parts included. Medians a family and over every item; a warm-up answer of each strategy first.
 
@@ -56,12 +57,13 @@ def whole_answers(
     strategies: Sequence[str] = STRATEGIES,
     max_new_tokens: int = 48,
     top_k: int | None = None,
+    to_line_break: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Time and score every strategy's whole answer on the items of `data` (see the module docstring)."""
     items, _ = load_items(data, limit=limit, seed=seed)
     embedder = Embedder()
-    options = dict(max_new_tokens=max_new_tokens, stop=["\n"])
+    options = dict(max_new_tokens=max_new_tokens, stop=["\n"] if to_line_break else [])
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-answers-") as tmp:
         engines: dict[tuple[bool, str | None], KVRAG] = {}
@@ -125,6 +127,7 @@ def whole_answers(
         "seed": seed,
         "max_new_tokens": max_new_tokens,
         "top_k": top_k,
+        "to_line_break": to_line_break,
         "summary": summary(rows, strategies),
         "rows": rows,
     }
@@ -263,7 +266,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Whole answers: {result['model']}, {result['threads']} threads",
         "",
-        f"{result['data']}, {result['limit']} items a set, seed {result['seed']}; greedy to the first line break, at "
+        f"{result['data']}, {result['limit']} items a set, seed {result['seed']}; greedy "
+        f"{'to the first line break' if result.get('to_line_break', True) else 'to its end (as `kvrag ask`)'}, at "
         f"most {result['max_new_tokens']} tokens; medians in seconds.",
         "",
         f"| family | {head} |",
