@@ -47,6 +47,7 @@ __all__ = [
     "attach",
     "available",
     "bf16_prefill_kernels_preferred",
+    "native_bfloat16",
     "compile_decoding",
     "decode_room",
     "decode_weights",
@@ -112,16 +113,34 @@ def install(model: Any, enabled: bool = True) -> bool:
 
 
 @functools.cache
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags (/proc/cpuinfo's `flags`, or `Features` on Arm), or None where they cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    line = next((x for x in lines if x.startswith(("flags", "Features"))), None)
+    return None if line is None else set(line.partition(":")[2].split())
+
+
+@functools.cache
 def bf16_prefill_kernels_preferred() -> bool:
     """Whether a bfloat16 prefill runs faster in kvrag's C kernels (the AVX512-BF16 dot product) than in torch's.
     Not on a CPU with AMX-BF16: torch's bfloat16 matrix products run on its matrix unit there (oneDNN), several times
     faster than the kernels (the measurements: docs/performance.md). There the prefill is left to torch; the decode
     step and the rotation stay kvrag's."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return True
-    return "amx_bf16" not in flags.split()
+    flags = _cpu_flags()
+    return flags is None or "amx_bf16" not in flags
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16, AMX-BF16, or Arm's BF16), so that a model
+    computes in bfloat16 at least as fast as in float32. Where it does not (a CPU with AVX2 alone), torch's bfloat16
+    matrix products run several times slower than its float32 ones (docs/performance.md, "A CPU without bfloat16"):
+    a named model converted to bfloat16 then computes in float32 (`ModelRuntime.from_pretrained`, dtype "auto").
+    True where the flags cannot be read (the model computes in the dtype it was converted to)."""
+    flags = _cpu_flags()
+    return flags is None or bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def enabled(model: Any) -> bool:

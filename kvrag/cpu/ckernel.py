@@ -69,7 +69,8 @@ def _library() -> ctypes.CDLL | None:
     library.decode_steps.restype = ctypes.c_int
     library.decode_rows.argtypes = [pointer] * 5 + [ctypes.c_long] + [pointer] * 4 + [ctypes.c_int]
     library.decode_rows.restype = ctypes.c_int
-    library.int8_available.argtypes, library.int8_available.restype = [], ctypes.c_int
+    for name in ("int8_available", "int4_available"):
+        getattr(library, name).argtypes, getattr(library, name).restype = [], ctypes.c_int
     for name in ("quantize_int8_rows", "quantize_int4_rows"):
         function = getattr(library, name)
         function.argtypes = [pointer, ctypes.c_int, ctypes.c_long, ctypes.c_long] + [pointer] * 3 + [ctypes.c_int]

@@ -191,16 +191,21 @@ class DecodeStep:
 
     def quantized_takes(self, bits: int) -> str | None:
         """Why the C step's `bits`-bit products (8 or 4) do not take this model (None where they do): the CPU's
-        integer dot product (AVX512-VNNI), and every product's input width a multiple of 64 (int8) or 128 (int4)."""
+        integer dot products (int8: AVX512-VNNI; int4: AVX512-VNNI or AVX2), and every product's input width a
+        multiple of 64 (int8) or 128 (int4)."""
         if bits not in BITS:
             raise ValueError(f"quantized decoding reads 8- or 4-bit weights, not {bits}")
-        if not self._library.int8_available():
-            return "this CPU has no AVX512-VNNI (the quantized products' integer dot product)"
         widths = {"hidden size": self.model.dim, "heads x head_dim": self.heads * self.head_dim}
         widths["intermediate size"] = self.model.ffn
         multiple = INT8_GROUP if bits == 8 else 2 * INT8_GROUP
         odd = [f"{name} {width}" for name, width in widths.items() if width % multiple]
-        return f"{', '.join(odd)} not a multiple of {multiple}" if odd else None
+        if odd:
+            return f"{', '.join(odd)} not a multiple of {multiple}"
+        if bits == 8 and not self._library.int8_available():
+            return "this CPU has no AVX512-VNNI (the int8 products' integer dot product)"
+        if bits == 4 and not self._library.int4_available():
+            return "this CPU has neither AVX512-VNNI nor AVX2 (the int4 products' integer dot products)"
+        return None
 
     def quantize(self, bits: int | None) -> bool:
         """Read the products' weights (q/k/v, o, gate/up, down, the head) as `bits`-bit groups, 8 or 4, from the

@@ -151,7 +151,9 @@ class ModelRuntime:
 
         A named model is converted once from the GGUF in its registry packages to safetensors under `cache_dir`
         (default: the user's cache directory, kvrag/); `dtype="auto"` then loads it in the dtype it was converted to
-        (bfloat16 for the Qwen models: float32 would double the memory for the same values). Nothing is downloaded.
+        (bfloat16 for the Qwen models: float32 would double the memory for the same values), but on a CPU that does
+        not multiply bfloat16 in hardware (`kvrag.cpu.native_bfloat16`: AVX2 alone) in float32, which computes the
+        same weights several times faster there. Nothing is downloaded.
 
         `header=` (text) stands for `layout=PromptLayout(tokenizer, header=...)`, the tokenizer being the one loaded
         here: e.g. `kvrag.model.layout.DECLINING_HEADER`. Chunks encoded under one header are another header's misses.
@@ -159,6 +161,8 @@ class ModelRuntime:
         cache = Path(cache_dir) if cache_dir is not None else None
         if dtype in (None, "auto") and not Path(str(name_or_path)).exists() and (entry := named(name_or_path)):
             dtype = entry.dtype
+            if dtype == torch.bfloat16 and str(device) == "cpu" and not cpu.native_bfloat16():
+                dtype = torch.float32  # the same values, computed several times faster on such a CPU
         model, tokenizer, weights = load_pretrained(
             name_or_path,
             dtype=resolve_dtype(dtype, device),

@@ -41,6 +41,7 @@ ABSTAIN_LIFT = 0.1
 AGREE_MARGIN = 0.75
 ONE_CHUNK_MARGIN = 0.75
 SEVERAL = 3  # chunks read where the signals disagree
+SPREAD_TOKENS = 16  # by_need_spread: the first tokens recomputed of each chunk read beside the best
 MOST_READ = 4  # chunks read at most once the question's names are covered
 NAME_SHARE = 2  # a name is held by at most one in NAME_SHARE retrieved chunks (at least one chunk)
 
@@ -147,11 +148,11 @@ def _best_few(request: PlanRequest) -> Plan:
     return Plan(order=order, recompute=exact_over(request, order))
 
 
-def _several(request: PlanRequest, best: int) -> tuple[list[int], int]:
-    """best_few's order, and how many chunks in it are there for the question's names alone."""
+def _several(request: PlanRequest, best: int, k: int = SEVERAL) -> tuple[list[int], int]:
+    """best_few's order (the best `k`), and how many chunks in it are there for the question's names alone."""
     assert request.probe is not None  # likelihood_all measured through it
     likelihood = _likelihood(request)
-    base = several(request, best, likelihood)
+    base = several(request, best, likelihood, k)
     order = covering(request, base, likelihood)
     return order, len(order) - len(base)
 
@@ -203,7 +204,7 @@ def whole_document(request: PlanRequest) -> Plan | None:
     before_pick=whole_document,
 )
 def _by_need(request: PlanRequest) -> Plan:
-    return _decided(request, several_exact=True)
+    return _decided(request, several="exact")
 
 
 @register_strategy(
@@ -216,12 +217,39 @@ def _by_need(request: PlanRequest) -> Plan:
     before_pick=whole_document,
 )
 def _by_need_reuse(request: PlanRequest) -> Plan:
-    return _decided(request, several_exact=False)
+    return _decided(request, several="reuse")
 
 
-def _decided(request: PlanRequest, *, several_exact: bool) -> Plan:
-    """by_need's plan; `several_exact`: a plan of several chunks exactly their full prefill, else only the best of
-    them (last, next to the question) recomputed."""
+@register_strategy(
+    "by_need_spread",
+    needs_target=True,
+    picker="likelihood_all",
+    budgeted=False,
+    description=f"by_need, but where it reads several chunks the best, next to the question, is recomputed and the "
+    f"others only their first {SPREAD_TOKENS} tokens (EPIC-style: where a chunk encoded apart is most wrong)",
+    before_pick=whole_document,
+)
+def _by_need_spread(request: PlanRequest) -> Plan:
+    return _decided(request, several="spread")
+
+
+@register_strategy(
+    "by_need_two",
+    needs_target=True,
+    picker="likelihood_all",
+    budgeted=False,
+    description="by_need, but where it reads several chunks it reads two (the best by either ranking beside the "
+    "model's best), exactly their full prefill",
+    before_pick=whole_document,
+)
+def _by_need_two(request: PlanRequest) -> Plan:
+    return _decided(request, several="exact", k=2)
+
+
+def _decided(request: PlanRequest, *, several: str, k: int = SEVERAL) -> Plan:
+    """by_need's plan. Where it reads several chunks (the best `k`): "exact", exactly their full prefill; "reuse",
+    only the best (last, next to the question) recomputed; "spread", the best recomputed and every other chunk not
+    in place its first SPREAD_TOKENS tokens."""
     best = _target(request)
     seen = signals(request)
     lift, margin = seen["lift"], seen["margin"]
@@ -245,10 +273,12 @@ def _decided(request: PlanRequest, *, several_exact: bool) -> Plan:
             return Plan(order=order, recompute=exact_over(request, order), reason=reason, signals=seen)
         reason = f"{len(order)} chunks: {reason}, and those holding the question's other names"
         return Plan(order=order, recompute=exact_over(request, order), reason=reason, signals=seen)
-    order, named = _several(request, best)
+    order, named = _several(request, best, k)
     seen["named"] = float(named)
     reason = f"{len(order)} chunks: no chunk stands out (the model's best leads by {margin:.2f})"
     recompute = exact_over(request, order)
-    if not several_exact:
-        recompute = {c: tokens for c, tokens in recompute.items() if c == best}
+    if several != "exact":
+        first = 0 if several == "reuse" else SPREAD_TOKENS
+        recompute = {c: tokens if c == best else tokens[:first] for c, tokens in recompute.items()}
+        recompute = {c: tokens for c, tokens in recompute.items() if len(tokens)}
     return Plan(order=order, recompute=recompute, reason=reason, signals=seen)

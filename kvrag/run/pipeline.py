@@ -299,7 +299,8 @@ def decode_answer(
     """Decode after a prefill: text pieces as they become final (stop strings honoured), then the Answer.
 
     `abstain`: the plan found no chunk that bears on the question; the decoded text is kept as the Answer's draft,
-    and its text (the one piece yielded) says the documents do not say.
+    and its text (the one piece yielded, as soon as the first token is: the draft is decoded behind it) says the
+    documents do not say.
     """
     prefilled = time.perf_counter()
     detok = Detokenizer(kvmodel.tokenizer, sampling.stop)
@@ -314,6 +315,8 @@ def decode_answer(
                 ttft = now - started_at
                 if phases is not None:
                     phases.add("first token", now - prefilled)
+                if abstain:  # what the reader gets is known now: the draft goes on behind it
+                    yield NOT_IN_DOCUMENTS
             if token in kvmodel.eos_ids:
                 finish = "eos"
                 break
@@ -330,7 +333,7 @@ def decode_answer(
     tail = detok.finish()
     if tail and not abstain:
         yield tail
-    if abstain:
+    if abstain and not ttft:  # no token came (a decode that ended at once): said once all the same
         yield NOT_IN_DOCUMENTS
     said = abstain or says_not_in_documents(detok.text)  # the plan declined, or the model did in kvrag's words
     yield Answer(

@@ -18,12 +18,14 @@ from kvrag.model.recompute import full_prefill
 needs_c = pytest.mark.skipif(not ckernel.available(), reason="no C compiler for kvrag.cpu.ckernel")
 
 
-def _int8_here() -> bool:
+def _bits_here(bits: int) -> bool:
     library = ckernel._library()
-    return library is not None and bool(library.int8_available())
+    return library is not None and bool(library.int8_available() if bits == 8 else library.int4_available())
 
 
-needs_int8 = pytest.mark.skipif(not _int8_here(), reason="no AVX512-VNNI: the quantized products are not built here")
+needs_int8 = pytest.mark.skipif(not _bits_here(8), reason="no AVX512-VNNI: the int8 products are not built here")
+needs_int4 = pytest.mark.skipif(not _bits_here(4), reason="no AVX512-VNNI, no AVX2: the int4 products are not built")
+BITS = [pytest.param(8, marks=needs_int8), pytest.param(4, marks=needs_int4)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,8 +120,7 @@ def _dequantized(weight, bits):
     return (levels * scales.float()[..., None] + minimums.float()[..., None]).view(rows, columns)
 
 
-@needs_int8
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("name", FAST_DECODED)
 def test_the_quantized_step_computes_with_its_quantized_weights(name, bits):
     """The C step over `bits`-bit weights against the model's own step over those weights de-quantized (bfloat16):
@@ -145,8 +146,7 @@ def test_the_quantized_step_computes_with_its_quantized_weights(name, bits):
     assert not torch.equal(own, quantized)
 
 
-@needs_int8
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", BITS)
 def test_a_quantized_product_is_the_sum_over_its_quantized_weights_and_inputs(bits):
     """One product in C against the same sum in float64 over the de-quantized weights and the inputs quantized as
     the kernel quantizes them (per 64, largest magnitude 127): equal to float32 rounding, for 1 to 8 inputs."""
@@ -181,8 +181,8 @@ def test_a_quantized_product_is_the_sum_over_its_quantized_weights_and_inputs(bi
 def test_answers_side_by_side_are_each_answer_s_own_steps_bit_for_bit(name, bits):
     """Three answers' caches (different lengths, one over a block's edge) and one answer's token with its draft:
     every row's logits and cache slots are what that answer's own single steps give."""
-    if bits and not _int8_here():
-        pytest.skip("no AVX512-VNNI: the quantized products are not built here")
+    if bits and not _bits_here(bits):
+        pytest.skip(f"the int{bits} products are not built on this CPU")
     model = copy.deepcopy(_model(name, bits)).to(torch.bfloat16)
     assert native_decoding(model, True)
     decoder = decoder_of(model)
@@ -235,8 +235,11 @@ def test_quantized_decoding_says_why_it_does_not_take_a_model_and_the_model_s_we
     wide = _wide_model(64)  # int8 takes it; int4 reads 128 columns at a time
     assert "hidden size 64, heads x head_dim 64 not a multiple of 128" == decoder_of(wide).native.quantized_takes(4)
     other = decoder_of(wide).native
-    other._library = SimpleNamespace(int8_available=lambda: 0)
+    other._library = SimpleNamespace(int8_available=lambda: 0, int4_available=lambda: 0)
     assert "AVX512-VNNI" in other.quantized_takes(8) and not other.quantize(8)
+    four = decoder_of(_wide_model(128)).native  # widths int4 takes, on a CPU without its products
+    four._library = SimpleNamespace(int8_available=lambda: 0, int4_available=lambda: 0)
+    assert "AVX2" in four.quantized_takes(4) and not four.quantize(4)
     with pytest.raises(ValueError, match="int8, int4"):
         decode_weights(model, "int2")
 

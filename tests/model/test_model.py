@@ -119,3 +119,36 @@ def test_resolve_dtype():
     assert resolve_dtype("bf16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("float8", "cpu")
+
+
+@pytest.mark.parametrize("native, device, asked, loaded", [
+    (True, "cpu", "auto", torch.bfloat16),  # a CPU that multiplies bfloat16: the dtype it was converted to
+    (False, "cpu", "auto", torch.float32),  # AVX2 alone: the same values in float32, several times faster there
+    (False, "cpu", "bfloat16", torch.bfloat16),  # asked for by name: kept
+    (False, "cuda", "auto", torch.bfloat16),  # not a CPU's choice
+])
+def test_a_named_bfloat16_model_computes_in_float32_on_a_cpu_without_bfloat16(monkeypatch, native, device, asked,
+                                                                             loaded):
+    from kvrag import KVModel, cpu
+    from kvrag.model import runtime
+
+    class Loaded(Exception):
+        pass
+
+    def load(name, *, dtype, **kwargs):
+        raise Loaded(dtype)
+
+    monkeypatch.setattr(cpu, "native_bfloat16", lambda: native)
+    monkeypatch.setattr(runtime, "load_pretrained", load)
+    with pytest.raises(Loaded) as got:
+        KVModel.from_pretrained("qwen2.5-coder-0.5b", dtype=asked, device=device)
+    assert got.value.args[0] == loaded
+
+
+def test_native_bfloat16_reads_the_cpus_flags(monkeypatch):
+    from kvrag import cpu
+
+    for flags, native in [({"avx2", "fma"}, False), ({"avx512f", "avx512_bf16"}, True), ({"amx_bf16"}, True),
+                          ({"asimd", "bf16"}, True), (None, True)]:
+        monkeypatch.setattr(cpu, "_cpu_flags", lambda flags=flags: flags)
+        assert cpu.native_bfloat16() is native

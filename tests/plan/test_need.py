@@ -73,6 +73,31 @@ def test_several_chunks_are_exactly_full_prefill_over_them_with_the_best_last(kv
     assert run.decision.plan.reason.startswith(f"{need.SEVERAL} chunks")
 
 
+
+@pytest.mark.parametrize("name", ["by_need_reuse", "by_need_spread", "by_need_two"])
+def test_the_variants_of_several_chunks_recompute_what_they_say(kv, enc, monkeypatch, name):
+    monkeypatch.setattr(need, "names", lambda request: {})
+    monkeypatch.setattr(need, "ABSTAIN_LIFT", float("-inf"))
+    monkeypatch.setattr(need, "ONE_CHUNK_MARGIN", float("inf"))
+    monkeypatch.setattr(need, "AGREE_MARGIN", float("inf"))
+    monkeypatch.setattr(need, "SPREAD_TOKENS", 3)
+    best = int(measured(kv, enc)["best"])
+    scores = [0.0 if c == best else s for c, s in enumerate(SCORES)]  # the retriever disagrees with the model
+    plan = kv.prefill(Q, enc, strategy=name, scores=scores).decision.plan
+    exact = kv.prefill(Q, enc, strategy="by_need", scores=scores).decision.plan
+    assert plan.order[-1] == best and plan.reason.startswith(f"{len(plan.order)} chunks")
+    recomputed = {c: t.tolist() for c, t in plan.recompute.items()}
+    kept = plan.order[0]  # the first chunk, encoded alone, is in place: never recomputed
+    if name == "by_need_two":
+        assert len(plan.order) == 2 and plan.order[0] in exact.order
+        assert recomputed == {best: list(range(len(enc[best])))}
+    else:
+        assert plan.order == exact.order and len(plan.order) == need.SEVERAL
+        first = {"by_need_reuse": 0, "by_need_spread": 3}[name]
+        others = {c: list(range(first)) for c in plan.order[1:-1]} if first else {}
+        assert recomputed == {best: list(range(len(enc[best]))), **others} and kept not in recomputed
+
+
 TWO_THINGS = "When is the archive open, and what is in the harbour ledger?"
 
 
@@ -123,6 +148,24 @@ def _saying(ids):
         yield from ids
 
     return decode
+
+
+def test_an_abstention_is_said_at_the_first_token_with_the_draft_decoded_behind_it(kv, enc, monkeypatch):
+    from kvrag.run.executor import HFExecutor
+
+    monkeypatch.setattr(need, "ABSTAIN_LIFT", float("inf"))
+    stepped = []
+
+    def decode(self, prefill, sampling):
+        for token in kv.tokenizer("a draft of several tokens", add_special_tokens=False)["input_ids"]:
+            stepped.append(token)
+            yield token
+
+    monkeypatch.setattr(HFExecutor, "decode", decode)
+    stream = kv.stream(Q, enc, strategy="by_need", scores=SCORES, max_new_tokens=32)
+    assert next(stream) == NOT_IN_DOCUMENTS and len(stepped) == 1
+    answer = list(stream)[-1]
+    assert answer.abstained and answer.draft == "a draft of several tokens" and len(stepped) > 1
 
 
 @pytest.mark.parametrize("words, declined", [(NOT_IN_DOCUMENTS + " Ask me again.", True),

@@ -46,7 +46,7 @@ def test_every_study_strategy_is_registered_and_runs(kv, enc):
             "set_only": 1,  # the oracle's set of one
         }.get(name, 5)  # they drop chunks
         # one chunk or several as the signals say, and the question's names'
-        if name in ("by_need", "by_need_reuse", "best_few"):
+        if name in ("by_need", "by_need_reuse", "by_need_spread", "by_need_two", "best_few"):
             fewest = need.SEVERAL if name == "best_few" else 1
             kept = len(a.stats.order) if fewest <= len(a.stats.order) <= need.MOST_READ else -1
         assert a.stats.strategy == name and len(set(a.stats.order)) == len(a.stats.order) == kept

@@ -19,8 +19,12 @@
  * the minimum's share is the input group's sum, taken once an input.
  *
  * Each input's sums run as they would alone (K only sets how many share a pass over the weights), so a step of K
- * tokens gives, bit for bit, what K steps of one give. Built only where the CPU has AVX512-VNNI and AVX512-BW;
- * elsewhere `int8_available` is 0 and the step reads the model's own weights.
+ * tokens gives, bit for bit, what K steps of one give. Built where the CPU has AVX512-VNNI and AVX512-BW. Where it
+ * has AVX2 alone (with FMA and F16C), int4 is built on AVX2's byte products instead: vpmaddubsw multiplies the
+ * unsigned 4-bit values by the signed inputs and adds pairs into 16 bits (at most 2 x 15 x 127, never saturated)
+ * and vpmaddwd adds those pairs into 32-bit lanes, the sums of four that vpdpbusd gives; int8's shifted inputs
+ * (up to 255 x 127 a product) would saturate there, so int8 is not built (`int8_available` 0, `int4_available` 1).
+ * Elsewhere both are 0 and the step reads the model's own weights.
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,15 +37,11 @@
 #define AHEAD 2048
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-
-int int8_available(void) { return 1; }
-
 /* K rows of C inputs quantized per group of INT8_GROUP: xq = round(x / s) + shift (s the group's largest magnitude
  * over 127; stored as bytes, the shift 128 making them unsigned for vpdpbusd's first operand), xs[j][g] = s, and
  * where xsum is given, xsum[j][g] = s times the group's sum of the unshifted values */
-static void quantize_inputs(const float *x, long K, long C, int shift, int8_t *xq, float *xs, float *xsum) {
+static __attribute__((unused)) void quantize_inputs(const float *x, long K, long C, int shift, int8_t *xq, float *xs,
+                                                   float *xsum) {
     const long groups = C / INT8_GROUP;
     for (long j = 0; j < K; j++)
         for (long g = 0; g < groups; g++) {
@@ -59,6 +59,14 @@ static void quantize_inputs(const float *x, long K, long C, int shift, int8_t *x
             if (xsum) xsum[j * groups + g] = s * (float)total;
         }
 }
+
+#define MAX_GROUPS 512 /* a row of up to 32,768 weights */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+int int8_available(void) { return 1; }
+int int4_available(void) { return 1; }
 
 /* One group's dot product for input j (its 64 bytes at xq), as float32 lanes times the two scales, added to acc */
 #define GROUP_DOT(K, acc, wv, xq, g, wscale)                                                                    \
@@ -164,8 +172,6 @@ int product_int8(const int8_t *w, const float *scales, const float *offsets, con
         }                                                                                                       \
     }
 
-#define MAX_GROUPS 512 /* a row of up to 32,768 weights */
-
 static inline void halves_to_floats(const uint16_t *from, float *to, long n) {
     long i = 0;
     for (; i + 16 <= n; i += 16)
@@ -202,9 +208,110 @@ int product_int4(const uint8_t *w, const uint16_t *scales, const uint16_t *mins,
     return 0;
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+int int8_available(void) { return 0; }
+int int4_available(void) { return 1; }
+
+int product_int8(const int8_t *w, const float *scales, const float *offsets, const float *x, float *sums, long R,
+                 long C, int K, float *scratch, int threads) {
+    (void)w, (void)scales, (void)offsets, (void)x, (void)sums, (void)R, (void)C, (void)K, (void)scratch, (void)threads;
+    return -2;
+}
+
+static inline void halves_to_floats(const uint16_t *from, float *to, long n) {
+    long i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(to + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from + i))));
+    for (; i < n; i++) to[i] = _cvtsh_ss(from[i]);
+}
+
+/* an 8-lane vector's lanes summed as a fixed tree (as lanes_sum does for 16) */
+static inline float lanes_sum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_shuffle_ps(a, a, 1));
+    return _mm_cvtss_f32(a);
+}
+
+/* 32 unsigned 4-bit values u times 32 signed inputs, summed four at a time into 8 exact 32-bit lanes (what
+ * vpdpbusd gives for 16 lanes) */
+static inline __m256i dot4(__m256i u, __m256i x, __m256i ones) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
+}
+
+/* One 128-weight stretch for input j: its 64 bytes' low nibbles are weights 0..63 (group 2b), its high ones
+ * 64..127 (group 2b + 1), each 32 a half-vector */
+#define STRETCH_DOT2(K, lo0, lo1, hi0, hi1, b)                                                                  \
+    for (int j = 0; j < K; j++) {                                                                               \
+        const int8_t *xj = xq + j * C + (b) * 128;                                                              \
+        __m256i d0 = _mm256_add_epi32(dot4(lo0, _mm256_loadu_si256((const __m256i *)xj), ones),                 \
+                                      dot4(lo1, _mm256_loadu_si256((const __m256i *)(xj + 32)), ones));         \
+        __m256i d1 = _mm256_add_epi32(dot4(hi0, _mm256_loadu_si256((const __m256i *)(xj + 64)), ones),          \
+                                      dot4(hi1, _mm256_loadu_si256((const __m256i *)(xj + 96)), ones));         \
+        const float *xsj = xs + j * groups + 2 * (b);                                                           \
+        a0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(scale[2 * (b)] * xsj[0]), a0[j]);         \
+        a1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(scale[2 * (b) + 1] * xsj[1]), a1[j]);     \
+    }
+
+#define PRODUCT_I4(K)                                                                                           \
+    static void product_i4_##K(const uint8_t *w, const uint16_t *scales16, const uint16_t *mins16,             \
+                               const int8_t *xq, const float *xs, const float *xsum, float *sums, long R,       \
+                               long C, int threads) {                                                           \
+        const long groups = C / INT8_GROUP, stretches = C / 128;                                                \
+        const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);                                \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                       \
+        for (long r = 0; r < R; r++) {                                                                          \
+            const uint8_t *row = w + r * (C / 2);                                                               \
+            float scale[MAX_GROUPS], least[MAX_GROUPS];                                                         \
+            halves_to_floats(scales16 + r * groups, scale, groups);                                             \
+            halves_to_floats(mins16 + r * groups, least, groups);                                               \
+            __m256 a0[K], a1[K];                                                                                \
+            for (int j = 0; j < K; j++) a0[j] = a1[j] = _mm256_setzero_ps();                                    \
+            for (long b = 0; b < stretches; b++) {                                                              \
+                __builtin_prefetch(row + b * 64 + AHEAD, 0, 3);                                                 \
+                __m256i v0 = _mm256_loadu_si256((const __m256i *)(row + b * 64));                               \
+                __m256i v1 = _mm256_loadu_si256((const __m256i *)(row + b * 64 + 32));                          \
+                __m256i lo0 = _mm256_and_si256(v0, low), lo1 = _mm256_and_si256(v1, low);                       \
+                __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);                                  \
+                __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);                                  \
+                STRETCH_DOT2(K, lo0, lo1, hi0, hi1, b)                                                          \
+            }                                                                                                   \
+            for (int j = 0; j < K; j++) {                                                                       \
+                float shift = 0;                                                                                \
+                for (long g = 0; g < groups; g++) shift += least[g] * xsum[j * groups + g];                     \
+                sums[j * R + r] = lanes_sum8(_mm256_add_ps(a0[j], a1[j])) + shift;                              \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
+PRODUCT_I4(1) PRODUCT_I4(2) PRODUCT_I4(3) PRODUCT_I4(4) PRODUCT_I4(5) PRODUCT_I4(6) PRODUCT_I4(7) PRODUCT_I4(8)
+
+int product_int4(const uint8_t *w, const uint16_t *scales, const uint16_t *mins, const float *x, float *sums, long R,
+                 long C, int K, float *scratch, int threads) {
+    if (C % 128 || C > INT8_GROUP * MAX_GROUPS || K < 1 || K > 8) return -2;
+    const long groups = C / INT8_GROUP;
+    int8_t *xq = (int8_t *)scratch;          /* K * C bytes */
+    float *xs = scratch + K * C / 4;         /* K * groups floats */
+    float *xsum = xs + K * groups;           /* K * groups floats */
+    quantize_inputs(x, K, C, 0, xq, xs, xsum);
+    switch (K) {
+    case 1: product_i4_1(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
+    case 2: product_i4_2(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
+    case 3: product_i4_3(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
+    case 4: product_i4_4(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
+    case 5: product_i4_5(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
+    case 6: product_i4_6(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
+    case 7: product_i4_7(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
+    default: product_i4_8(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
+    }
+    return 0;
+}
+
 #else
 
 int int8_available(void) { return 0; }
+int int4_available(void) { return 0; }
 
 int product_int8(const int8_t *w, const float *scales, const float *offsets, const float *x, float *sums, long R,
                  long C, int K, float *scratch, int threads) {
