@@ -21,8 +21,9 @@ chunks in that order). Whichever plan it reads, every name the question shares w
 word of the question that one or a few retrieved chunks hold (what tells one document from its neighbours, whatever
 the wording) pulls in the model's best chunk holding it, so a question about two things reads both. The thresholds
 are chosen on held-out sources (docs/study.md).
-`by_need_reuse` is the same plan with only the best of several chunks recomputed (fewer tokens, fewer right answers
-on the held-out halves: not the default).
+`by_need_reuse` is the same plan with only the best of several chunks recomputed, `by_need_spread` with the others'
+first SPREAD_TOKENS tokens recomputed too, `by_need_two` with two chunks read exactly: fewer tokens through the model,
+measured beside the default in docs/study.md (not the default: they were not judged on the other half).
 """
 
 from __future__ import annotations

@@ -184,30 +184,6 @@ static inline void halves_to_floats(const uint16_t *from, float *to, long n) {
 
 PRODUCT_I4(1) PRODUCT_I4(2) PRODUCT_I4(3) PRODUCT_I4(4) PRODUCT_I4(5) PRODUCT_I4(6) PRODUCT_I4(7) PRODUCT_I4(8)
 
-/* sums[j] = w x[j] (unrounded, no bias) for j < K (1 to 8); w: [R, C / 2] packed 4-bit values with float16 scales and
- * minimums [R, C / INT8_GROUP]; C a multiple of 128 and at most 64 * MAX_GROUPS; x: K rows of C float32; scratch:
- * K * C floats. 0, or -2 for a K or C it does not take. */
-int product_int4(const uint8_t *w, const uint16_t *scales, const uint16_t *mins, const float *x, float *sums, long R,
-                 long C, int K, float *scratch, int threads) {
-    if (C % 128 || C > INT8_GROUP * MAX_GROUPS || K < 1 || K > 8) return -2;
-    const long groups = C / INT8_GROUP;
-    int8_t *xq = (int8_t *)scratch;          /* K * C bytes */
-    float *xs = scratch + K * C / 4;         /* K * groups floats */
-    float *xsum = xs + K * groups;           /* K * groups floats: K * C / 4 + 2 K C / 64 <= K * C */
-    quantize_inputs(x, K, C, 0, xq, xs, xsum);
-    switch (K) {
-    case 1: product_i4_1(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
-    case 2: product_i4_2(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
-    case 3: product_i4_3(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
-    case 4: product_i4_4(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
-    case 5: product_i4_5(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
-    case 6: product_i4_6(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
-    case 7: product_i4_7(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
-    default: product_i4_8(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
-    }
-    return 0;
-}
-
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
@@ -287,13 +263,19 @@ static inline __m256i dot4(__m256i u, __m256i x, __m256i ones) {
 
 PRODUCT_I4(1) PRODUCT_I4(2) PRODUCT_I4(3) PRODUCT_I4(4) PRODUCT_I4(5) PRODUCT_I4(6) PRODUCT_I4(7) PRODUCT_I4(8)
 
+#endif
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+/* sums[j] = w x[j] (unrounded, no bias) for j < K (1 to 8); w: [R, C / 2] packed 4-bit values with float16 scales and
+ * minimums [R, C / INT8_GROUP]; C a multiple of 128 and at most 64 * MAX_GROUPS; x: K rows of C float32; scratch:
+ * K * C floats. 0, or -2 for a K or C it does not take. */
 int product_int4(const uint8_t *w, const uint16_t *scales, const uint16_t *mins, const float *x, float *sums, long R,
                  long C, int K, float *scratch, int threads) {
     if (C % 128 || C > INT8_GROUP * MAX_GROUPS || K < 1 || K > 8) return -2;
     const long groups = C / INT8_GROUP;
     int8_t *xq = (int8_t *)scratch;          /* K * C bytes */
     float *xs = scratch + K * C / 4;         /* K * groups floats */
-    float *xsum = xs + K * groups;           /* K * groups floats */
+    float *xsum = xs + K * groups;           /* K * groups floats: K * C / 4 + 2 K C / 64 <= K * C */
     quantize_inputs(x, K, C, 0, xq, xs, xsum);
     switch (K) {
     case 1: product_i4_1(w, scales, mins, xq, xs, xsum, sums, R, C, threads); break;
