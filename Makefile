@@ -73,8 +73,8 @@ redis:
 	fi
 
 test: $(STAMP) $(VLLM_STAMP) redis
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
-	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider integrations/vllm-kvrag/tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=15
+	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest -q --durations=15 -p no:cacheprovider integrations/vllm-kvrag/tests
 
 test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider integrations/vllm-kvrag/tests

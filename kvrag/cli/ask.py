@@ -68,7 +68,8 @@ def add_ask(sub: Any) -> None:
         choices=("transformers", "vllm"),
         default="transformers",
         help="what runs the plan: kvrag's transformers engine (default) or vLLM through kvrag's connector (vllm-kvrag; "
-        "it stores the prompt prefix's KV, which the connector loads, if the store lacks it)",
+        "it stores the prompt prefix's KV, which the connector loads, if the store lacks it; an engine started for one "
+        "question runs eager, its model not compiled)",
     )
     ask.add_argument(
         "--vllm-server",
@@ -146,7 +147,10 @@ def _on_vllm(rag: Any, args: argparse.Namespace) -> None:
             raise InvalidRequestError(f"{flag} is kvrag's own decode: vLLM decodes with its own")
     vllm_kvrag = import_vllm_kvrag("--backend vllm")
     secret_file = str(args.secret_file) if args.secret_file else None  # the connector verifies under the same secret
-    vllm_kvrag.attach.attach(rag, server=args.vllm_server, secret_file=secret_file)
+    # One question: an in-process engine runs eager, since compiling its model (on a CPU, minutes) would cost more
+    # than the answer.
+    eager = {} if args.vllm_server else {"enforce_eager": True}
+    vllm_kvrag.attach.attach(rag, server=args.vllm_server, secret_file=secret_file, **eager)
 
 
 COMMANDS = {

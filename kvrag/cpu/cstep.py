@@ -191,7 +191,7 @@ class DecodeStep:
 
     def quantized_takes(self, bits: int) -> str | None:
         """Why the C step's `bits`-bit products (8 or 4) do not take this model (None where they do): the CPU's
-        integer dot products (int8: AVX512-VNNI; int4: AVX512-VNNI or AVX2), and every product's input width a
+        integer dot products (AVX512-VNNI, or AVX2's byte products), and every product's input width a
         multiple of 64 (int8) or 128 (int4)."""
         if bits not in BITS:
             raise ValueError(f"quantized decoding reads 8- or 4-bit weights, not {bits}")
@@ -201,10 +201,9 @@ class DecodeStep:
         odd = [f"{name} {width}" for name, width in widths.items() if width % multiple]
         if odd:
             return f"{', '.join(odd)} not a multiple of {multiple}"
-        if bits == 8 and not self._library.int8_available():
-            return "this CPU has no AVX512-VNNI (the int8 products' integer dot product)"
-        if bits == 4 and not self._library.int4_available():
-            return "this CPU has neither AVX512-VNNI nor AVX2 (the int4 products' integer dot products)"
+        available = self._library.int8_available if bits == 8 else self._library.int4_available
+        if not available():
+            return f"this CPU has neither AVX512-VNNI nor AVX2 (the int{bits} products' integer dot products)"
         return None
 
     def quantize(self, bits: int | None) -> bool:

@@ -23,7 +23,7 @@ def _bits_here(bits: int) -> bool:
     return library is not None and bool(library.int8_available() if bits == 8 else library.int4_available())
 
 
-needs_int8 = pytest.mark.skipif(not _bits_here(8), reason="no AVX512-VNNI: the int8 products are not built here")
+needs_int8 = pytest.mark.skipif(not _bits_here(8), reason="no AVX512-VNNI, no AVX2: the int8 products are not built")
 needs_int4 = pytest.mark.skipif(not _bits_here(4), reason="no AVX512-VNNI, no AVX2: the int4 products are not built")
 BITS = [pytest.param(8, marks=needs_int8), pytest.param(4, marks=needs_int4)]
 

@@ -22,9 +22,11 @@
  * tokens gives, bit for bit, what K steps of one give. Built where the CPU has AVX512-VNNI and AVX512-BW. Where it
  * has AVX2 alone (with FMA and F16C), int4 is built on AVX2's byte products instead: vpmaddubsw multiplies the
  * unsigned 4-bit values by the signed inputs and adds pairs into 16 bits (at most 2 x 15 x 127, never saturated)
- * and vpmaddwd adds those pairs into 32-bit lanes, the sums of four that vpdpbusd gives; int8's shifted inputs
- * (up to 255 x 127 a product) would saturate there, so int8 is not built (`int8_available` 0, `int4_available` 1).
- * Elsewhere both are 0 and the step reads the model's own weights.
+ * and vpmaddwd adds those pairs into 32-bit lanes, the sums of four that vpdpbusd gives. int8's shifted inputs
+ * (up to 255 x 127 a product) would saturate vpmaddubsw, so there int8 takes its inputs signed, as llama.cpp's AVX2
+ * path does: the inputs' magnitudes (unsigned, at most 127) times the weights with the inputs' signs, at most
+ * 2 x 127 x 127 a pair, never saturated, and no shift to take back (`offsets` unread). Elsewhere both are 0 and the
+ * step reads the model's own weights.
  */
 #include <math.h>
 #include <stdint.h>
@@ -65,8 +67,7 @@ static __attribute__((unused)) void quantize_inputs(const float *x, long K, long
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-int int8_available(void) { return 1; }
-int int4_available(void) { return 1; }
+#define INPUT_SHIFT 128 /* int8's inputs made unsigned for vpdpbusd's first operand */
 
 /* One group's dot product for input j (its 64 bytes at xq), as float32 lanes times the two scales, added to acc */
 #define GROUP_DOT(K, acc, wv, xq, g, wscale)                                                                    \
@@ -78,7 +79,7 @@ int int4_available(void) { return 1; }
 /* sums[j][r] = sum_g scale[r, g] xs[j, g] (sum_{i in g} w[r, i] (xq[j, i] - 128)); offsets[r, g] = 128 scale[r, g]
  * times the group's weight sum */
 #define PRODUCT_I8(K)                                                                                           \
-    static void product_i8_##K(const int8_t *w, const float *scales, const float *offsets, const uint8_t *xq,   \
+    static void product_i8_##K(const int8_t *w, const float *scales, const float *offsets, const int8_t *xq,    \
                                const float *xs, float *sums, long R, long C, int threads) {                     \
         const long groups = C / INT8_GROUP;                                                                     \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                                       \
@@ -108,28 +109,6 @@ int int4_available(void) { return 1; }
     }
 
 PRODUCT_I8(1) PRODUCT_I8(2) PRODUCT_I8(3) PRODUCT_I8(4) PRODUCT_I8(5) PRODUCT_I8(6) PRODUCT_I8(7) PRODUCT_I8(8)
-
-/* sums[j] = w x[j] (unrounded, no bias) for j < K (1 to 8); w: [R, C] int8 with scales and offsets
- * [R, C / INT8_GROUP]; C a multiple of INT8_GROUP; x: K rows of C float32; scratch: K * C floats. 0, or -2 for a K
- * or C it does not take. */
-int product_int8(const int8_t *w, const float *scales, const float *offsets, const float *x, float *sums, long R,
-                 long C, int K, float *scratch, int threads) {
-    if (C % INT8_GROUP || K < 1 || K > 8) return -2;
-    int8_t *xq = (int8_t *)scratch;    /* K * C bytes */
-    float *xs = scratch + K * C / 4;   /* K * groups floats: fits in the K * C floats (groups <= C / 64) */
-    quantize_inputs(x, K, C, 128, xq, xs, NULL);
-    switch (K) {
-    case 1: product_i8_1(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
-    case 2: product_i8_2(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
-    case 3: product_i8_3(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
-    case 4: product_i8_4(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
-    case 5: product_i8_5(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
-    case 6: product_i8_6(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
-    case 7: product_i8_7(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
-    default: product_i8_8(w, scales, offsets, (const uint8_t *)xq, xs, sums, R, C, threads); break;
-    }
-    return 0;
-}
 
 /* One 128-weight stretch for input j: its low nibbles (weights 0..63) and high nibbles (64..127), each 64 a
  * group with its own combined scale */
@@ -187,14 +166,7 @@ PRODUCT_I4(1) PRODUCT_I4(2) PRODUCT_I4(3) PRODUCT_I4(4) PRODUCT_I4(5) PRODUCT_I4
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
-int int8_available(void) { return 0; }
-int int4_available(void) { return 1; }
-
-int product_int8(const int8_t *w, const float *scales, const float *offsets, const float *x, float *sums, long R,
-                 long C, int K, float *scratch, int threads) {
-    (void)w, (void)scales, (void)offsets, (void)x, (void)sums, (void)R, (void)C, (void)K, (void)scratch, (void)threads;
-    return -2;
-}
+#define INPUT_SHIFT 0 /* int8's inputs stay signed: their magnitudes times the weights with their signs */
 
 static inline void halves_to_floats(const uint16_t *from, float *to, long n) {
     long i = 0;
@@ -209,6 +181,57 @@ static inline float lanes_sum8(__m256 v) {
     a = _mm_add_ss(a, _mm_shuffle_ps(a, a, 1));
     return _mm_cvtss_f32(a);
 }
+
+/* 32 signed weights times 32 signed inputs, summed four at a time into 8 exact 32-bit lanes: |x| times w with x's
+ * sign (vpsignb), each pair at most 2 x 127 x 127 in 16 bits */
+static inline __m256i signed_dot4(__m256i w, __m256i x, __m256i ones) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x)), ones);
+}
+
+/* One group's 64 products for input j, as float32 lanes times the two scales, added to acc */
+#define GROUP_DOT2(K, acc, w0, w1, g, wscale)                                                                   \
+    for (int j = 0; j < K; j++) {                                                                               \
+        const int8_t *xj = xq + j * C + (g) * INT8_GROUP;                                                       \
+        __m256i d = _mm256_add_epi32(signed_dot4(w0, _mm256_loadu_si256((const __m256i *)xj), ones),            \
+                                     signed_dot4(w1, _mm256_loadu_si256((const __m256i *)(xj + 32)), ones));    \
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps((wscale) * xs[j * groups + (g)]), acc[j]); \
+    }
+
+/* sums[j][r] = sum_g scale[r, g] xs[j, g] (sum_{i in g} w[r, i] xq[j, i]), the inputs signed (offsets unread) */
+#define PRODUCT_I8(K)                                                                                           \
+    static void product_i8_##K(const int8_t *w, const float *scales, const float *offsets, const int8_t *xq,    \
+                               const float *xs, float *sums, long R, long C, int threads) {                     \
+        const long groups = C / INT8_GROUP;                                                                     \
+        (void)offsets;                                                                                          \
+        const __m256i ones = _mm256_set1_epi16(1);                                                              \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                       \
+        for (long r = 0; r < R; r++) {                                                                          \
+            const int8_t *row = w + r * C;                                                                      \
+            const float *scale = scales + r * groups;                                                           \
+            __m256 a0[K], a1[K];                                                                                \
+            for (int j = 0; j < K; j++) a0[j] = a1[j] = _mm256_setzero_ps();                                    \
+            long g = 0;                                                                                         \
+            for (; g + 1 < groups; g += 2) {                                                                    \
+                const int8_t *p = row + g * INT8_GROUP;                                                         \
+                __builtin_prefetch(p + AHEAD, 0, 3);                                                            \
+                __m256i w0 = _mm256_loadu_si256((const __m256i *)p);                                            \
+                __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 32));                                     \
+                __m256i w2 = _mm256_loadu_si256((const __m256i *)(p + 64));                                     \
+                __m256i w3 = _mm256_loadu_si256((const __m256i *)(p + 96));                                     \
+                GROUP_DOT2(K, a0, w0, w1, g, scale[g])                                                          \
+                GROUP_DOT2(K, a1, w2, w3, g + 1, scale[g + 1])                                                  \
+            }                                                                                                   \
+            if (g < groups) {                                                                                   \
+                const int8_t *p = row + g * INT8_GROUP;                                                         \
+                __m256i w0 = _mm256_loadu_si256((const __m256i *)p);                                            \
+                __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 32));                                     \
+                GROUP_DOT2(K, a0, w0, w1, g, scale[g])                                                          \
+            }                                                                                                   \
+            for (int j = 0; j < K; j++) sums[j * R + r] = lanes_sum8(_mm256_add_ps(a0[j], a1[j]));              \
+        }                                                                                                       \
+    }
+
+PRODUCT_I8(1) PRODUCT_I8(2) PRODUCT_I8(3) PRODUCT_I8(4) PRODUCT_I8(5) PRODUCT_I8(6) PRODUCT_I8(7) PRODUCT_I8(8)
 
 /* 32 unsigned 4-bit values u times 32 signed inputs, summed four at a time into 8 exact 32-bit lanes (what
  * vpdpbusd gives for 16 lanes) */
@@ -266,6 +289,31 @@ PRODUCT_I4(1) PRODUCT_I4(2) PRODUCT_I4(3) PRODUCT_I4(4) PRODUCT_I4(5) PRODUCT_I4
 #endif
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+int int8_available(void) { return 1; }
+int int4_available(void) { return 1; }
+
+/* sums[j] = w x[j] (unrounded, no bias) for j < K (1 to 8); w: [R, C] int8 with scales and offsets
+ * [R, C / INT8_GROUP]; C a multiple of INT8_GROUP; x: K rows of C float32; scratch: K * C floats. 0, or -2 for a K
+ * or C it does not take. */
+int product_int8(const int8_t *w, const float *scales, const float *offsets, const float *x, float *sums, long R,
+                 long C, int K, float *scratch, int threads) {
+    if (C % INT8_GROUP || K < 1 || K > 8) return -2;
+    int8_t *xq = (int8_t *)scratch;    /* K * C bytes */
+    float *xs = scratch + K * C / 4;   /* K * groups floats: fits in the K * C floats (groups <= C / 64) */
+    quantize_inputs(x, K, C, INPUT_SHIFT, xq, xs, NULL);
+    switch (K) {
+    case 1: product_i8_1(w, scales, offsets, xq, xs, sums, R, C, threads); break;
+    case 2: product_i8_2(w, scales, offsets, xq, xs, sums, R, C, threads); break;
+    case 3: product_i8_3(w, scales, offsets, xq, xs, sums, R, C, threads); break;
+    case 4: product_i8_4(w, scales, offsets, xq, xs, sums, R, C, threads); break;
+    case 5: product_i8_5(w, scales, offsets, xq, xs, sums, R, C, threads); break;
+    case 6: product_i8_6(w, scales, offsets, xq, xs, sums, R, C, threads); break;
+    case 7: product_i8_7(w, scales, offsets, xq, xs, sums, R, C, threads); break;
+    default: product_i8_8(w, scales, offsets, xq, xs, sums, R, C, threads); break;
+    }
+    return 0;
+}
+
 /* sums[j] = w x[j] (unrounded, no bias) for j < K (1 to 8); w: [R, C / 2] packed 4-bit values with float16 scales and
  * minimums [R, C / INT8_GROUP]; C a multiple of 128 and at most 64 * MAX_GROUPS; x: K rows of C float32; scratch:
  * K * C floats. 0, or -2 for a K or C it does not take. */
