@@ -193,6 +193,30 @@ def test_the_vllm_backend_without_vllm_kvrag_says_where_to_get_it(setup, capsys)
         assert code == 2 and "needs vllm-kvrag and vLLM" in err and "make install-vllm" in err and out == ""
 
 
+def test_the_vllm_backend_starts_its_engine_eager_for_one_question(setup, capsys, monkeypatch):
+    """`kvrag ask --backend vllm` starts vLLM for one question: not compiled (minutes on a CPU); a server is its own."""
+    from types import SimpleNamespace
+
+    import kvrag.cli.ask
+
+    root, model, docs = setup
+    if not (root / "index").exists():
+        run(capsys, "ingest", docs, "--index", root / "index", "--model", model, "--quiet")
+    calls = []
+
+    def attach(rag, **options):  # the engine answers as it is: what matters is what vLLM would be started with
+        calls.append(options)
+        return rag
+
+    fake = SimpleNamespace(attach=SimpleNamespace(attach=attach))
+    monkeypatch.setattr(kvrag.cli.ask, "import_vllm_kvrag", lambda what: fake)
+    ask = ["ask", "q?", "--index", root / "index", "--backend", "vllm", "--max-new-tokens", "2"]
+    assert run(capsys, *ask)[0] == 0
+    assert run(capsys, *ask, "--vllm-server", "http://127.0.0.1:9")[0] == 0
+    assert calls[0]["enforce_eager"] is True and calls[0]["server"] is None
+    assert "enforce_eager" not in calls[1] and calls[1]["server"] == "http://127.0.0.1:9"
+
+
 def test_redis_store_from_the_command_line(setup, capsys):
     from redis_server import RedisServer
 
