@@ -24,7 +24,7 @@ are chosen on held-out sources (docs/study.md).
 `by_need_reuse` is the same plan with only the best of several chunks recomputed, `by_need_spread` with the others'
 first SPREAD_TOKENS tokens recomputed too, `by_need_two` with two chunks read exactly: fewer tokens through the model,
 measured beside the default in docs/study.md (not the default: by_need_reuse tied it on the choose half and lost an
-item on the judge half; by_need_spread tied it on the choose half and was not judged; by_need_two lost an item there).
+item on the judge half, by_need_spread tied it there and lost two; by_need_two lost an item on the choose half).
 """
 
 from __future__ import annotations
